@@ -1,0 +1,221 @@
+"""The kernel manifest: the one place that declares each kernel's scope.
+
+`kernels/manifest.toml` names, per kernel: its source files, its op class, its reference op,
+the role of every launch parameter (in launch order), its tunables with their ranges, and its
+validation shapes. The gate, the audit and the agent read it through this module; nothing else
+decides a kernel's scope.
+
+Roles:
+  static      weights: read-only for the whole launch (the only buffers allowed ld.global.nc)
+  activation  inputs/outputs written or read by this launch or by other CTAs of it
+  sync        flags and counters used for cross-CTA synchronisation
+  scratch     workspace (partial sums, ...) private to the launch
+  scalar      a by-value integer/float parameter (not a buffer)
+"""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = ("static", "activation", "sync", "scratch", "scalar")
+MANIFEST_PATH = Path(__file__).with_name("manifest.toml")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ManifestError(ValueError):
+    """The manifest is malformed, or names a kernel that it does not declare."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    role: str
+    # "out" buffers are written by the kernel; used by the validator (poisoning, coverage).
+    direction: str = "in"
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str
+    choices: tuple
+    default: Any
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    description: str
+    op: str  # "module:Class" of the op (QuACK-style class)
+    reference: str  # "module:function" of the pure-torch reference
+    sources: tuple[str, ...]  # repo-relative paths that belong to this kernel
+    params: tuple[ParamSpec, ...]
+    tunables: tuple[Tunable, ...]
+    shapes: tuple[dict, ...]  # one dict per variant (batch and problem size)
+    syncs_across_ctas: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise ManifestError(f"kernel {self.name!r} has no parameter {name!r}")
+
+    def roles(self) -> dict[str, str]:
+        return {p.name: p.role for p in self.params}
+
+    def tunable_defaults(self) -> dict[str, Any]:
+        return {t.name: t.default for t in self.tunables}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kernels: dict[str, KernelSpec]
+    path: Path
+
+    def kernel(self, name: str) -> KernelSpec:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            known = ", ".join(sorted(self.kernels)) or "(none)"
+            raise ManifestError(f"unknown kernel {name!r}; the manifest declares: {known}") from None
+
+    def owners_of(self, path: str) -> list[str]:
+        """Kernels whose declared sources include the repo-relative `path`."""
+        return [k.name for k in self.kernels.values() if path in k.sources]
+
+
+def _expand_shapes(name: str, raw: dict) -> tuple[dict, ...]:
+    """`[kernels.X.shapes]` holds axes; variants are their product.
+
+    `batch = [...]` and `problems = [{...}, ...]` are the usual axes; any other key whose value is
+    a list is another axis; scalars are copied into every variant.
+    """
+    if not raw:
+        raise ManifestError(f"kernel {name!r}: no validation shapes declared")
+    axes: list[tuple[str, list]] = []
+    fixed: dict = {}
+    for key, val in raw.items():
+        if isinstance(val, list):
+            if not val:
+                raise ManifestError(f"kernel {name!r}: shape axis {key!r} is empty")
+            axes.append((key, val))
+        else:
+            fixed[key] = val
+    variants = []
+    for combo in itertools.product(*(v for _, v in axes)):
+        d = dict(fixed)
+        for (key, _), val in zip(axes, combo):
+            if key == "problems":
+                if not isinstance(val, dict):
+                    raise ManifestError(f"kernel {name!r}: each of 'problems' must be a table")
+                d.update(val)
+            else:
+                d[key] = val
+        variants.append(d)
+    return tuple(variants)
+
+
+def _parse_kernel(name: str, raw: dict) -> KernelSpec:
+    def need(key: str, typ):
+        if key not in raw:
+            raise ManifestError(f"kernel {name!r}: missing required key {key!r}")
+        if not isinstance(raw[key], typ):
+            raise ManifestError(f"kernel {name!r}: {key!r} must be {typ.__name__}")
+        return raw[key]
+
+    params = []
+    seen = set()
+    for i, p in enumerate(need("params", list)):
+        if not isinstance(p, dict) or "name" not in p or "role" not in p:
+            raise ManifestError(f"kernel {name!r}: params[{i}] needs a name and a role")
+        if p["role"] not in ROLES:
+            raise ManifestError(
+                f"kernel {name!r}: parameter {p['name']!r} has role {p['role']!r}; "
+                f"roles are {', '.join(ROLES)}"
+            )
+        if p["name"] in seen:
+            raise ManifestError(f"kernel {name!r}: parameter {p['name']!r} declared twice")
+        seen.add(p["name"])
+        direction = p.get("direction", "in")
+        if direction not in ("in", "out", "inout"):
+            raise ManifestError(f"kernel {name!r}: parameter {p['name']!r} direction {direction!r}")
+        if p["role"] == "static" and direction != "in":
+            raise ManifestError(
+                f"kernel {name!r}: parameter {p['name']!r} is static (read-only) but direction {direction!r}"
+            )
+        params.append(ParamSpec(p["name"], p["role"], direction))
+
+    tunables = []
+    for tname, t in raw.get("tunables", {}).items():
+        if not isinstance(t, dict) or "choices" not in t or "default" not in t:
+            raise ManifestError(f"kernel {name!r}: tunable {tname!r} needs choices and default")
+        if t["default"] not in t["choices"]:
+            raise ManifestError(
+                f"kernel {name!r}: tunable {tname!r} default {t['default']!r} not among its choices"
+            )
+        tunables.append(Tunable(tname, tuple(t["choices"]), t["default"]))
+
+    sources = tuple(need("sources", list))
+    for s in sources:
+        if s.startswith("/") or ".." in Path(s).parts:
+            raise ManifestError(f"kernel {name!r}: source {s!r} must be a repo-relative path")
+
+    return KernelSpec(
+        name=name,
+        description=raw.get("description", ""),
+        op=need("op", str),
+        reference=need("reference", str),
+        sources=sources,
+        params=tuple(params),
+        tunables=tuple(tunables),
+        shapes=_expand_shapes(name, raw.get("shapes", {})),
+        syncs_across_ctas=bool(raw.get("syncs_across_ctas", False)),
+        extra={k: v for k, v in raw.items() if k not in {
+            "description", "op", "reference", "sources", "params", "tunables", "shapes",
+            "syncs_across_ctas"}},
+    )
+
+
+def parse_manifest(text: str, path: Path = MANIFEST_PATH) -> Manifest:
+    """Parse manifest TOML text; raises ManifestError with the reason."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"{path.name}: not valid TOML: {e}") from None
+    kernels = raw.get("kernels")
+    if not isinstance(kernels, dict) or not kernels:
+        raise ManifestError(f"{path.name}: no [kernels.*] tables")
+    return Manifest({n: _parse_kernel(n, k) for n, k in kernels.items()}, path)
+
+
+def load_manifest(path: Path | None = None) -> Manifest:
+    """Load the repository's manifest (or the one at `path`)."""
+    p = Path(path) if path else MANIFEST_PATH
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {p}: {e.strerror}") from None
+    return parse_manifest(text, p)
+
+
+def resolve(dotted: str):
+    """Import "module:attr" and return the attribute."""
+    import importlib
+
+    mod, _, attr = dotted.partition(":")
+    if not mod or not attr:
+        raise ManifestError(f"{dotted!r} is not of the form module:attribute")
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise ManifestError(f"cannot import {mod!r}: {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ManifestError(f"{mod!r} has no attribute {attr!r}") from None
+    return obj
