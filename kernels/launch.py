@@ -1,0 +1,363 @@
+"""Launch an AOT-built cubin through the CUDA driver API with torch tensors.
+
+The GPU host needs neither the DSL nor a compiler: `kernels/build` wrote `kernel.cubin` and
+`meta.json` (entry name, parameters in launch order with their PTX types and tensor specs, launch
+configuration); this module loads the cubin with `cuda.bindings.driver` and launches it.
+
+Kernels compiled with static layouts trust every pointer they get: a wrong shape, dtype, stride
+or alignment reads or writes out of bounds silently. So every buffer argument is checked against
+the spec recorded at build time before anything is launched, and every driver call is checked.
+
+Importing this module needs only the standard library; torch and cuda-bindings are imported
+when a kernel is loaded or launched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+# Dynamic shared memory above this needs an explicit opt-in per function (CUDA's default cap).
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+POINTER_ALIGNMENT = 16  # kernels are compiled assuming 16-byte aligned buffers (vector loads)
+
+# PTX parameter type -> ctypes type of the by-value argument.
+_PTX_SCALAR_CTYPES = {
+    "u8": ctypes.c_uint8, "s8": ctypes.c_int8, "b8": ctypes.c_uint8,
+    "u16": ctypes.c_uint16, "s16": ctypes.c_int16, "b16": ctypes.c_uint16,
+    "u32": ctypes.c_uint32, "s32": ctypes.c_int32, "b32": ctypes.c_uint32,
+    "u64": ctypes.c_uint64, "s64": ctypes.c_int64, "b64": ctypes.c_uint64,
+    "f32": ctypes.c_float, "f64": ctypes.c_double,
+}
+# Spec dtype of a scalar -> (ctypes type, Python kind, (min, max) for integers).
+_SCALAR_DTYPES = {
+    "int32": (ctypes.c_int32, int, (-(2**31), 2**31 - 1)),
+    "uint32": (ctypes.c_uint32, int, (0, 2**32 - 1)),
+    "int64": (ctypes.c_int64, int, (-(2**63), 2**63 - 1)),
+    "float32": (ctypes.c_float, float, None),
+    "float64": (ctypes.c_double, float, None),
+}
+
+
+class LaunchError(RuntimeError):
+    """A kernel cannot be loaded or launched: no device, bad arguments, or a failed driver call."""
+
+
+# -- argument packing (pure, CPU-testable) -----------------------------------------------------
+
+
+def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def check_tensor(param: dict, tensor, *, device_type: str = "cuda") -> None:
+    """Raise LaunchError unless `tensor` matches the buffer spec recorded for `param`.
+
+    Checked: it is a torch tensor of the recorded dtype and exact shape, row-major contiguous
+    (strides equal the compact row-major strides), on a `device_type` device, and its data
+    pointer is 16-byte aligned.
+    """
+    name = param.get("name", f"#{param.get('index')}")
+    spec = param["spec"]
+    if not hasattr(tensor, "data_ptr") or not hasattr(tensor, "dtype"):
+        raise LaunchError(f"parameter {name!r}: expected a torch tensor, got {type(tensor).__name__}")
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype != spec["dtype"]:
+        raise LaunchError(f"parameter {name!r}: dtype {dtype}, the kernel was built for {spec['dtype']}")
+    shape = tuple(tensor.shape)
+    if shape != tuple(spec["shape"]):
+        raise LaunchError(
+            f"parameter {name!r}: shape {list(shape)}, the kernel was built for {list(spec['shape'])}"
+        )
+    # A size-1 dim's stride is never used to address memory, so torch leaves it free.
+    expected = _row_major_strides(shape)
+    if any(n > 1 and st != ex for n, st, ex in zip(shape, tensor.stride(), expected)):
+        raise LaunchError(
+            f"parameter {name!r}: strides {list(tensor.stride())} are not compact row-major "
+            f"{list(expected)} (call .contiguous())"
+        )
+    if tensor.device.type != device_type:
+        raise LaunchError(f"parameter {name!r}: tensor is on {tensor.device}, expected a {device_type} tensor")
+    ptr = tensor.data_ptr()
+    if ptr % POINTER_ALIGNMENT:
+        raise LaunchError(
+            f"parameter {name!r}: data pointer {ptr:#x} is not {POINTER_ALIGNMENT}-byte aligned "
+            "(a view with an offset? pass a fresh contiguous tensor)"
+        )
+
+
+def _scalar_value(param: dict, value: Any):
+    name = param.get("name", f"#{param.get('index')}")
+    spec = param["spec"]
+    ctype, kind, bounds = _SCALAR_DTYPES[spec["dtype"]]
+    if isinstance(value, bool) or hasattr(value, "data_ptr"):
+        raise LaunchError(f"parameter {name!r}: expected a Python {kind.__name__}, got {type(value).__name__}")
+    if kind is int:
+        if not isinstance(value, int):
+            raise LaunchError(f"parameter {name!r}: expected an int ({spec['dtype']}), got {value!r}")
+        lo, hi = bounds
+        if not lo <= value <= hi:
+            raise LaunchError(f"parameter {name!r}: {value} does not fit {spec['dtype']}")
+    else:
+        if not isinstance(value, (int, float)):
+            raise LaunchError(f"parameter {name!r}: expected a float ({spec['dtype']}), got {value!r}")
+        value = float(value)
+    ptx_ctype = _PTX_SCALAR_CTYPES.get(param["ptx_type"])
+    if ptx_ctype is None or ctypes.sizeof(ptx_ctype) != ctypes.sizeof(ctype) or param["size"] != ctypes.sizeof(ctype):
+        raise LaunchError(
+            f"parameter {name!r}: spec dtype {spec['dtype']} does not match the PTX parameter "
+            f".{param['ptx_type']} ({param['size']} bytes)"
+        )
+    return ctype(value), ctype
+
+
+def pack_args(meta_params: Sequence[dict], args: Sequence[Any], *, device_type: str = "cuda"):
+    """Pack launch arguments the way the cubin's parameters expect them.
+
+    `meta_params` is meta.json's "params" (launch order); `args` has one value per parameter:
+    a torch tensor for a buffer (checked with `check_tensor`, passed as its u64 device address),
+    a Python int/float for a scalar (passed as the 4- or 8-byte value of its spec dtype).
+    Returns `(values, types)`: ctypes instances and their ctypes types, in parameter order.
+    """
+    if len(args) != len(meta_params):
+        names = [p.get("name", "?") for p in meta_params]
+        raise LaunchError(f"expected {len(meta_params)} arguments ({', '.join(names)}), got {len(args)}")
+    values, types = [], []
+    for param, arg in zip(meta_params, args):
+        kind = param["spec"]["kind"]
+        if kind == "tensor":
+            if param["size"] != 8:
+                raise LaunchError(
+                    f"parameter {param.get('name')!r}: a buffer must be one 8-byte pointer in the cubin, "
+                    f"the PTX parameter is {param['size']} bytes"
+                )
+            check_tensor(param, arg, device_type=device_type)
+            values.append(ctypes.c_uint64(arg.data_ptr()))
+            types.append(ctypes.c_uint64)
+        elif kind == "scalar":
+            v, t = _scalar_value(param, arg)
+            values.append(v)
+            types.append(t)
+        else:
+            raise LaunchError(f"parameter {param.get('name')!r}: unknown kind {kind!r} in metadata")
+    return values, types
+
+
+def param_pointer_array(values: Sequence[ctypes._SimpleCData]) -> ctypes.Array:
+    """The `void*[]` that cuLaunchKernel's kernelParams expects: the address of each value.
+
+    We pass its address as an int, the form every cuda-bindings version accepts; the caller keeps
+    `values` and the array alive until the launch call returns (the driver copies them then).
+    """
+    arr_t = ctypes.c_void_p * max(len(values), 1)
+    return arr_t(*[ctypes.addressof(v) for v in values])
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise LaunchError(f"cuda-bindings is not installed ({e}); pip install cuda-bindings") from None
+    return driver
+
+
+def _check(result, call: str):
+    """Unwrap a cuda-bindings return tuple; raise LaunchError naming `call` on failure."""
+    driver = _driver()
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = getattr(err, "name", str(err))
+        try:
+            r, desc = driver.cuGetErrorString(err)
+            detail = f": {desc.decode()}" if r == driver.CUresult.CUDA_SUCCESS and desc else ""
+        except Exception:  # the description is a courtesy; the name is the error
+            detail = ""
+        raise LaunchError(f"{call} failed: {name}{detail}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+_init_lock = threading.Lock()
+_contexts: dict[int, Any] = {}  # device ordinal -> retained primary context
+
+
+def _ensure_context():
+    """Make torch's primary context of the current device current; return (device ordinal, ctx)."""
+    try:
+        import torch
+    except ImportError:
+        raise LaunchError("torch is not installed") from None
+    if not torch.cuda.is_available():
+        raise LaunchError("no CUDA device: torch.cuda.is_available() is False (a CPU-only host can "
+                          "build kernels but not launch them)")
+    # Initialise torch's CUDA state first so the primary context we retain is the one torch uses.
+    torch.cuda.init()
+    dev = torch.cuda.current_device()
+    driver = _driver()
+    with _init_lock:
+        ctx = _contexts.get(dev)
+        if ctx is None:
+            try:
+                _check(driver.cuInit(0), "cuInit")
+            except LaunchError:
+                raise
+            except Exception as e:  # driver library missing
+                raise LaunchError(f"no CUDA device: cannot load the CUDA driver ({e})") from None
+            cudev = _check(driver.cuDeviceGet(dev), "cuDeviceGet")
+            ctx = _check(driver.cuDevicePrimaryCtxRetain(cudev), "cuDevicePrimaryCtxRetain")
+            _contexts[dev] = ctx
+    current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if current is None or int(current) != int(ctx):
+        _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return dev, ctx
+
+
+_modules: dict[tuple[int, str], Any] = {}  # (device, cubin sha256) -> CUmodule, one per process
+
+
+def _load_module(dev: int, cubin: bytes, sha: str):
+    key = (dev, sha)
+    with _init_lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = _check(_driver().cuModuleLoadData(cubin), "cuModuleLoadData")
+            _modules[key] = mod
+    return mod
+
+
+def _stream_handle(stream):
+    driver = _driver()
+    if stream is None:
+        import torch
+
+        return driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return driver.CUstream(stream.cuda_stream)
+    if isinstance(stream, int):
+        return driver.CUstream(stream)
+    return stream  # a driver.CUstream already
+
+
+class CubinKernel:
+    """One AOT-built kernel: its cubin and metadata, launchable with torch tensors.
+
+    Loading is lazy (first call), once per process and device, keyed by the cubin's sha256.
+    """
+
+    def __init__(self, cubin: bytes, meta: dict):
+        self.cubin = bytes(cubin)
+        self.meta = meta
+        self.sha256 = hashlib.sha256(self.cubin).hexdigest()
+        recorded = meta.get("hashes", {}).get("cubin_sha256")
+        if recorded and recorded != self.sha256:
+            raise LaunchError(
+                f"{meta.get('kernel', 'kernel')}: cubin sha256 {self.sha256[:12]} does not match the "
+                f"metadata's {recorded[:12]} (stale or tampered build folder)"
+            )
+        for key in ("entry", "params", "launch"):
+            if key not in meta:
+                raise LaunchError(f"metadata has no {key!r}: not written by kernels.build?")
+        self.entry: str = meta["entry"]
+        self.params: list[dict] = list(meta["params"])
+        self.launch: dict = meta["launch"]
+        self._functions: dict[int, Any] = {}
+
+    @classmethod
+    def from_dir(cls, build_dir) -> "CubinKernel":
+        """Read `kernel.cubin` and `meta.json` from a build folder written by kernels.build."""
+        d = Path(build_dir)
+        try:
+            cubin = (d / "kernel.cubin").read_bytes()
+            meta = json.loads((d / "meta.json").read_text())
+        except OSError as e:
+            raise LaunchError(f"cannot read build folder {d}: {e.strerror} ({e.filename})") from None
+        except json.JSONDecodeError as e:
+            raise LaunchError(f"{d / 'meta.json'}: not valid JSON ({e})") from None
+        return cls(cubin, meta)
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.get("name", f"arg{p['index']}") for p in self.params]
+
+    def _function(self):
+        dev, _ = _ensure_context()
+        fn = self._functions.get(dev)
+        if fn is None:
+            driver = _driver()
+            mod = _load_module(dev, self.cubin, self.sha256)
+            fn = _check(driver.cuModuleGetFunction(mod, self.entry.encode()), "cuModuleGetFunction")
+            smem = int(self.launch.get("smem_bytes", 0))
+            if smem > DEFAULT_DYNAMIC_SMEM_LIMIT:
+                _check(
+                    driver.cuFuncSetAttribute(
+                        fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
+                    ),
+                    "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+                )
+            self._functions[dev] = fn
+        return dev, fn
+
+    def bind(self, *args, **kwargs) -> list:
+        """Arguments in parameter order, from positional and/or keyword (parameter name) values."""
+        names = self.param_names
+        if len(args) > len(names):
+            raise LaunchError(f"{self.meta.get('kernel')}: {len(args)} arguments for {len(names)} parameters")
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise LaunchError(f"{self.meta.get('kernel')}: no parameter {k!r}; parameters: {', '.join(names)}")
+            if k in bound:
+                raise LaunchError(f"{self.meta.get('kernel')}: parameter {k!r} given twice")
+            bound[k] = v
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise LaunchError(f"{self.meta.get('kernel')}: missing arguments: {', '.join(missing)}")
+        return [bound[n] for n in names]
+
+    def __call__(self, *args, stream=None, **kwargs) -> None:
+        """Launch asynchronously on `stream` (default: torch's current stream).
+
+        Arguments follow the metadata's parameter order (or are given by name): torch CUDA
+        tensors for buffers, Python numbers for scalars. Raises LaunchError on a bad argument
+        (nothing launched) or a failed driver call.
+        """
+        ordered = self.bind(*args, **kwargs)
+        dev, fn = self._function()  # first: a host without a GPU hears exactly that
+        values, _types = pack_args(self.params, ordered)
+        for p, a in zip(self.params, ordered):
+            if p["spec"]["kind"] == "tensor" and a.device.index != dev:
+                raise LaunchError(f"parameter {p.get('name')!r} is on cuda:{a.device.index}, "
+                                  f"the current device is cuda:{dev}")
+        ptrs = param_pointer_array(values)
+        grid = [int(v) for v in self.launch["grid"]]
+        block = [int(v) for v in self.launch["block"]]
+        smem = int(self.launch.get("smem_bytes", 0))
+        driver = _driver()
+        h_stream = _stream_handle(stream)
+        if self.launch.get("cooperative"):
+            _check(
+                driver.cuLaunchCooperativeKernel(fn, *grid, *block, smem, h_stream, ctypes.addressof(ptrs)),
+                "cuLaunchCooperativeKernel",
+            )
+        else:
+            _check(
+                driver.cuLaunchKernel(fn, *grid, *block, smem, h_stream, ctypes.addressof(ptrs), 0),
+                "cuLaunchKernel",
+            )
+        # `values` and `ptrs` stay referenced until here: the driver has copied the parameters.
+        del values, ptrs

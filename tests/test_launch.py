@@ -1,0 +1,179 @@
+"""The cubin launcher: argument packing and spec checks on CPU, the no-GPU message, a GPU launch."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import launch
+from kernels.launch import CubinKernel, LaunchError, check_tensor, pack_args, param_pointer_array
+
+PREBUILT = Path(__file__).parent / "fixtures" / "prebuilt" / "scale"
+
+
+def _params():
+    """Parameters as kernels.build records them for tests/fixtures/scale_op.py (4x96 fp32)."""
+    def tensor(i, name, direction):
+        return {"index": i, "name": name, "role": "activation", "direction": direction,
+                "ptx_name": f"k_param_{i}", "ptx_type": "b8", "size": 8, "align": 8,
+                "spec": {"kind": "tensor", "shape": [4, 96], "dtype": "float32"}}
+    return [
+        tensor(0, "x", "in"),
+        {"index": 1, "name": "alpha", "role": "scalar", "direction": "in", "ptx_name": "k_param_1",
+         "ptx_type": "f32", "size": 4, "align": 4, "spec": {"kind": "scalar", "dtype": "float32", "value": 2.0}},
+        {"index": 2, "name": "n", "role": "scalar", "direction": "in", "ptx_name": "k_param_2",
+         "ptx_type": "u32", "size": 4, "align": 4, "spec": {"kind": "scalar", "dtype": "int32", "value": 4}},
+        tensor(3, "y", "out"),
+    ]
+
+
+def _cpu_pack(*args):
+    return pack_args(_params(), list(args), device_type="cpu")
+
+
+def test_pack_args_bytes_follow_ptx_types():
+    x, y = torch.zeros(4, 96), torch.empty(4, 96)
+    values, types = _cpu_pack(x, 1.5, -3, y)
+    assert types == [ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64]
+    raw = [bytes(v) for v in values]
+    assert raw[0] == struct.pack("<Q", x.data_ptr())
+    assert raw[1] == struct.pack("<f", 1.5)
+    assert raw[2] == struct.pack("<i", -3)  # int32 spec in a .u32 slot: the same 4 bytes
+    assert raw[3] == struct.pack("<Q", y.data_ptr())
+    # ints are accepted for float scalars
+    values, _ = _cpu_pack(x, 2, 0, y)
+    assert bytes(values[1]) == struct.pack("<f", 2.0)
+
+
+def test_param_pointer_array_points_at_each_value():
+    x, y = torch.zeros(4, 96), torch.empty(4, 96)
+    values, _ = _cpu_pack(x, 1.5, 7, y)
+    arr = param_pointer_array(values)
+    assert [int(p) for p in arr] == [ctypes.addressof(v) for v in values]
+    # Reading back through the pointers gives the packed bytes (what the driver will copy).
+    assert ctypes.c_uint64.from_address(arr[0]).value == x.data_ptr()
+    assert ctypes.c_float.from_address(arr[1]).value == 1.5
+    assert ctypes.c_int32.from_address(arr[2]).value == 7
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: torch.zeros(4, 96, dtype=torch.bfloat16), "dtype bfloat16, the kernel was built for float32"),
+        (lambda: torch.zeros(4, 95), "shape [4, 95]"),
+        (lambda: torch.zeros(96, 4), "shape [96, 4]"),
+        (lambda: torch.zeros(96, 4).t(), "not compact row-major"),
+        (lambda: torch.zeros(4, 192)[:, ::2], "not compact row-major"),
+        (lambda: torch.zeros(4 * 96 + 1)[1:].view(4, 96), "not 16-byte aligned"),
+        (lambda: [[0.0] * 96] * 4, "expected a torch tensor"),
+    ],
+)
+def test_buffer_spec_mismatch_is_a_clear_error(make, message):
+    with pytest.raises(LaunchError, match="parameter 'x'") as ei:
+        _cpu_pack(make(), 1.0, 1, torch.empty(4, 96))
+    assert message in str(ei.value)
+
+
+def test_size_one_dims_may_have_any_stride():
+    params = _params()
+    for p in (params[0], params[3]):
+        p["spec"]["shape"] = [1, 96]
+    row = torch.zeros(8, 96)[2:3]  # stride (96, 1): the row stride is never used
+    pack_args(params, [row, 1.0, 1, torch.empty(1, 96)], device_type="cpu")
+
+
+def test_device_is_checked():
+    with pytest.raises(LaunchError, match="parameter 'x': tensor is on cpu, expected a cuda tensor"):
+        pack_args(_params(), [torch.zeros(4, 96), 1.0, 1, torch.empty(4, 96)])
+
+
+@pytest.mark.parametrize(
+    "alpha, n, message",
+    [
+        (1.0, 2**31, "does not fit int32"),
+        (1.0, 1.5, "expected an int"),
+        (1.0, True, "expected a Python int"),
+        ("2", 1, "expected a float"),
+        (torch.tensor(1.0), 1, "expected a Python float"),
+    ],
+)
+def test_bad_scalars(alpha, n, message):
+    with pytest.raises(LaunchError, match=message):
+        _cpu_pack(torch.zeros(4, 96), alpha, n, torch.empty(4, 96))
+
+
+def test_argument_count_and_ptx_size_mismatch():
+    with pytest.raises(LaunchError, match=r"expected 4 arguments \(x, alpha, n, y\), got 3"):
+        _cpu_pack(torch.zeros(4, 96), 1.0, 1)
+    params = _params()
+    params[0]["size"] = 16
+    with pytest.raises(LaunchError, match="one 8-byte pointer"):
+        pack_args(params, [torch.zeros(4, 96), 1.0, 1, torch.empty(4, 96)], device_type="cpu")
+    params = _params()
+    params[1]["ptx_type"], params[1]["size"] = "f64", 8
+    with pytest.raises(LaunchError, match=r"does not match the PTX parameter \.f64"):
+        pack_args(params, [torch.zeros(4, 96), 1.0, 1, torch.empty(4, 96)], device_type="cpu")
+
+
+def _meta():
+    return {"kernel": "scale", "entry": "k", "params": _params(),
+            "launch": {"grid": [6, 1, 1], "block": [64, 1, 1], "smem_bytes": 0, "cooperative": False}}
+
+
+def test_bind_by_name_and_position():
+    k = CubinKernel(b"\0", _meta())
+    x, y = object(), object()
+    assert k.bind(x, 1.0, n=4, y=y) == [x, 1.0, 4, y]
+    with pytest.raises(LaunchError, match="missing arguments: y"):
+        k.bind(x, 1.0, 4)
+    with pytest.raises(LaunchError, match="no parameter 'z'"):
+        k.bind(x, 1.0, 4, y, z=1)
+    with pytest.raises(LaunchError, match="given twice"):
+        k.bind(x, 1.0, 4, y, x=x)
+
+
+def test_from_dir_checks_the_cubin_hash(tmp_path):
+    meta = _meta()
+    meta["hashes"] = {"cubin_sha256": "0" * 64}
+    (tmp_path / "kernel.cubin").write_bytes(b"not the cubin")
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(LaunchError, match="does not match the metadata"):
+        CubinKernel.from_dir(tmp_path)
+    with pytest.raises(LaunchError, match="cannot read build folder"):
+        CubinKernel.from_dir(tmp_path / "missing")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a host without a GPU")
+def test_no_gpu_is_one_clear_error():
+    k = CubinKernel(b"\0", _meta())
+    with pytest.raises(LaunchError, match="^no CUDA device"):
+        k(torch.zeros(4, 96), 1.0, 4, torch.empty(4, 96))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_launch_prebuilt_fixture_on_gpu():
+    """The committed build of tests/fixtures/scale_op.py computes y = x * alpha + n."""
+    k = CubinKernel.from_dir(PREBUILT)
+    x = torch.randn(4, 96, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    k(x, 0.5, 4, y)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x * 0.5 + 4, rtol=0, atol=0)
+    # A second kernel object with the same cubin reuses the process's module.
+    k2 = CubinKernel.from_dir(PREBUILT)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y2 = torch.empty_like(x)
+        k2(x=x, alpha=-1.0, n=0, y=y2, stream=s)
+    s.synchronize()
+    torch.testing.assert_close(y2, -x, rtol=0, atol=0)
+    assert len([key for key in launch._modules if key[1] == k.sha256]) == 1
+    with pytest.raises(LaunchError, match="shape"):
+        k(x[:2], 0.5, 4, y)
