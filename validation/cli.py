@@ -14,6 +14,8 @@ import sys
 # (subcommand, module). A module registers one subcommand.
 COMMANDS: list[tuple[str, str]] = [
     ("build", "validation.cmd_build"),
+    ("gate", "validation.cmd_gate"),
+    ("rfc", "validation.cmd_rfc"),
 ]
 
 

@@ -1,0 +1,570 @@
+"""The fast-track gate: scope policy, build, static audit, and GPU evidence bound to cubin hashes.
+
+`run_gate(base, head)` walks one change through:
+
+  1. scope + policy (validation/scope.py, validation/policy.py; the policy is read at the merge
+     base, so a change cannot loosen it): not eligible -> exit 3, every failing rule listed;
+     nothing kernel-related touched -> "no kernel change", exit 0;
+  2. build: the touched kernel's manifest variants are rebuilt (kernels/build.py) from the checkout,
+     which must match `head` under kernels/;
+  3. static race audit of the rebuilt binaries (validation/race), "not run" while it is absent;
+  4. evidence: a committed bundle under evidence_reports/ (read at head) whose signature verifies
+     against the trusted keys (read at the merge base) and whose head cubin hashes equal the
+     rebuilt ones for every variant; its correctness, defences, race and benchmark results must
+     pass (no SLOW or IMPOSSIBLE case; a claimed speedup needs a FAST and no AMBIGUOUS case among
+     the claimed batches). With `run_gpu` and a CUDA device, the validator produces the evidence.
+
+Exit codes: 0 pass (or no kernel change), 1 fail, 2 bad input or infrastructure error,
+3 not eligible for fast track. Build, audit, validator and clock are seams (arguments) so that
+tests can stub the slow parts.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from .policy import (ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE, POLICY_RELPATH, PolicyDecision,
+                     PolicyError, evaluate_policy, load_policy, parse_policy)
+from .rfc import FrontMatter, FrontMatterError, SpeedupClaim, case_batch, find_front_matter
+from .scope import ChangeScope, ScopeError, compute_scope, list_at, open_repo, read_at
+
+EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_NOT_ELIGIBLE = 0, 1, 2, 3
+EVIDENCE_DIR = "evidence_reports"
+TRUSTED_KEYS_DIR = "validation/trusted_keys"
+BUNDLE_SCHEMA = "fasttrack.evidence/1"
+DEFAULT_OUT = Path(".fasttrack/gate")
+
+
+class GateError(Exception):
+    """Bad input or missing infrastructure (exit 2)."""
+
+
+@dataclass(frozen=True)
+class BuiltVariant:
+    """One rebuilt binary: what the bundle's `binaries` entries are matched against."""
+
+    kernel: str
+    variant: dict
+    tunables: dict
+    cubin_sha256: str
+    build_key: str | None = None
+
+
+class KernelBuildFailed(Exception):
+    """The touched kernel does not build (the change's fault: a failed gate, not an error)."""
+
+
+@dataclass
+class AuditOutcome:
+    status: str  # pass | fail | not_run
+    detail: str
+    findings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BundleCheck:
+    """One candidate bundle and why it was, or was not, bound to the rebuilt binaries."""
+
+    path: str
+    signature: str  # ok | unsigned | invalid | untrusted | unchecked
+    key_id: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def bound(self) -> bool:
+        return self.signature == "ok" and not self.problems
+
+
+@dataclass
+class GateVerdict:
+    status: str  # pass | fail | not_eligible | no_kernel_change | error
+    exit_code: int
+    reasons: list[str]
+    base: str | None = None
+    head: str | None = None
+    merge_base: str | None = None
+    kernels: list[str] = field(default_factory=list)
+    scope: dict | None = None
+    policy: dict | None = None
+    build: list[dict] = field(default_factory=list)
+    audit: dict | None = None
+    evidence: dict | None = None
+    claim: dict | None = None
+    not_covered: list[str] = field(default_factory=list)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    bundle: dict | None = field(default=None, repr=False)  # the bound bundle (not in verdict.json)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("bundle")
+        d["schema"] = "fasttrack.gate-verdict/1"
+        return d
+
+
+# -- bundles: the contract (validation/BUNDLE.md), with validation.bundle when it is there ------
+
+def canonical_json(bundle: dict) -> bytes:
+    """The signed bytes: the bundle without `signature`, sorted keys, no whitespace, UTF-8."""
+    body = {k: v for k, v in bundle.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def key_id_of(public_key) -> str:
+    """sha256 of the raw Ed25519 public key, hex, first 16 characters."""
+    from cryptography.hazmat.primitives import serialization
+
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def verify_signature(bundle: dict, trusted_keys: dict[str, bytes]) -> tuple[str, str | None, str]:
+    """(status, key_id, reason) for a bundle against PEM public keys keyed by file name.
+
+    status is ok, unsigned, untrusted (no trusted key has its key_id) or invalid (the bytes were
+    changed after signing, or the signature is malformed).
+    """
+    sig = bundle.get("signature")
+    if not sig:
+        return "unsigned", None, "the bundle is not signed"
+    if not isinstance(sig, dict) or sig.get("alg") != "ed25519" or not isinstance(sig.get("value"), str):
+        return "invalid", None, "the signature is not an ed25519 signature object"
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    kid = sig.get("key_id")
+    for name, pem in sorted(trusted_keys.items()):
+        try:
+            key = serialization.load_pem_public_key(pem)
+        except ValueError:
+            continue  # not a key: a README or such beside the keys
+        if not isinstance(key, Ed25519PublicKey) or key_id_of(key) != kid:
+            continue
+        try:
+            key.verify(base64.b64decode(sig["value"], validate=True), canonical_json(bundle))
+        except (InvalidSignature, ValueError):
+            return "invalid", kid, f"the signature by key {kid} does not verify: the bundle was changed after signing"
+        return "ok", kid, ""
+    return "untrusted", kid, f"signed by key {kid!r}, which is not among the trusted keys"
+
+
+def check_signature(bundle: dict, trusted_keys: dict[str, bytes]) -> tuple[str, str | None, str]:
+    """Verify through validation.bundle when it exists (it owns the contract), else our reading of it."""
+    try:
+        from . import bundle as bundle_mod
+    except ImportError:
+        bundle_mod = None
+    fn = getattr(bundle_mod, "verify_bundle", None)
+    if fn is None:
+        return verify_signature(bundle, trusted_keys)
+    if not bundle.get("signature"):
+        return "unsigned", None, "the bundle is not signed"
+    with tempfile.TemporaryDirectory() as d:
+        for name, pem in trusted_keys.items():
+            Path(d, Path(name).name).write_bytes(pem)
+        res = fn(bundle, d)
+    if getattr(res, "ok", False):
+        return "ok", getattr(res, "key_id", None), ""
+    reason = str(getattr(res, "reason", "") or "the signature does not verify")
+    status = "untrusted" if "trust" in reason.lower() else "invalid"
+    return status, getattr(res, "key_id", None), reason
+
+
+def _canon(d) -> str:
+    return json.dumps(d or {}, sort_keys=True, separators=(",", ":"))
+
+
+def bind_bundle(bundle: dict, built: list[BuiltVariant], defaults: dict[str, dict]) -> list[str]:
+    """Problems binding `bundle` to the rebuilt binaries; empty when every variant matches.
+
+    Each rebuilt (kernel, variant, tunables) must appear among the bundle's head binaries with the
+    same cubin sha256. Tunables missing from a bundle entry mean the manifest defaults.
+    """
+    entries = {}
+    for b in bundle.get("binaries") or []:
+        if not isinstance(b, dict) or b.get("side", "head") != "head":
+            continue
+        k = b.get("kernel")
+        tun = {**defaults.get(k, {}), **(b.get("tunables") or {})}
+        entries[(k, _canon(b.get("variant")), _canon(tun))] = b.get("cubin_sha256")
+    problems = []
+    for v in built:
+        tun = {**defaults.get(v.kernel, {}), **(v.tunables or {})}
+        key = (v.kernel, _canon(v.variant), _canon(tun))
+        label = f"kernel {v.kernel} variant {_canon(v.variant)}"
+        if v.tunables:
+            label += f" tunables {_canon(v.tunables)}"
+        if key not in entries:
+            problems.append(f"{label}: not measured by this bundle")
+        elif entries[key] != v.cubin_sha256:
+            problems.append(f"{label}: rebuilt cubin sha256 {v.cubin_sha256[:16]} does not match "
+                            f"the bundle's {str(entries[key])[:16]}: the evidence is for another binary")
+    return problems
+
+
+def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[str]]:
+    """(failures, not_covered) of a bound bundle's results."""
+    fails: list[str] = []
+    not_covered: list[str] = [str(x) for x in bundle.get("not_covered") or []]
+    if bundle.get("verdict") != "pass":
+        why = "; ".join(str(r) for r in bundle.get("reasons") or []) or "no reason given"
+        fails.append(f"the bundle's own verdict is {bundle.get('verdict')!r}: {why}")
+    corr = bundle.get("correctness")
+    if not isinstance(corr, dict) or corr.get("passed") is not True:
+        fails.append("correctness did not pass" if isinstance(corr, dict) else "no correctness results")
+    defences = bundle.get("defences")
+    if defences is None:
+        not_covered.append("benchmark-hack defences: not run")
+    elif not isinstance(defences, dict) or defences.get("passed") is not True:
+        fails.append("the defences against benchmark hacks did not pass")
+    race = bundle.get("race")
+    if race is None:
+        fails.append("no race audit in the bundle (race is null): race freedom is not shown")
+    elif not isinstance(race, dict) or race.get("passed") is not True:
+        fails.append("the race audit did not pass")
+    bench = bundle.get("benchmark")
+    if not isinstance(bench, dict):
+        fails.append("no benchmark results")
+        return fails, not_covered
+    if bench.get("passed") is not True:
+        fails.append("the benchmark did not pass")
+    cases = [c for c in bench.get("cases") or [] if isinstance(c, dict)]
+    if not cases:
+        fails.append("the benchmark has no cases")
+
+    def label(c: dict) -> str:
+        b = case_batch(c)
+        return c.get("name") or (f"batch {b}" if b is not None else _canon(c.get("variant")))
+
+    for verdict, why in (("SLOW", "slower beyond noise"),
+                         ("IMPOSSIBLE", "faster than the measured bandwidth ceiling allows")):
+        bad = [label(c) for c in cases if c.get("verdict") == verdict]
+        if bad:
+            fails.append(f"{verdict} ({why}) at: {', '.join(bad)}")
+    if claim.speedup:
+        claimed = [c for c in cases if claim.batches is None or case_batch(c) in claim.batches]
+        where = "all cases" if claim.batches is None else "batches " + ", ".join(map(str, claim.batches))
+        if not claimed:
+            fails.append(f"the claimed speedup ({where}) has no measured case")
+        else:
+            amb = [label(c) for c in claimed if c.get("verdict") == "AMBIGUOUS"]
+            if amb:
+                fails.append(f"the claimed speedup is AMBIGUOUS at: {', '.join(amb)}")
+            if not any(c.get("verdict") == "FAST" for c in claimed):
+                fails.append(f"a speedup is claimed ({where}) but no claimed case is FAST")
+    return fails, not_covered
+
+
+# -- seams: build, audit, validator ------------------------------------------------------------
+
+Builder = Callable[[str], list[BuiltVariant]]
+Auditor = Callable[[str, list], AuditOutcome]
+
+
+def default_builder(repo_root: Path, manifest=None) -> Builder:
+    """A builder of every manifest variant of a kernel with kernels/build.py (default tunables),
+    compiling the sources of the checkout at `repo_root` into its `build/` cache."""
+
+    def build(kernel: str) -> list[BuiltVariant]:
+        try:
+            from kernels import build as kbuild
+        except ImportError as e:
+            raise GateError(f"cannot build: kernels.build is not importable ({e})") from None
+        try:
+            arts = kbuild.build_kernel(kernel, root=Path(repo_root) / "build", manifest=manifest,
+                                       repo_root=Path(repo_root))
+        except kbuild.BuildError as e:
+            raise KernelBuildFailed(str(e)) from None
+        except ImportError as e:  # the DSL is missing: infrastructure, not the change
+            raise GateError(f"cannot build {kernel}: {e}") from None
+        return [BuiltVariant(kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}),
+                             cubin_sha256=a.cubin_sha256, build_key=a.key)
+                for a in arts]
+
+    return build
+
+
+def default_auditor(kernel: str, built: list[BuiltVariant]) -> AuditOutcome:
+    """The static race audit through a narrow seam: "not run" until validation.race offers
+    `audit_kernel(kernel) -> result` with `.passed` (and optionally `.findings`)."""
+    try:
+        from .race import audit as race_audit  # type: ignore[attr-defined]
+    except ImportError:
+        return AuditOutcome("not_run", "the static race audit (validation.race) is not available yet")
+    fn = getattr(race_audit, "audit_kernel", None)
+    if fn is None:
+        return AuditOutcome("not_run", "validation.race.audit has no audit_kernel(kernel)")
+    res = fn(kernel)
+    findings = [str(f) for f in getattr(res, "findings", []) or []]
+    passed = bool(getattr(res, "passed", False))
+    return AuditOutcome("pass" if passed else "fail",
+                        "static audit clean" if passed else "static audit found errors", findings)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def default_validator(kernel: str) -> dict:
+    """Run the validator on this GPU host and return its (unsigned) evidence bundle."""
+    try:
+        from . import validate as vmod  # type: ignore[attr-defined]
+    except ImportError:
+        raise GateError("--run-gpu: the validator (validation.validate) is not available") from None
+    fn = getattr(vmod, "validate_kernel", None)
+    if fn is None:
+        raise GateError("--run-gpu: validation.validate has no validate_kernel(kernel)")
+    return fn(kernel)
+
+
+# -- the gate ----------------------------------------------------------------------------------
+
+def policy_at(repo, rev: str):
+    """The policy as committed at `rev` (the packaged default when that commit has none)."""
+    data = read_at(repo, rev, POLICY_RELPATH)
+    if data is None:
+        return load_policy()
+    return parse_policy(data.decode("utf-8"), f"{POLICY_RELPATH} at {rev[:12]}")
+
+
+def trusted_keys_at(repo, rev: str) -> dict[str, bytes]:
+    """Repo-relative path -> PEM bytes of the trusted public keys committed at `rev`."""
+    keys = {}
+    for p in list_at(repo, rev, TRUSTED_KEYS_DIR):
+        if p.endswith(".pub"):
+            keys[p] = read_at(repo, rev, p) or b""
+    return keys
+
+
+def bundles_at(repo, rev: str | None) -> dict[str, dict | str]:
+    """repo-relative path -> parsed bundle, or the reason it could not be read."""
+    out: dict[str, dict | str] = {}
+    for p in list_at(repo, rev, EVIDENCE_DIR):
+        if not p.endswith("bundle.json"):
+            continue
+        data = read_at(repo, rev, p)
+        try:
+            b = json.loads((data or b"").decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            out[p] = f"not valid JSON: {e}"
+            continue
+        if not isinstance(b, dict) or b.get("schema") != BUNDLE_SCHEMA:
+            out[p] = f"not a {BUNDLE_SCHEMA} bundle"
+            continue
+        out[p] = b
+    return out
+
+
+def bundle_kernels(b: dict) -> set[str]:
+    """The kernels a bundle says it measured."""
+    names = {x.get("kernel") for x in b.get("binaries") or [] if isinstance(x, dict)}
+    ch = b.get("change")
+    if isinstance(ch, dict) and ch.get("kernel"):
+        names.add(ch["kernel"])
+    return names
+
+
+def _check_checkout(repo, head: str | None) -> None:
+    """The build compiles the checkout: under kernels/ it must be exactly `head`."""
+    import git
+
+    if head is None:
+        return
+    try:
+        repo.git.diff("--quiet", head, "--", "kernels")
+    except git.GitCommandError:
+        raise GateError(f"the checkout's kernels/ differs from head {head[:12]}; the gate builds the "
+                        "checkout, so check out the head first") from None
+    stray = [p for p in repo.git.ls_files("--others", "--exclude-standard", "--", "kernels").split("\n") if p]
+    if stray:
+        raise GateError(f"untracked files under kernels/ would be built but are not in head: {stray[0]}")
+
+
+def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".",
+             run_gpu: bool = False, scope_only: bool = False, front_matter: str | None = None,
+             builder: Builder | None = None, auditor: Auditor | None = None,
+             validator: Callable[[str], dict] | None = None,
+             cuda_available: Callable[[], bool] = _cuda_available) -> GateVerdict:
+    """Judge the change from `base` to `head` (the working tree when None). Never raises for a
+    user's error: those become a verdict with status "error" and exit code 2."""
+    try:
+        return _run_gate(base, head, repo=repo, run_gpu=run_gpu, scope_only=scope_only,
+                         front_matter=front_matter, builder=builder, auditor=auditor,
+                         validator=validator, cuda_available=cuda_available)
+    except (GateError, ScopeError, PolicyError, FrontMatterError) as e:
+        return GateVerdict("error", EXIT_ERROR, [str(e)], base=base, head=head)
+
+
+def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, auditor, validator,
+              cuda_available) -> GateVerdict:
+    r = open_repo(repo)
+    scope: ChangeScope = compute_scope(base, head, repo=r.working_tree_dir)
+    policy = policy_at(r, scope.merge_base)
+    decision: PolicyDecision = evaluate_policy(scope, policy)
+    v = GateVerdict("error", EXIT_ERROR, [], base=scope.base, head=scope.head,
+                    merge_base=scope.merge_base, kernels=list(decision.kernels),
+                    scope=scope.to_dict(), policy=decision.to_dict())
+    if decision.status == FULL_REVIEW:
+        v.status, v.exit_code = "not_eligible", EXIT_NOT_ELIGIBLE
+        v.reasons = ["not eligible for fast track; route to full review:"] + [str(x) for x in decision.violations]
+        return v
+    if decision.status == NO_KERNEL_CHANGE:
+        v.status, v.exit_code = "no_kernel_change", EXIT_PASS
+        v.reasons = ["no kernel change: nothing to fast-track, and nothing protected was touched"]
+        return v
+    assert decision.status == ELIGIBLE
+    if scope_only:
+        v.status, v.exit_code = "pass", EXIT_PASS
+        v.reasons = [f"eligible for fast track: kernel {decision.kernel}, {decision.counted_lines} "
+                     f"lines (scope only: build and evidence not checked)"]
+        v.not_covered.append("--scope-only: build, static audit and evidence were not checked")
+        return v
+
+    front: FrontMatter = find_front_matter(r, scope, front_matter)
+    v.claim = front.claim.to_dict()
+    fails: list[str] = []
+
+    # 2. build
+    if builder is None:
+        _check_checkout(r, scope.head)
+        builder = default_builder(Path(r.working_tree_dir), scope.head_manifest)
+    built: list[BuiltVariant] = []
+    for k in decision.kernels:
+        try:
+            built.extend(builder(k))
+        except KernelBuildFailed as e:
+            fails.append(f"kernel {k} does not build: {e}")
+    v.build = [asdict(b) for b in built]
+    if fails:
+        v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
+        return v
+
+    # 3. static audit
+    outcomes = {k: (auditor or default_auditor)(k, [b for b in built if b.kernel == k]) for k in decision.kernels}
+    v.audit = {k: asdict(o) for k, o in outcomes.items()}
+    for k, o in outcomes.items():
+        if o.status == "fail":
+            fails.append(f"kernel {k}: {o.detail}: " + "; ".join(o.findings[:5]))
+        elif o.status == "not_run":
+            v.not_covered.append(f"static race audit of {k}: not run ({o.detail})")
+
+    # 4. evidence
+    manifest = scope.head_manifest or scope.base_manifest
+    defaults = {k: manifest.kernel(k).tunable_defaults() for k in decision.kernels} if manifest else {}
+    if run_gpu:
+        if not cuda_available():
+            raise GateError("--run-gpu needs a CUDA device, and none is visible")
+        bundle = None
+        for k in decision.kernels:
+            bundle = (validator or default_validator)(k)
+            problems = bind_bundle(bundle, [b for b in built if b.kernel == k], defaults)
+            fails += [f"the validator's own bundle: {p}" for p in problems]
+            f, nc = judge_results(bundle, front.claim)
+            fails += f
+            v.not_covered += nc
+        v.bundle = bundle
+        v.evidence = {"source": "validator run by this gate (--run-gpu)", "bundle": None, "candidates": []}
+    else:
+        keys = trusted_keys_at(r, scope.merge_base)
+        bundles = bundles_at(r, scope.head)
+        v.evidence = {"source": "committed bundle", "bundle": None, "trusted_keys": len(keys),
+                      "candidates": []}
+        for k in decision.kernels:
+            checks: list[BundleCheck] = []
+            bound: tuple[str, dict] | None = None
+            for path, b in sorted(bundles.items()):
+                if isinstance(b, str):
+                    checks.append(BundleCheck(path, "unchecked", problems=[b]))
+                    continue
+                if k not in bundle_kernels(b):
+                    continue
+                status, kid, why = check_signature(b, keys)
+                c = BundleCheck(path, status, kid, [why] if why else [])
+                c.problems += bind_bundle(b, [x for x in built if x.kernel == k], defaults)
+                checks.append(c)
+                if c.bound and (bound is None or str(b.get("created", "")) > str(bound[1].get("created", ""))):
+                    bound = (path, b)
+            v.evidence["candidates"] += [asdict(c) | {"bound": c.bound} for c in checks]
+            if bound is None:
+                if not [c for c in checks if c.signature != "unchecked"]:
+                    fails.append(f"kernel {k}: no committed evidence bundle under {EVIDENCE_DIR}/ measures it")
+                for c in checks:
+                    for p in c.problems:
+                        fails.append(f"{c.path}: {p}")
+                continue
+            v.evidence["bundle"] = bound[0]
+            v.bundle = bound[1]
+            f, nc = judge_results(bound[1], front.claim)
+            fails += [f"{bound[0]}: {x}" for x in f]
+            v.not_covered += nc
+
+    if fails:
+        v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
+    else:
+        v.status, v.exit_code = "pass", EXIT_PASS
+        where = v.evidence.get("bundle") or v.evidence["source"]
+        v.reasons = [f"kernel {', '.join(decision.kernels)}: {len(built)} variants rebuilt, bound to "
+                     f"{where}; correctness, race and benchmark results pass"]
+    return v
+
+
+# -- outputs -----------------------------------------------------------------------------------
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_outputs(v: GateVerdict) -> dict[str, str]:
+    """file name -> text: verdict.json, report.html, pr_comment.md (and evidence.html when
+    validation/report.py can render the bound bundle)."""
+    from .rfc import benchmark_rows, template_env
+
+    env = template_env()
+    d = v.to_dict()
+    ctx = {"v": d, "rows": benchmark_rows(v.bundle), "evidence_page": None}
+    out = {"verdict.json": json.dumps(d, indent=2, sort_keys=True) + "\n"}
+    if v.bundle is not None:
+        try:
+            from .report import render_report  # type: ignore[attr-defined]
+        except ImportError:
+            render_report = None
+        if render_report is not None:
+            out["evidence.html"] = render_report(v.bundle)
+            ctx["evidence_page"] = "evidence.html"
+    out["report.html"] = env.get_template("gate.html.j2").render(**ctx)
+    out["pr_comment.md"] = env.get_template("pr_comment.md.j2").render(**ctx)
+    return out
+
+
+def write_outputs(v: GateVerdict, out_dir: str | os.PathLike = DEFAULT_OUT) -> dict[str, Path]:
+    """Write the verdict, the HTML report and the PR comment under `out_dir` (each atomically)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise GateError(f"--out {out_dir} exists and is not a directory")
+    written = {}
+    for name, text in render_outputs(v).items():
+        _write_atomic(out / name, text)
+        written[name] = out / name
+    return written

@@ -1,0 +1,361 @@
+"""The fast-track policy: is a change small and isolated enough to be judged at the design level?
+
+`evaluate_policy(scope, policy)` classifies every changed path of a `ChangeScope` by the rules of
+`validation/policy.toml` (the one documented policy file; its header explains the rules) and
+returns a `PolicyDecision`:
+
+  eligible          exactly one kernel touched, within the line bound, nothing protected;
+  full_review       at least one rule failed; each `Violation` names the file and why;
+  no_kernel_change  no kernel and no protected path touched (docs, the proposer, non-oracle tests).
+
+An ineligible change is never passed silently: every failing rule is reported, not just the first.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from kernels.manifest import KernelSpec, Manifest
+
+from .scope import MANIFEST_RELPATH, ChangeScope, FileChange, symlink_resolved
+
+POLICY_PATH = Path(__file__).with_name("policy.toml")
+POLICY_RELPATH = "validation/policy.toml"
+
+ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE = "eligible", "full_review", "no_kernel_change"
+
+
+class PolicyError(ValueError):
+    """The policy file is malformed."""
+
+
+@dataclass(frozen=True)
+class ProtectedPath:
+    pattern: str
+    why: str
+    exceptions: tuple[str, ...] = ()
+
+    def matches(self, path: str) -> bool:
+        return glob_match(self.pattern, path) and not any(glob_match(e, path) for e in self.exceptions)
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_changed_lines: int
+    max_kernels: int
+    protected: tuple[ProtectedPath, ...]
+    companion: tuple[str, ...]
+    free: tuple[str, ...]
+    source: str = POLICY_RELPATH  # where it was read from (repo-relative or "<text>")
+
+    def protection(self, path: str) -> ProtectedPath | None:
+        return next((p for p in self.protected if p.matches(path)), None)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One failed rule: `rule` is a stable id, `path` the file (or "" for the whole change)."""
+
+    rule: str
+    path: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"[{self.rule}] {self.path}: {self.why}" if self.path else f"[{self.rule}] {self.why}"
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    status: str  # eligible | full_review | no_kernel_change
+    kernel: str | None  # the one kernel of an eligible change
+    kernels: tuple[str, ...]  # every kernel the change touches
+    counted_lines: int  # lines counted against the bound
+    max_changed_lines: int
+    violations: tuple[Violation, ...]
+    # path -> how it was classified (protected / manifest / kernel:<name> / companion / free / other)
+    classification: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def eligible(self) -> bool:
+        return self.status == ELIGIBLE
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["violations"] = [asdict(v) for v in self.violations]
+        return d
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+@lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern:
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def glob_match(pattern: str, path: str) -> bool:
+    """Whether repo-relative `path` matches `pattern` (`*` within a folder, `**` across folders)."""
+    return _glob_regex(pattern).match(path) is not None
+
+
+def parse_policy(text: str, source: str = "<text>") -> Policy:
+    """Parse policy TOML; PolicyError naming `source` and the problem otherwise."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PolicyError(f"{source}: not valid TOML: {e}") from None
+    unknown = set(raw) - {"limits", "protected", "companion", "free"}
+    if unknown:
+        raise PolicyError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}")
+    limits = raw.get("limits", {})
+    bad = set(limits) - {"max_changed_lines", "max_kernels"}
+    if bad:
+        raise PolicyError(f"{source}: unknown key(s) in [limits]: {', '.join(sorted(bad))}")
+    for key in ("max_changed_lines", "max_kernels"):
+        v = limits.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PolicyError(f"{source}: [limits] {key} must be a positive integer, got {v!r}")
+
+    protected = []
+    for i, p in enumerate(raw.get("protected", [])):
+        if not isinstance(p, dict) or not isinstance(p.get("pattern"), str) or not isinstance(p.get("why"), str):
+            raise PolicyError(f"{source}: protected[{i}] needs a string pattern and a string why")
+        extra = set(p) - {"pattern", "why", "except"}
+        if extra:
+            raise PolicyError(f"{source}: protected[{i}] has unknown key(s) {', '.join(sorted(extra))}")
+        exc = p.get("except", [])
+        if not isinstance(exc, list) or not all(isinstance(e, str) for e in exc):
+            raise PolicyError(f"{source}: protected[{i}].except must be a list of patterns")
+        protected.append(ProtectedPath(p["pattern"], p["why"], tuple(exc)))
+
+    def patterns(section: str) -> tuple[str, ...]:
+        sec = raw.get(section, {})
+        pats = sec.get("patterns", []) if isinstance(sec, dict) else None
+        if not isinstance(pats, list) or not all(isinstance(x, str) for x in pats):
+            raise PolicyError(f"{source}: [{section}] patterns must be a list of strings")
+        return tuple(pats)
+
+    return Policy(
+        max_changed_lines=limits["max_changed_lines"],
+        max_kernels=limits["max_kernels"],
+        protected=tuple(protected),
+        companion=patterns("companion"),
+        free=patterns("free"),
+        source=source,
+    )
+
+
+def load_policy(path: str | Path | None = None) -> Policy:
+    """The policy at `path` (default: the packaged validation/policy.toml)."""
+    p = Path(path) if path else POLICY_PATH
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise PolicyError(f"cannot read policy {p}: {e.strerror}") from None
+    return parse_policy(text, POLICY_RELPATH if path is None else str(path))
+
+
+# -- the manifest, compared as data ------------------------------------------------------------
+
+def _tunables(k: KernelSpec) -> dict:
+    return {t.name: (tuple(t.choices), t.default) for t in k.tunables}
+
+
+def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list[Violation], set[str]]:
+    """Compare two parsed manifests.
+
+    Returns the violations (semantic changes that need full review) and the kernels whose only
+    change is their tunable defaults (a kernel's own change, allowed on the fast track).
+    """
+    path = MANIFEST_RELPATH
+    if base is None or head is None:
+        side = "added" if base is None else "removed"
+        return [Violation("manifest-kernels", path, f"the manifest was {side}")], set()
+    out: list[Violation] = []
+    defaults_only: set[str] = set()
+    for name in sorted(set(base.kernels) - set(head.kernels)):
+        out.append(Violation("manifest-kernels", path, f"kernel {name!r} removed from the manifest"))
+    for name in sorted(set(head.kernels) - set(base.kernels)):
+        out.append(Violation("manifest-kernels", path, f"kernel {name!r} added to the manifest"))
+    for name in sorted(set(base.kernels) & set(head.kernels)):
+        b, h = base.kernels[name], head.kernels[name]
+        if b.params != h.params:
+            before = ", ".join(f"{p.name}:{p.role}/{p.direction}" for p in b.params)
+            after = ", ".join(f"{p.name}:{p.role}/{p.direction}" for p in h.params)
+            out.append(Violation("manifest-roles", path,
+                                 f"kernel {name!r}: launch parameters or buffer roles changed "
+                                 f"({before} -> {after})"))
+        if b.reference != h.reference:
+            out.append(Violation("manifest-reference", path,
+                                 f"kernel {name!r}: reference changed ({b.reference} -> {h.reference})"))
+        if b.op != h.op:
+            out.append(Violation("manifest-op", path,
+                                 f"kernel {name!r}: op class changed ({b.op} -> {h.op})"))
+        if b.sources != h.sources:
+            out.append(Violation("manifest-sources", path,
+                                 f"kernel {name!r}: declared sources changed, so its scope changed "
+                                 f"({', '.join(b.sources)} -> {', '.join(h.sources)})"))
+        if b.shapes != h.shapes:
+            out.append(Violation("manifest-shapes", path,
+                                 f"kernel {name!r}: validation shapes changed "
+                                 f"({len(b.shapes)} -> {len(h.shapes)} variants)"))
+        if b.syncs_across_ctas != h.syncs_across_ctas:
+            out.append(Violation("manifest-sync", path,
+                                 f"kernel {name!r}: syncs_across_ctas changed"))
+        if b.extra != h.extra:
+            keys = sorted(k for k in set(b.extra) | set(h.extra) if b.extra.get(k) != h.extra.get(k))
+            out.append(Violation("manifest-tolerances", path,
+                                 f"kernel {name!r}: declared field(s) {', '.join(keys)} changed "
+                                 "(tolerances and other validation settings)"))
+        bt, ht = _tunables(b), _tunables(h)
+        if set(bt) != set(ht) or any(bt[t][0] != ht[t][0] for t in bt):
+            out.append(Violation("manifest-tunable-range", path,
+                                 f"kernel {name!r}: tunables or their choices changed"))
+        elif any(bt[t][1] != ht[t][1] for t in bt):
+            defaults_only.add(name)
+    # A default change is the kernel's own only when nothing else in the manifest changed.
+    if out:
+        defaults_only = set()
+    return out, defaults_only
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+def _classify(f: FileChange, policy: Policy) -> tuple[str, ProtectedPath | None]:
+    for p in f.paths():
+        prot = policy.protection(p)
+        if prot:
+            return "protected", prot
+    if MANIFEST_RELPATH in f.paths():
+        return "manifest", None
+    if f.owners:
+        return "kernel", None
+    if all(any(glob_match(c, p) for c in policy.companion) for p in f.paths()):
+        return "companion", None
+    if all(any(glob_match(c, p) for c in policy.free) for p in f.paths()):
+        return "free", None
+    return "other", None
+
+
+def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyDecision:
+    """Classify every changed path of `scope` and decide: eligible, full_review or no_kernel_change.
+
+    Every failing rule becomes a Violation naming the file and why; none is dropped.
+    """
+    policy = policy or load_policy()
+    violations: list[Violation] = []
+    classification: dict[str, str] = {}
+    touched: dict[str, list[str]] = {}
+    counted = 0
+    notes: list[str] = []
+
+    for side, err in sorted(scope.manifest_errors.items()):
+        violations.append(Violation("manifest-parse", MANIFEST_RELPATH,
+                                    f"the manifest does not parse at {side}: {err}"))
+
+    for f in scope.files:
+        cls, prot = _classify(f, policy)
+        if cls == "kernel":
+            classification[f.path] = "kernel:" + ",".join(f.owners)
+        else:
+            classification[f.path] = cls
+
+        # Kinds that defeat line-level review, wherever they are (except pure evidence/docs).
+        if "submodule" in (f.kind, f.old_kind):
+            violations.append(Violation("submodule", f.path,
+                                        "a submodule change brings in code from outside the repository"))
+        if "symlink" in (f.kind, f.old_kind) and cls not in ("free",):
+            target = f.symlink_target
+            where = ""
+            if target is not None:
+                resolved = symlink_resolved(f.path, target)
+                where = f" (points at {target!r}" + (", outside the repository)" if resolved is None else ")")
+            violations.append(Violation("symlink", f.path,
+                                        "a symlink can make a kernel source or a protected file read "
+                                        "any other file" + where))
+
+        if cls == "protected":
+            violations.append(Violation("protected-path", f.path, prot.why))
+        elif cls == "manifest":
+            if scope.manifest_errors:
+                continue  # already reported as manifest-parse
+            mviol, defaults_only = manifest_changes(scope.base_manifest, scope.head_manifest)
+            violations.extend(mviol)
+            for k in defaults_only:
+                touched.setdefault(k, []).append(f.path)
+                counted += f.lines
+            if not mviol and not defaults_only:
+                notes.append(f"{f.path}: no semantic change (comments, formatting or descriptions)")
+        elif cls == "kernel":
+            for k in f.owners:
+                touched.setdefault(k, []).append(f.path)
+            counted += f.lines
+            if f.binary:
+                violations.append(Violation("binary", f.path,
+                                            "a binary kernel source cannot be reviewed line by line"))
+            if f.status == "deleted":
+                violations.append(Violation("source-deleted", f.path,
+                                            f"a declared source of {', '.join(f.owners)} was deleted"))
+            elif f.status in ("renamed", "copied") and f.old_path != f.path:
+                violations.append(Violation("source-moved", f.path,
+                                            f"{f.status} from {f.old_path}: a kernel's declared "
+                                            "sources moved, so its scope changed"))
+            elif f.status == "added":
+                notes.append(f"{f.path}: new declared source of {', '.join(f.owners)}")
+        elif cls == "other":
+            violations.append(Violation("unclassified-path", f.path,
+                                        "not a declared source of any kernel: shared code whose "
+                                        "effect on the kernels is not bounded"))
+
+    kernels = tuple(sorted(touched))
+    if len(kernels) > policy.max_kernels:
+        detail = "; ".join(f"{k}: {', '.join(sorted(set(v)))}" for k, v in sorted(touched.items()))
+        violations.append(Violation("multiple-kernels", "",
+                                    f"touches {len(kernels)} kernels ({detail}); a fast-track change "
+                                    f"touches at most {policy.max_kernels}"))
+    if counted > policy.max_changed_lines:
+        biggest = sorted((f for f in scope.files if classification.get(f.path, "").startswith("kernel")),
+                         key=lambda f: -f.lines)
+        per_file = ", ".join(f"{f.path} {f.lines}" for f in biggest[:5])
+        violations.append(Violation("line-bound", "",
+                                    f"{counted} changed lines exceed the bound of "
+                                    f"{policy.max_changed_lines} ({per_file})"))
+
+    if violations:
+        status = FULL_REVIEW
+    elif not kernels:
+        status = NO_KERNEL_CHANGE
+    else:
+        status = ELIGIBLE
+    return PolicyDecision(
+        status=status,
+        kernel=kernels[0] if status == ELIGIBLE else None,
+        kernels=kernels,
+        counted_lines=counted,
+        max_changed_lines=policy.max_changed_lines,
+        violations=tuple(violations),
+        classification=classification,
+        notes=tuple(notes),
+    )

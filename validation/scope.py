@@ -1,0 +1,383 @@
+"""Change scope from git: which files a change touches, how many lines, and which kernels own them.
+
+`compute_scope(base, head)` diffs the merge base of `base` and `head` against `head` (as a pull
+request shows it), or against the working tree when `head` is None, and maps every changed path
+through the kernel manifest (`kernels/manifest.toml`, read at both revisions) to the kernels whose
+declared `sources` include it. Renames, deletions, binary files, symlinks and submodules are
+reported as such; deciding what they mean is the policy's job (validation/policy.py), not this
+module's.
+
+Errors a user can cause (not a git repository, a revision that does not exist, a shallow clone that
+lacks the base, a path outside the repository) raise `ScopeError` with one clear message.
+`gitpython` is imported lazily so that GPU-host code importing `validation` does not need it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+
+from kernels.manifest import Manifest, ManifestError, parse_manifest
+
+MANIFEST_RELPATH = "kernels/manifest.toml"
+
+# git's file modes (the first field of `git diff --raw`).
+_MODE_KIND = {"100644": "file", "100755": "file", "120000": "symlink", "160000": "submodule"}
+_STATUS = {"A": "added", "M": "modified", "D": "deleted", "R": "renamed", "C": "copied",
+           "T": "type_changed"}
+
+
+class ScopeError(Exception):
+    """A change scope cannot be computed for a reason the user can fix."""
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One changed path. `path` is the path at head (at base for a deletion)."""
+
+    path: str
+    status: str  # added | modified | deleted | renamed | copied | type_changed
+    kind: str  # file | symlink | submodule (at head; at base for a deletion)
+    old_path: str | None = None  # the base path of a rename or copy
+    old_kind: str | None = None  # the kind at base (None when added)
+    added: int = 0  # lines; 0 for binary files
+    deleted: int = 0
+    binary: bool = False
+    symlink_target: str | None = None  # for symlinks at head: where the link points
+    owners: tuple[str, ...] = ()  # kernels whose declared sources include path or old_path
+
+    @property
+    def lines(self) -> int:
+        return self.added + self.deleted
+
+    def paths(self) -> tuple[str, ...]:
+        """Every repo-relative path this change touches (both sides of a rename)."""
+        return (self.path,) if not self.old_path or self.old_path == self.path else (
+            self.old_path, self.path)
+
+
+@dataclass(frozen=True)
+class ChangeScope:
+    """What a change touches. `head` is None for the working tree."""
+
+    base: str  # the revision the user named, resolved to a commit sha
+    merge_base: str  # the commit the diff starts from
+    head: str | None
+    files: tuple[FileChange, ...]
+    base_manifest: Manifest | None = None
+    head_manifest: Manifest | None = None
+    # Why a manifest could not be read or parsed at a side (None when it parsed or is absent).
+    manifest_errors: dict = field(default_factory=dict)
+    shallow: bool = False
+
+    @property
+    def lines(self) -> int:
+        return sum(f.lines for f in self.files)
+
+    def kernels(self) -> dict[str, list[str]]:
+        """Kernel name -> the changed paths it owns."""
+        out: dict[str, list[str]] = {}
+        for f in self.files:
+            for k in f.owners:
+                out.setdefault(k, []).append(f.path)
+        return out
+
+    def file(self, path: str) -> FileChange | None:
+        return next((f for f in self.files if path in f.paths()), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "base": self.base,
+            "merge_base": self.merge_base,
+            "head": self.head,
+            "working_tree": self.head is None,
+            "lines": self.lines,
+            "kernels": self.kernels(),
+            "files": [asdict(f) for f in self.files],
+            "manifest_errors": dict(self.manifest_errors),
+        }
+
+
+# -- repository and revisions ------------------------------------------------------------------
+
+def open_repo(path: str | os.PathLike = "."):
+    """The git repository containing `path` (a `git.Repo`); ScopeError if there is none."""
+    import git
+
+    p = Path(path)
+    if not p.exists():
+        raise ScopeError(f"{path}: no such directory")
+    try:
+        repo = git.Repo(p, search_parent_directories=True)
+    except git.InvalidGitRepositoryError:
+        raise ScopeError(f"{path} is not inside a git repository") from None
+    except git.NoSuchPathError:
+        raise ScopeError(f"{path}: no such directory") from None
+    if repo.bare:
+        raise ScopeError(f"{path} is a bare repository: the gate needs a checkout")
+    return repo
+
+
+def is_shallow(repo) -> bool:
+    return repo.git.rev_parse("--is-shallow-repository").strip() == "true"
+
+
+def resolve_commit(repo, rev: str) -> str:
+    """The full sha of commit `rev`; ScopeError naming the revision (and a shallow clone) otherwise."""
+    import git
+
+    if not rev or rev.startswith("-"):
+        raise ScopeError(f"{rev!r} is not a revision")
+    try:
+        return repo.git.rev_parse("--verify", "--end-of-options", f"{rev}^{{commit}}").strip()
+    except git.GitCommandError:
+        if is_shallow(repo):
+            raise ScopeError(
+                f"revision {rev!r} is not in this shallow clone; fetch the history it needs "
+                "(git fetch --unshallow, or actions/checkout with fetch-depth: 0)"
+            ) from None
+        raise ScopeError(f"revision {rev!r} does not name a commit in this repository") from None
+
+
+def merge_base(repo, base_sha: str, head_sha: str) -> str:
+    """The merge base of two commits; ScopeError when the history between them is missing."""
+    import git
+
+    try:
+        out = repo.git.merge_base(base_sha, head_sha).strip()
+    except git.GitCommandError:
+        out = ""
+    if not out:
+        if is_shallow(repo):
+            raise ScopeError(
+                f"this shallow clone lacks the history between base {base_sha[:12]} and head "
+                f"{head_sha[:12]}; fetch it (git fetch --unshallow, or fetch-depth: 0)"
+            )
+        raise ScopeError(f"base {base_sha[:12]} and head {head_sha[:12]} share no history")
+    return out
+
+
+def repo_relative(repo, path: str | os.PathLike) -> str:
+    """`path` (absolute or relative to the current directory) as a repo-relative POSIX path.
+
+    ScopeError if it lies outside the repository's work tree.
+    """
+    root = Path(repo.working_tree_dir).resolve()
+    p = Path(path)
+    full = (p if p.is_absolute() else Path.cwd() / p).resolve()
+    try:
+        return full.relative_to(root).as_posix()
+    except ValueError:
+        raise ScopeError(f"{path} is outside the repository") from None
+
+
+def read_at(repo, rev: str | None, relpath: str) -> bytes | None:
+    """The bytes of `relpath` at commit `rev` (the working tree when None); None if absent."""
+    if rev is None:
+        p = Path(repo.working_tree_dir, relpath)
+        try:
+            return p.read_bytes() if p.is_file() else None
+        except OSError:
+            return None
+    try:
+        blob = repo.commit(rev).tree / relpath
+    except KeyError:
+        return None
+    if blob.type != "blob":
+        return None
+    return blob.data_stream.read()
+
+
+def list_at(repo, rev: str | None, prefix: str) -> list[str]:
+    """Repo-relative paths of the files under folder `prefix` at `rev` (working tree: tracked +
+    untracked, ignoring ignored files)."""
+    if rev is None:
+        out = repo.git.ls_files("-z", "--cached", "--others", "--exclude-standard", "--", prefix)
+    else:
+        out = repo.git.ls_tree("-r", "-z", "--name-only", rev, "--", prefix)
+    return sorted({p for p in out.split("\0") if p})
+
+
+# -- the diff ----------------------------------------------------------------------------------
+
+def _parse_raw(text: str) -> list[dict]:
+    """Parse `git diff --raw -z` output."""
+    toks = text.split("\0")
+    out = []
+    i = 0
+    while i < len(toks):
+        head = toks[i]
+        if not head:
+            i += 1
+            continue
+        if not head.startswith(":"):
+            raise ScopeError(f"unexpected git diff output near {head[:40]!r}")
+        old_mode, new_mode, _old_sha, _new_sha, status = head[1:].split(" ")
+        letter = status[0]
+        if letter in "RC":
+            old_path, path = toks[i + 1], toks[i + 2]
+            i += 3
+        else:
+            old_path, path = None, toks[i + 1]
+            i += 2
+        out.append({"status": letter, "old_mode": old_mode, "new_mode": new_mode,
+                    "old_path": old_path, "path": path})
+    return out
+
+
+def _parse_numstat(text: str) -> dict[str, tuple[int, int, bool]]:
+    """Parse `git diff --numstat -z` output: head path -> (added, deleted, binary)."""
+    toks = text.split("\0")
+    out = {}
+    i = 0
+    while i < len(toks):
+        t = toks[i]
+        if not t:
+            i += 1
+            continue
+        added, deleted, path = t.split("\t", 2)
+        if path == "":  # a rename or copy: the old and new paths follow
+            path = toks[i + 2]
+            i += 3
+        else:
+            i += 1
+        binary = added == "-"
+        out[path] = (0 if binary else int(added), 0 if binary else int(deleted), binary)
+    return out
+
+
+def _kind(mode: str) -> str | None:
+    if mode == "000000":
+        return None
+    return _MODE_KIND.get(mode, "file")
+
+
+def _count_lines(data: bytes) -> tuple[int, bool]:
+    """(lines, binary) of an untracked file, judged the way git judges (a NUL in the first 8000 bytes)."""
+    if b"\0" in data[:8000]:
+        return 0, True
+    return data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0), False
+
+
+def _load_manifest(repo, rev: str | None, side: str, errors: dict) -> Manifest | None:
+    data = read_at(repo, rev, MANIFEST_RELPATH)
+    if data is None:
+        return None
+    try:
+        return parse_manifest(data.decode("utf-8"), Path(MANIFEST_RELPATH))
+    except (ManifestError, UnicodeDecodeError) as e:
+        errors[side] = str(e)
+        return None
+
+
+def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike = ".") -> ChangeScope:
+    """The scope of the change from `base` to `head` (the working tree when `head` is None).
+
+    The diff starts at the merge base of the two (a pull request's diff), detects renames, and
+    includes untracked, non-ignored files when diffing the working tree. Every file is mapped to
+    the kernels whose manifest `sources` (at base or at head) include its path or its old path.
+    Raises ScopeError for a missing repository or revision, or history a shallow clone lacks.
+    """
+    r = open_repo(repo)
+    shallow = is_shallow(r)
+    base_sha = resolve_commit(r, base)
+    head_sha = resolve_commit(r, head) if head is not None else None
+    mb = merge_base(r, base_sha, head_sha or resolve_commit(r, "HEAD"))
+
+    # Explicit options so that repository config cannot change what is counted.
+    opts = ["-z", "-M", "--no-ext-diff", "--no-textconv", "--ignore-submodules=none", "--no-color"]
+    revs = [mb, head_sha] if head_sha else [mb]
+    raw = _parse_raw(r.git.diff("--raw", "--no-abbrev", *opts, *revs))
+    nums = _parse_numstat(r.git.diff("--numstat", *opts, *revs))
+
+    errors: dict = {}
+    base_m = _load_manifest(r, mb, "base", errors)
+    head_m = _load_manifest(r, head_sha, "head", errors)
+
+    def owners(*paths: str | None) -> tuple[str, ...]:
+        names: set[str] = set()
+        for m in (base_m, head_m):
+            if m is None:
+                continue
+            for p in paths:
+                if p:
+                    names.update(m.owners_of(p))
+        return tuple(sorted(names))
+
+    def link_target(path: str) -> str | None:
+        if head_sha is None:
+            try:
+                return os.readlink(Path(r.working_tree_dir, path))
+            except OSError:
+                return None
+        data = read_at(r, head_sha, path)
+        return data.decode("utf-8", "replace") if data is not None else None
+
+    files = []
+    for e in raw:
+        letter = e["status"]
+        old_kind, new_kind = _kind(e["old_mode"]), _kind(e["new_mode"])
+        path = e["path"]
+        added, deleted, binary = nums.get(path, (0, 0, False))
+        kind = new_kind or old_kind or "file"
+        files.append(FileChange(
+            path=path,
+            status=_STATUS.get(letter, "modified"),
+            kind=kind,
+            old_path=e["old_path"],
+            old_kind=old_kind,
+            added=added,
+            deleted=deleted,
+            binary=binary,
+            symlink_target=link_target(path) if new_kind == "symlink" else None,
+            owners=owners(path, e["old_path"]),
+        ))
+
+    if head_sha is None:
+        for path in r.untracked_files:
+            full = Path(r.working_tree_dir, path)
+            if full.is_symlink():
+                files.append(FileChange(path=path, status="added", kind="symlink", added=1,
+                                        symlink_target=os.readlink(full), owners=owners(path)))
+                continue
+            try:
+                lines, binary = _count_lines(full.read_bytes())
+            except OSError as ex:
+                raise ScopeError(f"cannot read untracked file {path}: {ex.strerror}") from None
+            files.append(FileChange(path=path, status="added", kind="file", added=lines,
+                                    binary=binary, owners=owners(path)))
+
+    files.sort(key=lambda f: f.path)
+    return ChangeScope(
+        base=base_sha, merge_base=mb, head=head_sha, files=tuple(files),
+        base_manifest=base_m, head_manifest=head_m, manifest_errors=errors, shallow=shallow,
+    )
+
+
+def symlink_escapes(path: str, target: str) -> bool:
+    """Whether a symlink at repo-relative `path` pointing at `target` leaves the repository."""
+    if target.startswith("/"):
+        return True
+    parts: list[str] = list(PurePosixPath(path).parent.parts)
+    for part in PurePosixPath(target).parts:
+        if part == "..":
+            if not parts:
+                return True
+            parts.pop()
+        elif part != ".":
+            parts.append(part)
+    return False
+
+
+def symlink_resolved(path: str, target: str) -> str | None:
+    """The repo-relative path a symlink points at, or None when it leaves the repository."""
+    if symlink_escapes(path, target):
+        return None
+    parts: list[str] = list(PurePosixPath(path).parent.parts)
+    for part in PurePosixPath(target).parts:
+        if part == "..":
+            parts.pop()
+        elif part != ".":
+            parts.append(part)
+    return "/".join(parts)
