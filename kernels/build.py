@@ -1,0 +1,650 @@
+"""AOT build: compile CuTe DSL kernels on a CPU-only host for sm_90a into content-addressed folders.
+
+For one manifest kernel and one variant (a shape dict plus tunables) the build writes
+`build/<kernel>/<content-hash>/`:
+
+    kernel.ptx    the PTX the DSL generated
+    kernel.cubin  the binary the GPU host launches (kernels.launch) and the evidence is bound to
+    kernel.sass   its disassembly with source line annotations (nvdisasm -c -g), for the audit
+    meta.json     entry name, parameters (PTX layout zipped with the manifest roles and the op's
+                  tensor specs), launch configuration, resources, hashes, sources, versions
+
+The content hash covers: a build-format version, the kernel name, its op and manifest params,
+the variant and tunables (defaults filled in), the target arch and compile options, the DSL
+version, and the bytes of every source file the op can import from the repository: the
+manifest's declared sources plus the transitive closure of their repo-local imports (which
+includes kernels/ops/base.py and any helper module under kernels/ops), found by parsing imports
+statically. A rebuild with the same inputs is a cache hit and compiles nothing.
+
+Compiles run in fresh child processes (`kernels/compile_worker.py`, at most `jobs` at a time)
+over a staging copy of exactly the hashed files with a fixed mtime, imported under repo-relative
+paths. Line info is on (`--generate-line-info`) so the SASS maps back to Python lines; it
+embeds source file names and mtimes, which the staging copy makes independent of the checkout,
+so identical inputs give identical cubin bytes on any host.
+
+Nothing here imports the DSL; only the child processes do.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, ManifestError, load_manifest
+from kernels.ptx import PtxError, parse_single_entry
+
+BUILD_FORMAT = 1  # bump when the folder layout or meta.json schema changes
+ARCH = "sm_90a"
+COMPILE_OPTIONS = "--generate-line-info"  # added to --keep-ptx/--keep-cubin/--gpu-arch/--dump-dir
+DEFAULT_ROOT = REPO_ROOT / "build"
+STAGED_MTIME = 0  # seconds since the epoch, for every staged source (it reaches the DWARF)
+WORKER = Path(__file__).with_name("compile_worker.py")
+COMPILE_TIMEOUT_S = 300  # per variant
+MAX_VARIANTS_PER_WORKER = 8  # amortises the DSL import; smaller chunks report progress sooner
+
+
+class BuildError(RuntimeError):
+    """A kernel variant cannot be built; the message names the kernel, the variant and the cause."""
+
+
+@dataclass
+class BuildArtifact:
+    kernel: str
+    shape: dict
+    tunables: dict
+    key: str  # full content hash (sha256 hex); the folder is named by its first 16 digits
+    dir: Path
+    meta: dict
+    paths: dict[str, Path] = field(default_factory=dict)  # ptx, cubin, sass, meta
+    cache_hit: bool = False
+
+    @property
+    def cubin_sha256(self) -> str:
+        return self.meta["hashes"]["cubin_sha256"]
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+
+def find_tool(name: str) -> Path:
+    """Locate a CUDA binary tool (nvdisasm, cuobjdump).
+
+    Looks in the `nvidia-cuda-*` PyPI wheels (site-packages/nvidia/*/bin), then on PATH, then in
+    $CUDA_HOME/bin. Raises BuildError with the package to install otherwise.
+    """
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(Path(base).glob(f"*/bin/{name}"))
+    which = shutil.which(name)
+    if which:
+        candidates.append(Path(which))
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "bin" / name)
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise BuildError(f"{name} not found; install it with: pip install nvidia-cuda-{name}")
+
+
+def _run_tool(args: list, what: str) -> str:
+    try:
+        proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"{what}: {e}") from None
+    if proc.returncode != 0:
+        raise BuildError(f"{what} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return proc.stdout
+
+
+_RESOURCE_RE = re.compile(r"(REG|STACK|SHARED|LOCAL|CONSTANT\[0\]):(\d+)")
+
+
+def parse_resource_usage(text: str, entry: str) -> dict:
+    """Registers, stack, local and static shared bytes of `entry` from cuobjdump --dump-resource-usage."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("Function ") and line.strip().rstrip(":").endswith(entry):
+            found = dict(_RESOURCE_RE.findall(lines[i + 1] if i + 1 < len(lines) else ""))
+            if "REG" in found:
+                return {
+                    "registers": int(found["REG"]),
+                    "stack_bytes": int(found.get("STACK", 0)),
+                    "local_bytes": int(found.get("LOCAL", 0)),
+                    "static_smem_bytes": int(found.get("SHARED", 0)),
+                    "param_const_bytes": int(found.get("CONSTANT[0]", 0)),
+                }
+    raise BuildError(f"cuobjdump reports no resource usage for {entry}")
+
+
+def local_memory_traffic(sass: str) -> dict:
+    """Static bytes of local-memory stores/loads in SASS (STL/LDL): spills, and local arrays.
+
+    ptxas reports spill bytes the same way (summed instruction widths); the DSL does not pass
+    that report on, so it is recounted from the code that runs.
+    """
+    width = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+    out = {"spill_store_bytes": 0, "spill_load_bytes": 0}
+    for m in re.finditer(r"\b(STL|LDL)((?:\.[A-Z0-9]+)*)", sass):
+        mods = [x for x in m.group(2).split(".") if x]
+        size = next((width[x] for x in mods if x in width), 4)
+        out["spill_store_bytes" if m.group(1) == "STL" else "spill_load_bytes"] += size
+    return out
+
+
+# -- sources ----------------------------------------------------------------------------------
+
+
+def _module_file(mod: str, repo_root: Path) -> Path | None:
+    base = repo_root.joinpath(*mod.split("."))
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    return None
+
+
+def _package_inits(mod: str, repo_root: Path) -> list[Path]:
+    parts = mod.split(".")
+    out = []
+    for i in range(1, len(parts)):
+        init = repo_root.joinpath(*parts[:i], "__init__.py")
+        if init.is_file():
+            out.append(init)
+    return out
+
+
+def _imports_of(path: Path, repo_root: Path) -> set[str]:
+    """Module names `path` imports (absolute, relative ones resolved), anywhere in the file."""
+    rel = path.relative_to(repo_root).with_suffix("")
+    package = list(rel.parts[:-1])  # the package a relative import starts from
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(rel))
+    except SyntaxError:
+        return set()  # the compile reports it, with its line
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod:
+                names.add(mod)
+                names.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import submodule`
+    return names
+
+
+def source_closure(spec: KernelSpec, repo_root: Path = REPO_ROOT) -> list[str]:
+    """Repo-relative paths of every file the kernel's op can import from the repository, sorted.
+
+    The manifest's declared sources, the op's module, and transitively every repo-local module
+    they import (with the `__init__.py` of each package on the way).
+    """
+    repo_root = Path(repo_root)
+    todo: list[Path] = []
+    for s in spec.sources:
+        p = repo_root / s
+        if not p.is_file():
+            raise BuildError(f"kernel {spec.name!r}: declared source {s} does not exist")
+        todo.append(p)
+    op_mod = spec.op.partition(":")[0]
+    op_file = _module_file(op_mod, repo_root)
+    if op_file is None:
+        raise BuildError(f"kernel {spec.name!r}: op module {op_mod} is not a file in the repository")
+    todo += [op_file] + _package_inits(op_mod, repo_root)
+    seen: set[Path] = set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        if p.suffix != ".py":
+            continue
+        for mod in _imports_of(p, repo_root):
+            f = _module_file(mod, repo_root)
+            if f is not None:
+                todo.append(f)
+                todo += _package_inits(mod, repo_root)
+    return sorted(p.relative_to(repo_root).as_posix() for p in seen)
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def dsl_version() -> str:
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        raise BuildError("nvidia-cutlass-dsl is not installed; the build needs it (pip install -e .)") from None
+
+
+# -- variants and keys ------------------------------------------------------------------------
+
+
+def resolve_tunables(spec: KernelSpec, tunables: dict | None) -> dict:
+    """The manifest defaults overridden by `tunables`; BuildError on unknown names or values."""
+    out = spec.tunable_defaults()
+    known = {t.name: t for t in spec.tunables}
+    for name, value in (tunables or {}).items():
+        if name not in known:
+            names = ", ".join(known) or "none"
+            raise BuildError(f"kernel {spec.name!r}: unknown tunable {name!r} (tunables: {names})")
+        if value not in known[name].choices:
+            raise BuildError(
+                f"kernel {spec.name!r}: tunable {name}={value!r} is not among its choices "
+                f"{list(known[name].choices)}"
+            )
+        out[name] = value
+    return out
+
+
+def variant_label(shape: dict, tunables: dict) -> str:
+    """`batch=4 width=7168 threads=256`: how messages and tables name a variant."""
+    return " ".join(f"{k}={v}" for k, v in list(shape.items()) + list(tunables.items()))
+
+
+def content_key(spec: KernelSpec, shape: dict, tunables: dict, sources: dict[str, str],
+                version: str, options: str = COMPILE_OPTIONS, arch: str = ARCH) -> str:
+    """The sha256 that names a variant's build folder (see the module docstring for its inputs)."""
+    doc = {
+        "format": BUILD_FORMAT,
+        "kernel": spec.name,
+        "op": spec.op,
+        "params": [[p.name, p.role, p.direction] for p in spec.params],
+        "shape": shape,
+        "tunables": tunables,
+        "arch": arch,
+        "options": options,
+        "dsl_version": version,
+        "sources": sources,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class _Plan:
+    spec: KernelSpec
+    shape: dict
+    tunables: dict
+    key: str
+    dir: Path
+
+
+def _load_cached(plan: _Plan) -> BuildArtifact | None:
+    meta_path = plan.dir / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") != plan.key or meta.get("format") != BUILD_FORMAT:
+            return None
+        cubin = (plan.dir / "kernel.cubin").read_bytes()
+        if hashlib.sha256(cubin).hexdigest() != meta["hashes"]["cubin_sha256"]:
+            return None
+        if not all((plan.dir / f).is_file() for f in ("kernel.ptx", "kernel.sass")):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return _artifact(plan, meta, cache_hit=True)
+
+
+def _artifact(plan: _Plan, meta: dict, cache_hit: bool) -> BuildArtifact:
+    paths = {k: plan.dir / f"kernel.{k}" for k in ("ptx", "cubin", "sass")}
+    paths["meta"] = plan.dir / "meta.json"
+    return BuildArtifact(plan.spec.name, plan.shape, plan.tunables, plan.key, plan.dir, meta, paths, cache_hit)
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+def _zip_params(spec: KernelSpec, entry, specs: dict, label: str) -> list[dict]:
+    where = f"kernel {spec.name!r} [{label}]"
+    if len(entry.params) != len(spec.params):
+        raise BuildError(
+            f"{where}: the PTX entry has {len(entry.params)} parameters, the manifest declares "
+            f"{len(spec.params)} ({', '.join(p.name for p in spec.params)})"
+        )
+    names = [p.name for p in spec.params]
+    if list(specs) != names:
+        raise BuildError(
+            f"{where}: op.tensor_specs() names {list(specs)}, the manifest's params are {names} "
+            "(same names, same order)"
+        )
+    out = []
+    for ptx_p, man_p in zip(entry.params, spec.params):
+        s = specs[man_p.name]
+        if (s["kind"] == "scalar") != (man_p.role == "scalar"):
+            raise BuildError(
+                f"{where}: parameter {man_p.name!r} has role {man_p.role!r} but its spec is a {s['kind']}"
+            )
+        if s["kind"] == "tensor" and ptx_p.size != 8:
+            raise BuildError(
+                f"{where}: buffer {man_p.name!r} is {ptx_p.size} bytes in the PTX, expected one 8-byte "
+                "pointer (a static-layout tensor); dynamic layouts are not supported by the launcher"
+            )
+        out.append({
+            "index": ptx_p.index,
+            "name": man_p.name,
+            "role": man_p.role,
+            "direction": man_p.direction,
+            "ptx_name": ptx_p.name,
+            "ptx_type": ptx_p.type,
+            "size": ptx_p.size,
+            "align": ptx_p.align,
+            "spec": s,
+        })
+    return out
+
+
+def _check_block(entry, launch: dict, where: str) -> None:
+    bound = entry.block_bound()
+    if bound is None:
+        return
+    kind, dims = bound
+    block = tuple(int(b) for b in launch["block"])
+    if kind == "reqntid" and block != dims:
+        raise BuildError(f"{where}: op.launch_config() block {list(block)} but the PTX requires .reqntid {list(dims)}")
+    if kind == "maxntid" and block[0] * block[1] * block[2] > dims[0] * dims[1] * dims[2]:
+        raise BuildError(f"{where}: op.launch_config() block {list(block)} exceeds the PTX .maxntid {list(dims)}")
+
+
+def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], version: str) -> dict:
+    """Parse the worker's PTX/cubin in `tmp`, write kernel.sass and meta.json there; return meta."""
+    label = variant_label(plan.shape, plan.tunables)
+    where = f"kernel {plan.spec.name!r} [{label}]"
+    ptx_text = (tmp / "kernel.ptx").read_text()
+    try:
+        entry = parse_single_entry(ptx_text, what=f"{where}: PTX")
+    except PtxError as e:
+        raise BuildError(str(e)) from None
+    params = _zip_params(plan.spec, entry, result["specs"], label)
+    launch = dict(result["launch"])
+    _check_block(entry, launch, where)
+    cubin = tmp / "kernel.cubin"
+    sass = _run_tool([find_tool("nvdisasm"), "-c", "-g", cubin], f"{where}: nvdisasm")
+    (tmp / "kernel.sass").write_text(sass)
+    usage = _run_tool([find_tool("cuobjdump"), "--dump-resource-usage", cubin], f"{where}: cuobjdump")
+    resources = parse_resource_usage(usage, entry.name)
+    resources.update(local_memory_traffic(sass))
+    resources["dynamic_smem_bytes"] = int(launch.get("smem_bytes", 0))
+    meta = {
+        "format": BUILD_FORMAT,
+        "kernel": plan.spec.name,
+        "variant": plan.shape,
+        "tunables": plan.tunables,
+        "key": plan.key,
+        "entry": entry.name,
+        "arch": ARCH,
+        "options": COMPILE_OPTIONS,
+        "dsl_version": version,
+        "params": params,
+        "launch": launch,
+        "ptx_directives": {k: list(v) for k, v in entry.directives.items()},
+        "resources": resources,
+        "hashes": {
+            "cubin_sha256": _sha256_file(cubin),
+            "ptx_sha256": hashlib.sha256(ptx_text.encode()).hexdigest(),
+            "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
+        },
+        "sources": sources,
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return meta
+
+
+def _install(tmp: Path, final: Path) -> None:
+    os.chmod(tmp, 0o755)  # mkdtemp made it private; a build folder is for every reader
+    if final.exists():
+        shutil.rmtree(final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        # Another build of the same key won the race; its folder has the same content.
+        if not (final / "meta.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- compile ----------------------------------------------------------------------------------
+
+
+def _stage(files: Iterable[str], repo_root: Path, into: Path) -> None:
+    for rel in files:
+        dst = into / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo_root / rel, dst)
+        os.utime(dst, (STAGED_MTIME, STAGED_MTIME))
+
+
+def _worker_env() -> dict:
+    # CUTE_DSL_* variables change what the DSL emits (line info, arch, optimisation); the key
+    # does not cover them, so the child never sees them.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    env["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def _compile_chunk(spec: KernelSpec, plans: list[_Plan], staging: Path, files: list[str],
+                   tmps: list[Path]) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="fasttrack-job-") as jd:
+        job = {
+            "op": spec.op,
+            "arch": ARCH,
+            "options": COMPILE_OPTIONS,
+            "roots": sorted({f.split("/")[0] for f in files}),
+            "sources": files,
+            "results": str(Path(jd) / "results.json"),
+            "variants": [
+                {"shape": p.shape, "tunables": p.tunables, "out_dir": str(t)} for p, t in zip(plans, tmps)
+            ],
+        }
+        job_path = Path(jd) / "job.json"
+        job_path.write_text(json.dumps(job))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-I", str(WORKER), str(job_path)],
+                cwd=staging, env=_worker_env(), capture_output=True, text=True,
+                timeout=COMPILE_TIMEOUT_S * len(plans),
+            )
+        except subprocess.TimeoutExpired:
+            raise BuildError(
+                f"kernel {spec.name!r}: compiling {len(plans)} variant(s) took over "
+                f"{COMPILE_TIMEOUT_S * len(plans)} s; gave up"
+            ) from None
+        try:
+            results = json.loads(Path(job["results"]).read_text())
+        except (OSError, ValueError):
+            results = []
+        if len(results) < len(plans):
+            tail = (proc.stderr or proc.stdout).strip()[-800:]
+            crashed = plans[len(results)]
+            results.append({
+                "ok": False, "file": None, "line": None, "type": "crash",
+                "error": f"the compiler process died (exit {proc.returncode}) while compiling "
+                         f"[{variant_label(crashed.shape, crashed.tunables)}]: {tail}",
+            })
+            results += [{"ok": False, "skipped": True}] * (len(plans) - len(results))
+        return results
+
+
+def _error_message(spec: KernelSpec, plan: _Plan, result: dict) -> str:
+    where = f"kernel {spec.name!r} [{variant_label(plan.shape, plan.tunables)}]"
+    loc = f"{result['file']}:{result['line']}: " if result.get("file") else ""
+    return f"{where}: {loc}{result['error']}"
+
+
+def _plans(spec: KernelSpec, variants: list[tuple[dict, dict]], root: Path, repo_root: Path):
+    files = source_closure(spec, repo_root)
+    sources = {f: _sha256_file(repo_root / f) for f in files}
+    version = dsl_version()
+    plans = []
+    for shape, tun in variants:
+        key = content_key(spec, shape, tun, sources, version)
+        plans.append(_Plan(spec, shape, tun, key, root / spec.name / key[:16]))
+    return files, sources, version, plans
+
+
+def _build(spec: KernelSpec, variants: list[tuple[dict, dict]], *, root: Path, force: bool,
+           progress: Callable | None, jobs: int | None, repo_root: Path) -> list[BuildArtifact]:
+    files, sources, version, plans = _plans(spec, variants, root, repo_root)
+    total = len(plans)
+    done = 0
+    out: dict[int, BuildArtifact] = {}
+    todo: list[int] = []
+    for i, plan in enumerate(plans):
+        hit = None if force else _load_cached(plan)
+        if hit is not None:
+            out[i] = hit
+            done += 1
+            if progress:
+                progress(done, total, hit)
+        else:
+            todo.append(i)
+    if todo:
+        find_tool("nvdisasm"), find_tool("cuobjdump")  # fail before compiling, not after
+        workers = max(1, min(jobs or min(2, os.cpu_count() or 1), len(todo)))
+        size = min(MAX_VARIANTS_PER_WORKER, -(-len(todo) // workers))
+        chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+        (root / spec.name).mkdir(parents=True, exist_ok=True)
+        errors: dict[int, str] = {}
+        with tempfile.TemporaryDirectory(prefix="fasttrack-stage-") as staging:
+            _stage(files, repo_root, Path(staging))
+            tmps = {i: Path(tempfile.mkdtemp(prefix=f".tmp-{plans[i].key[:16]}-", dir=root / spec.name))
+                    for i in todo}
+            try:
+                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                    futs = {
+                        pool.submit(_compile_chunk, spec, [plans[i] for i in c], Path(staging), files,
+                                    [tmps[i] for i in c]): c
+                        for c in chunks
+                    }
+                    for fut in concurrent.futures.as_completed(futs):
+                        for i, res in zip(futs[fut], fut.result()):
+                            if res.get("skipped"):
+                                continue
+                            if not res["ok"]:
+                                errors[i] = _error_message(spec, plans[i], res)
+                                continue
+                            meta = _finish(plans[i], tmps[i], res, sources, version)
+                            _install(tmps[i], plans[i].dir)
+                            out[i] = _artifact(plans[i], meta, cache_hit=False)
+                            done += 1
+                            if progress:
+                                progress(done, total, out[i])
+            finally:
+                for t in tmps.values():
+                    shutil.rmtree(t, ignore_errors=True)
+        if errors:
+            first = errors[min(errors)]
+            more = len(errors) - 1
+            raise BuildError(first + (f" (and {more} more variant(s) failed)" if more else ""))
+    return [out[i] for i in range(total)]
+
+
+# -- public API -------------------------------------------------------------------------------
+
+
+def _spec(kernel: str, manifest: Manifest | None) -> KernelSpec:
+    try:
+        return (manifest or load_manifest()).kernel(kernel)
+    except ManifestError as e:
+        raise BuildError(str(e)) from None
+
+
+def build_variant(kernel: str, shape: dict, tunables: dict | None = None, *, root: Path = DEFAULT_ROOT,
+                  force: bool = False, manifest: Manifest | None = None,
+                  repo_root: Path = REPO_ROOT) -> BuildArtifact:
+    """Build one variant of `kernel` (a shape dict, tunables over the manifest defaults).
+
+    Returns the artifact from the cache when its content key is already built (unless `force`);
+    otherwise compiles in a child process and installs the folder atomically. Raises BuildError
+    naming the kernel, the variant and, for a compile error, the source file and line.
+    """
+    spec = _spec(kernel, manifest)
+    tun = resolve_tunables(spec, tunables)
+    return _build(spec, [(dict(shape), tun)], root=Path(root), force=force, progress=None, jobs=1,
+                  repo_root=Path(repo_root))[0]
+
+
+def build_kernel(kernel: str, *, shapes: list[dict] | None = None, tunables: dict | None = None,
+                 root: Path = DEFAULT_ROOT, progress: Callable | None = None, force: bool = False,
+                 jobs: int | None = None, manifest: Manifest | None = None,
+                 repo_root: Path = REPO_ROOT) -> list[BuildArtifact]:
+    """Build `kernel` for `shapes` (default: every manifest variant) with the same tunables.
+
+    Compiles the variants that are not cached in up to `jobs` child processes (default: 2, or
+    fewer CPUs). `progress(done, total, artifact)` is called after each variant. Artifacts come
+    back in the order of `shapes`.
+    """
+    spec = _spec(kernel, manifest)
+    tun = resolve_tunables(spec, tunables)
+    variants = [(dict(s), dict(tun)) for s in (shapes if shapes is not None else spec.shapes)]
+    return _build(spec, variants, root=Path(root), force=force, progress=progress, jobs=jobs,
+                  repo_root=Path(repo_root))
+
+
+def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, progress: Callable | None = None,
+              force: bool = False, jobs: int | None = None, manifest: Manifest | None = None,
+              repo_root: Path = REPO_ROOT) -> list[BuildArtifact]:
+    """Build every manifest variant of `kernels` (default: all kernels), in manifest order.
+
+    `progress(done, total, artifact)` counts over all kernels.
+    """
+    man = manifest or load_manifest()
+    names = list(kernels) if kernels else list(man.kernels)
+    for n in names:
+        _spec(n, man)  # unknown names fail before anything compiles
+    total = sum(len(man.kernel(n).shapes) for n in names)
+    offset = 0
+    out: list[BuildArtifact] = []
+    for n in names:
+        def sub(done, _total, art, base=offset):
+            if progress:
+                progress(base + done, total, art)
+        arts = build_kernel(n, root=root, progress=sub, force=force, jobs=jobs, manifest=man, repo_root=repo_root)
+        offset += len(arts)
+        out += arts
+    return out
+
+
+def load_artifact(build_dir: Path) -> dict:
+    """The meta.json of a build folder (for tools that only read)."""
+    return json.loads((Path(build_dir) / "meta.json").read_text())
+
+
+def artifact_summary(art: BuildArtifact) -> dict[str, Any]:
+    """The audit-ready row of one artifact (what `fasttrack build` prints)."""
+    r = art.meta["resources"]
+    return {
+        "kernel": art.kernel,
+        "variant": variant_label(art.shape, art.tunables),
+        "entry": art.meta["entry"],
+        "registers": r["registers"],
+        "spill_store_bytes": r["spill_store_bytes"],
+        "spill_load_bytes": r["spill_load_bytes"],
+        "local_bytes": r["local_bytes"],
+        "static_smem_bytes": r["static_smem_bytes"],
+        "dynamic_smem_bytes": r["dynamic_smem_bytes"],
+        "cubin_sha256": art.cubin_sha256,
+        "key": art.key,
+        "dir": str(art.dir),
+        "cache_hit": art.cache_hit,
+    }
