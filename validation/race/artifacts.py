@@ -1,0 +1,71 @@
+"""Build what the audit reads, through the project's real build (`kernels.build`).
+
+`audit_kernel` audits a manifest kernel; `build_op` builds any op class of the repository
+(planted mutants are subclasses that fix a compile-time `mutant` option) through the same
+build, by handing `kernels.build` a one-kernel manifest that names that class and keeps the
+manifest kernel's roles. Nothing here runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, load_manifest
+
+from .audit import AuditReport, audit_ptx
+
+
+def _build_module():
+    from kernels import build  # imported lazily: it is heavy and the GPU host never needs it
+
+    return build
+
+
+def op_spec(spec: KernelSpec, op: str, name: str | None = None) -> KernelSpec:
+    """`spec` with another op class ("module:Class"), e.g. one of its planted mutants."""
+    return dataclasses.replace(spec, name=name or spec.name, op=op)
+
+
+def build_variant_of(spec: KernelSpec, shape: dict | None = None, tunables: dict | None = None,
+                     root: Path | None = None):
+    """Build one variant of `spec` (default: its first validation shape, default tunables)."""
+    build = _build_module()
+    man = Manifest({spec.name: spec}, Path("manifest.toml"))
+    kwargs = {"manifest": man}
+    if root is not None:
+        kwargs["root"] = Path(root)
+    return build.build_variant(spec.name, dict(shape or spec.shapes[0]), tunables, **kwargs)
+
+
+def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> AuditReport:
+    """Audit a build artifact (its kernel.ptx and kernel.sass) against the roles in `spec`."""
+    ptx = Path(art.paths["ptx"]).read_text()
+    sass = Path(art.paths["sass"]).read_text() if Path(art.paths["sass"]).is_file() else None
+    roles = [p.role for p in spec.params]
+    names = [p.name for p in spec.params]
+    return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
+                     syncs=spec.syncs_across_ctas or "sync" in roles, source_root=REPO_ROOT)
+
+
+def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,
+                 mutant: str | None = None, manifest: Manifest | None = None,
+                 root: Path | None = None) -> AuditReport:
+    """Build (or reuse from the build cache) and audit one variant of manifest kernel `name`.
+
+    `mutant` selects a planted mutant of the kernel's op (a class named `<Op>_<mutant>` in the
+    op's module); the roles stay the manifest's. Raises kernels.manifest.ManifestError for an
+    unknown kernel and kernels.build.BuildError when the build fails.
+    """
+    spec = (manifest or load_manifest()).kernel(name)
+    label = name
+    if mutant is not None:
+        mod, _, cls = spec.op.partition(":")
+        spec = op_spec(spec, f"{mod}:{cls}_{mutant}", name=f"{name}__{mutant}")
+        label = f"{name} [mutant {mutant}]"
+    t0 = time.perf_counter()
+    art = build_variant_of(spec, shape, tunables, root=root)
+    rep = audit_artifact(art, spec, kernel=label)
+    rep.seconds = time.perf_counter() - t0
+    return rep

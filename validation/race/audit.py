@@ -1,0 +1,200 @@
+"""The static audit: PTX (and, when given, the SASS that runs) against the parameter roles.
+
+`audit_ptx` is the one entry point; `audit_kernel` (in `artifacts`) builds a manifest kernel
+and calls it. A finding carries its rule id, severity, the PTX and SASS locations and the
+source line when line info exists. A PTX finding and a SASS finding of the same rule, parameter
+and source line are one finding seen in both; a finding only in the SASS means ptxas moved or
+rewrote the code after the PTX (the motivating bug: an nc load hoisted above a spin).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import ir
+from .cfg import CFG
+from .dataflow import analyze
+from .ptx import parse_ptx
+from .rules import ERROR, RULES, RawFinding, Roles, check_function
+from .sass import parse_sass
+
+BUFFER_ROLES = ("static", "activation", "sync", "scratch")
+ALL_ROLES = BUFFER_ROLES + ("scalar",)
+
+
+class AuditInputError(ValueError):
+    """Bad audit input: unreadable PTX, unknown parameter, unknown role."""
+
+
+@dataclass
+class Finding:
+    rule: str
+    severity: str
+    message: str
+    params: list[str] = field(default_factory=list)
+    ptx: str | None = None  # "ptx line N: <instruction>"
+    sass: str | None = None  # "sass 0xADDR: <instruction>"
+    source: str | None = None  # "file.py:LINE"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        where = "; ".join(x for x in (self.source and f"source {self.source}", self.ptx, self.sass) if x)
+        return f"[{self.severity}] {self.rule}: {self.message} ({where})"
+
+
+@dataclass
+class AuditReport:
+    kernel: str
+    entry: str
+    params: list[dict]  # index, name, role
+    findings: list[Finding]
+    checked: list[str]  # "ptx", "sass"
+    instructions: dict[str, int]
+    seconds: float
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == ERROR]
+
+    @property
+    def clean(self) -> bool:
+        """No finding of severity error."""
+        return not self.errors
+
+    def rules_hit(self) -> set[str]:
+        return {f.rule for f in self.findings}
+
+    def to_dict(self) -> dict:
+        return {
+            "kernel": self.kernel, "entry": self.entry, "params": self.params,
+            "clean": self.clean, "checked": self.checked, "instructions": self.instructions,
+            "seconds": round(self.seconds, 3), "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def _rel(path: str, root: Path | None) -> str:
+    if root is not None:
+        try:
+            return str(Path(path).resolve().relative_to(root.resolve()))
+        except (ValueError, OSError):
+            pass
+    return Path(path).name if Path(path).is_absolute() else path
+
+
+def resolve_roles(params: list[ir.ParamDecl], spec: dict | list | None,
+                  names: list[str] | None = None) -> tuple[dict[int, str], dict[int, str]]:
+    """Roles by PTX parameter index from `spec`: a list in launch order, or a dict keyed by
+    parameter name (from `names`, or the PTX name) or index. Unnamed parameters default to
+    activation. Raises AuditInputError for unknown parameters or roles."""
+    n = len(params)
+    names = list(names) if names else []
+    if names and len(names) != n:
+        raise AuditInputError(f"{len(names)} parameter names given, the PTX entry has {n} parameters")
+    by_name = {nm: i for i, nm in enumerate(names)}
+    for p in params:
+        by_name.setdefault(p.name, p.index)
+        by_name.setdefault(f"param_{p.index}", p.index)
+    roles = {p.index: "activation" for p in params}
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != n:
+            raise AuditInputError(f"{len(spec)} roles given, the PTX entry has {n} parameters")
+        items = list(enumerate(spec))
+    else:
+        items = list((spec or {}).items())
+    for key, role in items:
+        if role not in ALL_ROLES:
+            raise AuditInputError(f"unknown role {role!r} for parameter {key!r}; roles are {', '.join(ALL_ROLES)}")
+        if isinstance(key, int) or (isinstance(key, str) and key.isdigit()):
+            idx = int(key)
+            if not 0 <= idx < n:
+                raise AuditInputError(f"parameter index {idx} out of range: the PTX entry has {n} parameters")
+        elif key in by_name:
+            idx = by_name[key]
+        else:
+            known = ", ".join(names) if names else f"0..{n - 1}"
+            raise AuditInputError(f"unknown parameter {key!r}; parameters are {known}")
+        roles[idx] = role
+    disp = {p.index: (names[p.index] if names else f"param_{p.index}") for p in params}
+    return roles, disp
+
+
+def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str | None = None,
+              param_names: list[str] | None = None, kernel: str | None = None,
+              entry: str | None = None, syncs: bool | None = None,
+              source_root: Path | None = None) -> AuditReport:
+    """Audit one PTX entry (and its SASS when `sass_text` is given) against parameter roles.
+
+    `roles`: a list in parameter order, or a dict keyed by name/index (unnamed: activation).
+    `syncs`: whether the kernel synchronizes across CTAs (default: it has a `sync` parameter).
+    Raises AuditInputError when the PTX has no entry (or not `entry`), or roles do not fit.
+    """
+    t0 = time.perf_counter()
+    try:
+        funcs = parse_ptx(ptx_text)
+    except ValueError as e:
+        raise AuditInputError(f"unreadable PTX: {e}") from None
+    if entry is not None:
+        funcs = [f for f in funcs if f.name == entry]
+        if not funcs:
+            raise AuditInputError(f"no entry {entry!r} in the PTX")
+    if len(funcs) > 1:
+        raise AuditInputError("the PTX has several entries: name one (" + ", ".join(f.name for f in funcs) + ")")
+    fn = funcs[0]
+    by_index, disp = resolve_roles(fn.params, roles, param_names)
+    if syncs is None:
+        syncs = "sync" in by_index.values()
+
+    cfg = CFG(fn)
+    prov = analyze(cfg)
+    r = Roles(by_index, disp)
+    for ins in fn.instrs:
+        ps = {p for p in prov.params_of_addr(ins.index) if by_index.get(p) != "scalar"}
+        if ins.writes_memory:
+            r.written |= ps
+        if ins.kind in (ir.LOAD, ir.ATOM):
+            r.loaded |= ps
+    raw = [(fn, f) for f in check_function(cfg, prov, r, syncs=syncs)]
+    checked = ["ptx"]
+    counts = {"ptx": len(fn.instrs)}
+    if sass_text is not None:
+        sfuncs = [f for f in parse_sass(sass_text, fn.params) if f.name == fn.name] or parse_sass(sass_text, fn.params)
+        sfn = sfuncs[0]
+        scfg = CFG(sfn)
+        sprov = analyze(scfg)
+        raw += [(sfn, f) for f in check_function(scfg, sprov, r, syncs=syncs)]
+        checked.append("sass")
+        counts["sass"] = len(sfn.instrs)
+    findings = _merge(raw, disp, source_root)
+    return AuditReport(
+        kernel=kernel or fn.name, entry=fn.name,
+        params=[{"index": p.index, "name": disp[p.index], "role": by_index[p.index]} for p in fn.params],
+        findings=findings, checked=checked, instructions=counts, seconds=time.perf_counter() - t0,
+    )
+
+
+def _merge(raw: list[tuple[ir.Function, RawFinding]], disp: dict[int, str], root) -> list[Finding]:
+    merged: dict[tuple, Finding] = {}
+    for fn, rf in raw:
+        rule = RULES[rf.rule]
+        src = f"{_rel(rf.instr.loc.file, root)}:{rf.instr.loc.line}" if rf.instr.loc else None
+        key = (rf.rule, rf.params, src if src else (fn.dialect, rf.instr.index))
+        where = f"{fn.location(rf.instr)}: {rf.instr.text}"
+        f = merged.get(key)
+        if f is None:
+            f = Finding(rule.id, rule.severity, rf.message, [disp[p] for p in rf.params], source=src)
+            merged[key] = f
+        if fn.dialect == "sass":
+            f.sass = f.sass or where
+        else:
+            f.ptx = f.ptx or where
+    out = list(merged.values())
+    for f in out:
+        if f.sass and not f.ptx:
+            f.message += " (seen in the SASS only: ptxas moved or rewrote this access)"
+    order = {r: i for i, r in enumerate(RULES)}
+    out.sort(key=lambda f: (f.severity != ERROR, order[f.rule], f.source or "", f.ptx or "", f.sass or ""))
+    return out

@@ -1,0 +1,285 @@
+"""Parse the PTX text CuTe DSL (or any compiler) emits into `Function`s of `Instr`.
+
+Only what the race rules need is decoded: the entry's parameter list (names, types, byte
+offsets), each instruction's registers (defined, read, address), its memory kind with semantics
+and scope, branch targets, and the `.loc` line info (resolved through `.file`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import ir
+
+_TYPE_SIZES = {
+    "b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
+    "b32": 4, "u32": 4, "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8,
+    "f16x2": 4, "bf16x2": 4, "pred": 1,
+}
+# Special registers whose value differs between threads of one CTA.
+_THREAD_VARYING = re.compile(r"^%(tid|laneid|lanemask_\w+|warpid)\b")
+
+_REG = re.compile(r"%[A-Za-z_$][\w$]*(?:\.[xyzw])?")
+_ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\(")
+_PARAM = re.compile(
+    r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+([\w$]+)(?:\s*\[(\d+)\])?"
+)
+_LABEL = re.compile(r"^([$\w][\w$]*):")
+_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"')
+_LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+(\d+)")
+_SCOPES = ("cta", "cluster", "gpu", "sys")
+_NO_DEST = {
+    "st", "red", "bar", "barrier", "bra", "ret", "exit", "trap", "fence", "membar", "prefetch",
+    "prefetchu", "cp", "discard", "applypriority", "stmatrix", "brkpt", "pmevent", "griddepcontrol",
+    "createpolicy_noreturn", "setmaxnreg", "elect_noreturn",
+}
+
+
+class PtxError(ValueError):
+    """The text is not PTX this parser understands (no entry, unbalanced braces)."""
+
+
+def _split_operands(s: str) -> list[str]:
+    """Split on commas that are not inside [], {} or ()."""
+    out, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _regs(s: str) -> list[str]:
+    return [r for r in _REG.findall(s)]
+
+
+def _space(tokens: list[str]) -> str:
+    for t in tokens[1:]:
+        base = t.split("::")[0]
+        if base in ("global", "shared", "local", "param", "const"):
+            return base
+    return "generic"
+
+
+def _sem_scope(tokens: list[str], default_sem: str) -> tuple[str, str | None]:
+    sem = default_sem
+    for t in tokens:
+        if t == "acquire":
+            sem = ir.ACQUIRE
+        elif t == "release":
+            sem = ir.RELEASE
+        elif t == "acq_rel":
+            sem = ir.ACQ_REL
+        elif t in ("relaxed", "volatile"):
+            sem = ir.RELAXED
+    scope = next((t for t in tokens if t in _SCOPES), None)
+    return sem, scope
+
+
+def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
+    op0 = tokens[0]
+    if op0 in ("ld", "ldu"):
+        space = _space(tokens)
+        if space in ("global", "generic"):
+            ins.kind = ir.LOAD
+            ins.nc = "nc" in tokens or op0 == "ldu"
+            ins.sem, ins.scope = _sem_scope(tokens, ir.WEAK)
+    elif op0 == "st":
+        if _space(tokens) in ("global", "generic"):
+            ins.kind = ir.STORE
+            ins.sem, ins.scope = _sem_scope(tokens, ir.WEAK)
+    elif op0 in ("atom", "red"):
+        if _space(tokens) in ("global", "generic"):
+            ins.kind = ir.ATOM if op0 == "atom" else ir.RED
+            # PTX: an atom/red without .sem is .relaxed; without .scope it is .gpu.
+            ins.sem, ins.scope = _sem_scope(tokens, ir.RELAXED)
+    elif op0 == "fence":
+        if len(tokens) > 1 and tokens[1] in ("acq_rel", "sc"):
+            scope = next((t for t in tokens if t in _SCOPES), "gpu")
+            ins.kind = ir.FENCE_CTA if scope in ("cta", "cluster") else ir.FENCE
+            ins.scope = scope
+            ins.sem = ir.ACQ_REL
+    elif op0 == "membar":
+        ins.kind = ir.FENCE_CTA if "cta" in tokens else ir.FENCE
+        ins.sem = ir.ACQ_REL
+        ins.scope = "cta" if "cta" in tokens else ("sys" if "sys" in tokens else "gpu")
+    elif op0 in ("bar", "barrier"):
+        if any(t in ("sync", "red") for t in tokens[1:]) and "warp" not in tokens:
+            ins.kind = ir.BARRIER
+    elif op0 == "bra":
+        ins.kind = ir.BRANCH
+        ins.targets = (operands[-1].strip(),) if operands else ()
+        ins.conditional = ins.guard is not None
+    elif op0 in ("ret", "exit", "trap"):
+        ins.kind = ir.EXIT
+        ins.conditional = ins.guard is not None
+    elif op0 in ("cp", "cp.reduce") or ins.opcode.startswith("cp.reduce.async.bulk"):
+        opc = ins.opcode
+        if opc.startswith("cp.async.bulk.wait_group"):
+            if ".read" not in opc:
+                ins.kind = ir.BULK_WAIT
+                ins.extra["pending_allowed"] = int(operands[0]) if operands and operands[0].isdigit() else 0
+        elif opc.startswith(("cp.async.bulk", "cp.reduce.async.bulk")):
+            spaces = [t.split("::")[0] for t in tokens if t.split("::")[0] in ("global", "shared")]
+            if spaces and spaces[0] == "global":
+                ins.kind = ir.BULK_STORE
+
+
+def parse_ptx(text: str) -> list[ir.Function]:
+    """Every `.entry` in `text`, in order. Raises PtxError when there is none."""
+    lines = text.splitlines()
+    files = {}
+    for ln in lines:
+        m = _FILE.match(ln)
+        if m:
+            files[int(m.group(1))] = m.group(2)
+    funcs: list[ir.Function] = []
+    i = 0
+    n = len(lines)
+    while i < n:
+        m = _ENTRY.search(lines[i])
+        if not m:
+            i += 1
+            continue
+        name = m.group(1)
+        # Parameter list: up to the closing parenthesis.
+        header = []
+        while i < n and ")" not in lines[i].split("//")[0]:
+            header.append(lines[i])
+            i += 1
+        if i < n:
+            header.append(lines[i])
+            i += 1
+        params = _parse_params("\n".join(header), name)
+        # Body: from the first "{" to its matching "}".
+        while i < n and lines[i].strip() != "{" and not lines[i].strip().startswith("{"):
+            i += 1
+        if i >= n:
+            raise PtxError(f"entry {name}: no body")
+        depth = 0
+        body: list[tuple[int, str]] = []
+        while i < n:
+            raw = lines[i].split("//")[0]
+            depth += raw.count("{") - raw.count("}")
+            body.append((i + 1, raw))
+            i += 1
+            if depth == 0:
+                break
+        if depth != 0:
+            raise PtxError(f"entry {name}: unbalanced braces")
+        funcs.append(_parse_body(name, params, body, files))
+    if not funcs:
+        raise PtxError("no .entry found: is this PTX?")
+    return funcs
+
+
+def _parse_params(header: str, entry: str) -> list[ir.ParamDecl]:
+    params = []
+    offset = 0
+    for m in _PARAM.finditer(header):
+        align, typ, pname, count = m.group(1), m.group(2), m.group(3), m.group(4)
+        elem = _TYPE_SIZES.get(typ, 8)
+        size = elem * (int(count) if count else 1)
+        a = int(align) if align else elem
+        offset = (offset + a - 1) // a * a
+        idx_m = re.search(r"_param_(\d+)$", pname)
+        idx = int(idx_m.group(1)) if idx_m else len(params)
+        params.append(ir.ParamDecl(idx, pname, typ, size, offset))
+        offset += size
+    return params
+
+
+def _parse_body(name, params, body, files) -> ir.Function:
+    by_name = {p.name: p.index for p in params}
+    instrs: list[ir.Instr] = []
+    labels: dict[str, int] = {}
+    loc: ir.SourceLoc | None = None
+    for lineno, raw in body:
+        s = raw.strip()
+        if not s:
+            continue
+        m = _LOC.match(s)
+        if m:
+            f = files.get(int(m.group(1)), f"file{m.group(1)}")
+            loc = ir.SourceLoc(f, int(m.group(2))) if int(m.group(2)) > 0 else loc
+            continue
+        # Braces of inline-asm scopes carry no instruction.
+        s = s.replace("{", " ").replace("}", " ").strip() if s in ("{", "}") else s
+        for stmt in s.split(";"):
+            stmt = stmt.strip()
+            if not stmt:
+                continue
+            lm = _LABEL.match(stmt)
+            if lm:
+                labels[lm.group(1)] = len(instrs)
+                stmt = stmt[lm.end():].strip()
+                if not stmt:
+                    continue
+            if stmt.startswith(".") or stmt in ("{", "}"):
+                continue  # .reg, .shared, .pragma, ... declarations
+            if stmt.startswith("{") and not stmt.startswith("{%"):
+                stmt = stmt.lstrip("{").strip()
+                if not stmt:
+                    continue
+            ins = _parse_instr(stmt, len(instrs), lineno, loc, by_name)
+            if ins is not None:
+                instrs.append(ins)
+    return ir.Function(name=name, instrs=instrs, labels=labels, params=params, dialect="ptx")
+
+
+def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
+    guard = None
+    if stmt.startswith("@"):
+        g, _, stmt = stmt.partition(" ")
+        guard = g[1:].lstrip("!")
+        stmt = stmt.strip()
+    parts = stmt.split(None, 1)
+    if not parts:
+        return None
+    opcode = parts[0]
+    rest = parts[1] if len(parts) > 1 else ""
+    operands = _split_operands(rest)
+    tokens = opcode.split(".")
+    ins = ir.Instr(index=index, text=stmt, opcode=opcode, guard=guard, line=lineno, loc=loc)
+    _classify(ins, tokens, operands)
+    op0 = tokens[0]
+    dests: list[str] = []
+    src_ops = operands
+    if op0 not in _NO_DEST and operands:
+        first = operands[0]
+        if first.startswith("%") or first.startswith("{") or first.startswith("_"):
+            dests = [r for r in _regs(first) if not r.startswith("%tid")]
+            src_ops = operands[1:]
+    srcs = []
+    for o in src_ops:
+        srcs += _regs(o)
+    if guard:
+        srcs.append(guard)
+    addr = []
+    for o in operands:
+        if o.startswith("["):
+            addr = _regs(o)
+            break
+    ins.dests = tuple(dests)
+    ins.srcs = tuple(srcs)
+    ins.addr_regs = tuple(addr)
+    ins.reads_tid = any(_THREAD_VARYING.match(r) for r in srcs)
+    if op0 == "ld" and "param" in tokens:
+        for o in src_ops:
+            pm = re.match(r"\[\s*([\w$]+)", o)
+            if pm and pm.group(1) in by_name:
+                ins.params_read = (by_name[pm.group(1)],)
+    elif op0 == "mov" and src_ops:
+        # Taking the address of a parameter symbol (by-value structs).
+        sym = src_ops[0].strip()
+        if sym in by_name:
+            ins.params_read = (by_name[sym],)
+    return ins

@@ -1,0 +1,365 @@
+"""The static race rules, run over one function (PTX or SASS) with its CFG and provenance.
+
+Each rule has a stable id (used by tests, the gate and suppressions) and a severity. The
+analyses are small data-flows over the CFG:
+
+* ordering (forward): has this thread (or, through a CTA barrier, some thread of the CTA)
+  performed a gpu-scope acquire since the start of the current iteration of the enclosing
+  synchronizing loop? Loads of cross-CTA data must be reached only when it has;
+* release (forward): has a gpu-scope fence executed since the last data write? A relaxed
+  publish is only a release when it has;
+* publish-ahead (backward): is every cross-CTA data write followed, within its iteration, by a
+  publish (an elected publisher counts for the whole CTA);
+* unbarriered access (forward): did threads other than an elected publisher touch cross-CTA
+  data since the last CTA barrier?
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import ir
+from .cfg import CFG
+from .dataflow import Provenance
+
+ERROR = "error"
+WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    title: str
+
+
+RULES: dict[str, Rule] = {r.id: r for r in (
+    Rule("nc-load-mutable", ERROR,
+         "non-coherent load (ld.global.nc / LDG.CONSTANT) from a parameter that is not static"),
+    Rule("load-before-wait", ERROR,
+         "load of cross-CTA data not dominated, within its loop iteration, by the wait that orders it"),
+    Rule("relaxed-spin-no-fence", ERROR,
+         "spin on a relaxed/weak load with no acquire fence before the data it guards is read"),
+    Rule("relaxed-publish", ERROR,
+         "write to a sync parameter that is relaxed and not preceded by a release fence"),
+    Rule("publish-before-writes", ERROR,
+         "publish that precedes the writes it should publish, or an elected publish with no CTA "
+         "barrier after the other threads' accesses"),
+    Rule("bulk-store-not-drained", ERROR,
+         "bulk-async (TMA) global store not drained by cp.async.bulk.wait_group 0 before a release"),
+    Rule("barrier-divergent", ERROR, "bar.sync under thread-dependent control flow"),
+    Rule("unknown-provenance", WARNING,
+         "a global access whose address derives from no kernel parameter (provenance unknown)"),
+)}
+
+
+@dataclass
+class RawFinding:
+    rule: str
+    instr: ir.Instr
+    message: str
+    params: tuple[int, ...] = ()
+    related: ir.Instr | None = None
+
+
+@dataclass
+class Roles:
+    """Parameter roles by PTX index, and the derived sets the rules use."""
+
+    by_index: dict[int, str]
+    names: dict[int, str]
+    written: set[int] = field(default_factory=set)  # buffers some instruction writes
+    loaded: set[int] = field(default_factory=set)  # buffers some instruction reads
+
+    def of(self, role: str) -> set[int]:
+        return {i for i, r in self.by_index.items() if r == role}
+
+    @property
+    def sync(self) -> set[int]:
+        return self.of("sync")
+
+    @property
+    def data(self) -> set[int]:
+        """Activation/scratch buffers written by this kernel: reads of them may race."""
+        return {i for i in self.written if self.by_index.get(i) in ("activation", "scratch")}
+
+    @property
+    def xcta_data(self) -> set[int]:
+        """Data both written and read by this kernel: what publishes must cover."""
+        return self.data & self.loaded
+
+
+def _buffer_params(prov: Provenance, idx: int, roles: Roles) -> set[int]:
+    return {p for p in prov.params_of_addr(idx) if roles.by_index.get(p, "activation") != "scalar"}
+
+
+def thread_dependent_blocks(cfg: CFG, prov: Provenance) -> set[int]:
+    """Blocks whose execution differs between threads of one CTA (control dependent on a
+    branch whose predicate derives from the thread index, directly or transitively)."""
+    td: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for b in cfg.rpo:
+            if b in td:
+                continue
+            for x in cfg.control_deps.get(b, ()):
+                br = cfg.branch_instr(x)
+                if x in td or prov.guard_is_thread_varying(br.index):
+                    td.add(b)
+                    changed = True
+                    break
+    return td
+
+
+def _sync_loops(cfg: CFG, prov: Provenance, roles: Roles) -> set[int]:
+    """Headers of loops whose body accesses a sync parameter or acquires: persistent and spin
+    loops. An iteration of such a loop must find its own wait."""
+    fn = cfg.fn
+    heads = set()
+    for lp in cfg.loops:
+        for b in lp.body:
+            blk = cfg.blocks[b]
+            if any(_touches_sync(fn.instrs[k], prov, roles) or fn.instrs[k].kind == ir.INVALIDATE
+                   for k in range(blk.start, blk.end)):
+                heads.add(lp.header)
+                break
+    return heads
+
+
+def _touches_sync(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
+    return ins.kind in ir.MEMORY_KINDS and bool(prov.params_of_addr(ins.index) & roles.sync)
+
+
+def _is_acquire(ins: ir.Instr) -> bool:
+    return (ins.kind in (ir.LOAD, ir.ATOM) and ins.sem in (ir.ACQUIRE, ir.ACQ_REL)
+            and ins.cross_cta_scope)
+
+
+def _is_publish(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
+    return ins.kind in (ir.STORE, ir.RED, ir.ATOM) and bool(prov.params_of_addr(ins.index) & roles.sync)
+
+
+def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set[str], step):
+    """Generic forward analysis over boolean facts. `must` facts join by AND, the others by OR.
+    `step(instr, state)` updates `state` in place. Returns the IN state of every block."""
+    ins_state: dict[int, dict] = {}
+    out: dict[int, dict] = {}
+    changed = True
+    while changed:
+        changed = False
+        for b in cfg.rpo:
+            if b == cfg.rpo[0]:
+                st = dict(init)
+            elif b in reset_heads:
+                st = dict(reset)
+            else:
+                preds = [out[p] for p in cfg.blocks[b].preds if p in out]
+                if not preds:
+                    continue
+                st = {}
+                for k in init:
+                    vals = [p[k] for p in preds]
+                    st[k] = all(vals) if k in must else any(vals)
+            if b in reset_heads and b == cfg.rpo[0]:
+                st = dict(reset)
+            ins_state[b] = dict(st)
+            blk = cfg.blocks[b]
+            for k in range(blk.start, blk.end):
+                step(cfg.fn.instrs[k], st, None)
+            if out.get(b) != st:
+                out[b] = st
+                changed = True
+    return ins_state
+
+
+def _replay(cfg: CFG, ins_state: dict, step, emit) -> None:
+    for b in cfg.rpo:
+        if b not in ins_state:
+            continue
+        st = dict(ins_state[b])
+        blk = cfg.blocks[b]
+        for k in range(blk.start, blk.end):
+            step(cfg.fn.instrs[k], st, emit)
+
+
+def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> list[RawFinding]:
+    """All rules on one function. PTX and SASS differ only in how acquires look (SASS: a
+    strong load of a sync flag followed by CCTL.IVALL) and in which rules apply."""
+    fn = cfg.fn
+    sass = fn.dialect == "sass"
+    findings: list[RawFinding] = []
+    td = thread_dependent_blocks(cfg, prov)
+
+    # -- nc loads and unknown provenance (any kernel) -----------------------------------------
+    for ins in fn.instrs:
+        if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
+            continue
+        if ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
+            bufs = _buffer_params(prov, ins.index, roles)
+            if not bufs:
+                findings.append(RawFinding("unknown-provenance", ins,
+                                           "address derives from no kernel parameter"))
+                continue
+            if ins.kind == ir.LOAD and ins.nc:
+                bad = sorted(p for p in bufs if roles.by_index.get(p) != "static")
+                if bad:
+                    findings.append(RawFinding(
+                        "nc-load-mutable", ins,
+                        "non-coherent load from " + ", ".join(
+                            f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})" for p in bad)
+                        + ": valid only for data read-only for the whole launch", tuple(bad)))
+
+    # -- barriers under thread-dependent control ----------------------------------------------
+    if not sass:
+        for ins in fn.instrs:
+            if ins.kind != ir.BARRIER or cfg.block_of[ins.index] not in cfg.reachable:
+                continue
+            if cfg.block_of[ins.index] in td or (ins.guard and prov.guard_is_thread_varying(ins.index)):
+                findings.append(RawFinding("barrier-divergent", ins,
+                                           "CTA barrier reached by only some threads of the CTA"))
+
+    if not syncs:
+        return findings
+
+    heads = _sync_loops(cfg, prov, roles)
+    data = roles.data
+
+    # -- ordering: loads of cross-CTA data after a wait ---------------------------------------
+    def order_step(ins: ir.Instr, st: dict, emit) -> None:
+        k = ins.kind
+        if sass:
+            if k in (ir.LOAD, ir.ATOM) and ins.strong and _touches_sync(ins, prov, roles):
+                st["R"] = True
+            elif k == ir.INVALIDATE and st["R"]:
+                st["A"] = st["S"] = True
+        else:
+            if _is_acquire(ins):
+                st["A"] = st["S"] = True
+            elif k in (ir.LOAD, ir.ATOM) and _touches_sync(ins, prov, roles):
+                st["R"] = True
+            elif k == ir.FENCE and st["R"]:
+                st["A"] = st["S"] = True
+        if k == ir.BARRIER and st["S"]:
+            st["A"] = True
+        if emit is not None and k == ir.LOAD and not st["A"] and not _is_acquire(ins):
+            hit = sorted(_buffer_params(prov, ins.index, roles) & data)
+            if hit:
+                names = ", ".join(repr(roles.names[p]) for p in hit)
+                if st["R"]:
+                    emit(RawFinding("relaxed-spin-no-fence", ins,
+                                    f"load of {names} after a relaxed/weak spin on a sync flag with no "
+                                    "acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
+                else:
+                    emit(RawFinding("load-before-wait", ins,
+                                    f"load of {names}, written by other CTAs of this launch, is not "
+                                    "ordered by a gpu-scope acquire earlier in its iteration", tuple(hit)))
+
+    zero = {"A": False, "S": False, "R": False}
+    st_in = _forward(cfg, zero, heads, zero, {"A"}, order_step)
+    _replay(cfg, st_in, order_step, findings.append)
+
+    # -- release: writes to sync params after a fence or with release semantics ---------------
+    def release_step(ins: ir.Instr, st: dict, emit) -> None:
+        k = ins.kind
+        if k == ir.FENCE:
+            st["F"] = True
+            return
+        if k in (ir.STORE, ir.RED, ir.ATOM, ir.BULK_STORE):
+            if _is_publish(ins, prov, roles):
+                released = st["F"] or (not sass and ins.sem in (ir.RELEASE, ir.ACQ_REL) and ins.cross_cta_scope)
+                if emit is not None and not released:
+                    emit(RawFinding("relaxed-publish", ins,
+                                    "write to sync parameter " + ", ".join(
+                                        repr(roles.names[p]) for p in sorted(prov.params_of_addr(ins.index) & roles.sync))
+                                    + " is relaxed and no gpu-scope fence precedes it since the last data write",
+                                    tuple(sorted(prov.params_of_addr(ins.index) & roles.sync))))
+            elif _buffer_params(prov, ins.index, roles):
+                st["F"] = False
+
+    st_in = _forward(cfg, {"F": False}, set(), {"F": False}, {"F"}, release_step)
+    _replay(cfg, st_in, release_step, findings.append)
+
+    if sass:
+        return findings
+
+    # -- publish-before-writes (a): every cross-CTA data write is published later ------------
+    xdata = roles.xcta_data
+    if xdata:
+        findings += _unpublished_writes(cfg, prov, roles, heads, td, xdata)
+
+    # -- publish-before-writes (b) and bulk drains: forward over the iteration ----------------
+    def pub_step(ins: ir.Instr, st: dict, emit) -> None:
+        k = ins.kind
+        b = cfg.block_of[ins.index]
+        if k == ir.BARRIER:
+            st["U"] = False
+        elif k in ir.MEMORY_KINDS and not _is_publish(ins, prov, roles):
+            if b not in td and _buffer_params(prov, ins.index, roles) & xdata:
+                st["U"] = True
+        if k == ir.BULK_STORE:
+            st["B"] = True
+        elif k == ir.BULK_WAIT and ins.extra.get("pending_allowed", 0) == 0:
+            st["B"] = False
+        if emit is not None and _is_publish(ins, prov, roles):
+            if st["U"] and b in td:
+                emit(RawFinding("publish-before-writes", ins,
+                                "publish by an elected thread with no CTA barrier (bar.sync) after the "
+                                "other threads' accesses to cross-CTA data: their writes (or reads) "
+                                "are not ordered before it"))
+            if st["B"]:
+                emit(RawFinding("bulk-store-not-drained", ins,
+                                "bulk-async global store still in flight at this publish: "
+                                "cp.async.bulk.wait_group 0 must come first"))
+
+    st_in = _forward(cfg, {"U": False, "B": False}, set(), {"U": False, "B": False}, set(), pub_step)
+    _replay(cfg, st_in, pub_step, findings.append)
+    return findings
+
+
+def _unpublished_writes(cfg, prov, roles, heads, td, xdata) -> list[RawFinding]:
+    """Backward: at each write to cross-CTA data, is a publish ahead on every path to the end
+    of the iteration? At a thread-dependent branch one side suffices (an elected publisher)."""
+    fn = cfg.fn
+    back = {(t, h) for lp in cfg.loops if lp.header in heads for (t, h) in lp.back_edges}
+    out_state: dict[int, bool] = {}
+    in_state: dict[int, bool] = {}
+
+    def block_in(b: int, after: bool, emit) -> bool:
+        p = after
+        blk = cfg.blocks[b]
+        for k in range(blk.end - 1, blk.start - 1, -1):
+            ins = fn.instrs[k]
+            if _is_publish(ins, prov, roles):
+                p = True
+            elif ins.kind in (ir.STORE, ir.BULK_STORE) and _buffer_params(prov, ins.index, roles) & xdata:
+                if emit is not None and not p:
+                    hit = sorted(_buffer_params(prov, ins.index, roles) & xdata)
+                    emit(RawFinding("publish-before-writes", ins,
+                                    "write to " + ", ".join(repr(roles.names[q]) for q in hit)
+                                    + " (read by other CTAs) is not followed by any publish in its "
+                                    "iteration: a publish before it signals data not yet written", tuple(hit)))
+        return p
+
+    order = list(reversed(cfg.rpo))
+    changed = True
+    while changed:
+        changed = False
+        for b in order:
+            succs = cfg.blocks[b].succs
+            vals = [False if (b, s) in back else in_state.get(s, True) for s in succs]
+            if not succs:
+                after = False
+            elif prov.guard_is_thread_varying(cfg.branch_instr(b).index) and len(succs) > 1:
+                after = any(vals)
+            else:
+                after = all(vals)
+            out_state[b] = after
+            v = block_in(b, after, None)
+            if in_state.get(b) != v:
+                in_state[b] = v
+                changed = True
+    found: list[RawFinding] = []
+    for b in cfg.rpo:
+        block_in(b, out_state.get(b, False), found.append)
+    return found

@@ -1,0 +1,263 @@
+"""Disassemble a cubin (nvdisasm from the `nvidia-cuda-nvdisasm` wheel) and parse the SASS.
+
+The SASS is what runs, so the rules that ptxas could invalidate by moving or rewriting code are
+checked here too. Parameters reach SASS as constant-bank reads `c[0x0][PARAM_BASE + offset]`,
+with the offsets of the PTX parameter list; line info comes from `nvdisasm -g`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from . import ir
+
+# sm_90: kernel parameters start at this offset of constant bank 0.
+PARAM_BASE = 0x210
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):\s*$")
+_FUNC = re.compile(r"^\s*\.text\.([\w$]+):\s*$")
+_LINEINFO = re.compile(r'^\s*//## File "([^"]*)", line (\d+)')
+_REG = re.compile(r"(?<![\w.])(UR\d+|URZ|UP\d|UPT|R\d+|RZ|P\d|PT|SR_[\w.]+)(?:\.(64|128|reuse))?")
+_CBANK = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
+_TARGET = re.compile(r"`\(([^)]+)\)")
+_NO_DEST = (
+    "ST", "STG", "STS", "STL", "RED", "REDG", "REDUX_NO", "BRA", "BRX", "JMP", "JMX", "EXIT",
+    "RET", "CALL", "BAR", "MEMBAR", "ERRBAR", "CGAERRBAR", "CCTL", "NOP", "BSSY", "BSYNC",
+    "WARPSYNC", "YIELD", "DEPBAR", "FENCE", "UTMASTG", "UTMALDG", "UBLKCP", "UTMAREDG", "UTMACCTL",
+    "UTMAPF", "SYNCS", "ARRIVES", "BPT", "KILL", "NANOSLEEP", "WARPGROUP", "WARPGROUPSET",
+)
+_SETP = ("ISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "UISETP", "PLOP3", "UPLOP3", "FCHK")
+_CARRY = ("IADD3", "UIADD3", "LEA", "ULEA", "IMAD", "UIMAD")
+_THREAD_VARYING = ("SR_TID", "SR_LANEID", "SR_LTMASK", "SR_LEMASK", "SR_GTMASK", "SR_GEMASK", "SR_VIRTUALSMID")
+
+
+class SassError(RuntimeError):
+    """The cubin cannot be disassembled (no nvdisasm, not a cubin)."""
+
+
+def find_tool(name: str) -> str | None:
+    """Path of `name` (nvdisasm, cuobjdump) from the PyPI wheels beside this Python, else PATH."""
+    try:
+        import nvidia
+
+        for base in getattr(nvidia, "__path__", []):
+            for cand in sorted(Path(base).glob(f"*/bin/{name}")):
+                if cand.is_file():
+                    return str(cand)
+    except ImportError:
+        pass
+    venv_bin = Path(sys.executable).parent / name
+    if venv_bin.is_file():
+        return str(venv_bin)
+    return shutil.which(name)
+
+
+def disassemble(cubin: str | Path) -> str:
+    """SASS text of every function in `cubin`, with line info (`nvdisasm -c -g`)."""
+    tool = find_tool("nvdisasm")
+    if tool is None:
+        raise SassError("nvdisasm not found: install the nvidia-cuda-nvdisasm wheel")
+    p = Path(cubin)
+    if not p.is_file():
+        raise SassError(f"cannot read cubin {p}")
+    res = subprocess.run([tool, "-c", "-g", str(p)], capture_output=True, text=True)
+    if res.returncode != 0 or "/*0000*/" not in res.stdout:
+        msg = (res.stderr or res.stdout).strip().splitlines()
+        raise SassError(f"nvdisasm failed on {p.name}: {msg[-1] if msg else 'no output'}")
+    return res.stdout
+
+
+def _expand(reg: str, width: str | None) -> list[str]:
+    n = {"64": 2, "128": 4}.get(width or "", 1)
+    m = re.match(r"^(U?R)(\d+)$", reg)
+    if n == 1 or not m:
+        return [reg]
+    return [f"{m.group(1)}{int(m.group(2)) + k}" for k in range(n)]
+
+
+def _operand_regs(op: str) -> list[str]:
+    out = []
+    for m in _REG.finditer(_CBANK.sub("", op)):
+        r, w = m.group(1), m.group(2)
+        if r in ("RZ", "PT", "URZ", "UPT"):
+            continue
+        out += _expand(r, w if w in ("64", "128") else None)
+    return out
+
+
+def _dest_width(opcode: str) -> str | None:
+    toks = opcode.split(".")
+    if "128" in toks:
+        return "128"
+    if "64" in toks or "WIDE" in toks or toks[0].startswith("D"):
+        return "64"
+    return None
+
+
+def _split(rest: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for ch in rest:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _is_pred(op: str) -> bool:
+    return bool(re.fullmatch(r"!?U?(P\d|PT)", op.strip()))
+
+
+def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
+    base = toks[0]
+    scope = "sys" if "SYS" in toks else "gpu" if "GPU" in toks else "cta" if ("SM" in toks or "CTA" in toks) else None
+    if base in ("LDG", "LD"):
+        ins.kind = ir.LOAD
+        ins.nc = "CONSTANT" in toks
+    elif base in ("STG", "ST"):
+        ins.kind = ir.STORE
+    elif base in ("REDG", "RED"):
+        ins.kind = ir.RED
+    elif base in ("ATOMG", "ATOM"):
+        ins.kind = ir.ATOM
+    elif base == "MEMBAR":
+        ins.kind = ir.FENCE if scope in ("gpu", "sys") else ir.FENCE_CTA
+        ins.sem = ir.ACQ_REL
+    elif base == "CCTL" and "IVALL" in toks:
+        ins.kind = ir.INVALIDATE
+    elif base == "BAR" and any(t in ("SYNC", "RED", "SYNCALL") for t in toks[1:]):
+        ins.kind = ir.BARRIER
+    elif base in ("BRA", "BRX", "JMP", "JMX"):
+        ins.kind = ir.BRANCH
+        m = _TARGET.search(" ".join(operands))
+        ins.targets = (m.group(1),) if m else ()
+        ins.conditional = ins.guard is not None
+        if not m:
+            ins.extra["indirect"] = True
+    elif base in ("EXIT", "RET", "KILL"):
+        ins.kind = ir.EXIT
+        ins.conditional = ins.guard is not None
+    elif base in ("UTMASTG", "UTMAREDG") or (base == "UBLKCP" and ".G.S" in ins.opcode):
+        ins.kind = ir.BULK_STORE
+    if ins.kind in ir.MEMORY_KINDS:
+        ins.strong = "STRONG" in toks
+        ins.scope = scope
+        # Without the .STRONG qualifier a SASS memory op is weak; ordering comes from the
+        # surrounding MEMBAR / CCTL.IVALL, which the analyses track.
+        ins.sem = ir.RELAXED if ins.strong else ir.WEAK
+        for o in operands:
+            if "[" in o and not o.lstrip().startswith("c["):
+                last = o[o.rfind("[") :]
+                ins.addr_regs = tuple(_operand_regs(last))
+                break
+
+
+def parse_sass(text: str, params: list[ir.ParamDecl] | None = None) -> list[ir.Function]:
+    """Every function in nvdisasm output `text`. `params` (from the PTX) maps c[0x0][..] reads."""
+    funcs: list[ir.Function] = []
+    cur: ir.Function | None = None
+    loc: ir.SourceLoc | None = None
+    params = params or []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        m = _FUNC.match(raw)
+        if m:
+            cur = ir.Function(name=m.group(1), instrs=[], labels={}, params=list(params), dialect="sass")
+            funcs.append(cur)
+            loc = None
+            continue
+        if cur is None:
+            continue
+        m = _LINEINFO.match(raw)
+        if m:
+            loc = ir.SourceLoc(m.group(1), int(m.group(2)))
+            continue
+        m = _LABEL.match(raw)
+        if m:
+            cur.labels[m.group(1)] = len(cur.instrs)
+            continue
+        m = _INSTR.match(raw)
+        if not m:
+            continue
+        ins = _parse_instr(m.group(2), len(cur.instrs), int(m.group(1), 16), lineno, loc, params)
+        if ins is not None:
+            cur.instrs.append(ins)
+    if not funcs:
+        raise SassError("no function found in the disassembly")
+    return funcs
+
+
+def _param_at(offset: int, params: list[ir.ParamDecl]) -> int | None:
+    rel = offset - PARAM_BASE
+    for p in params:
+        if p.offset <= rel < p.offset + p.size:
+            return p.index
+    return None
+
+
+def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
+    body = body.strip().rstrip(";").strip()
+    guard = None
+    if body.startswith("@"):
+        g, _, body = body.partition(" ")
+        guard = g[1:].lstrip("!")
+        body = body.strip()
+        if guard in ("PT", "UPT"):
+            guard = None
+    parts = body.split(None, 1)
+    if not parts:
+        return None
+    opcode = parts[0]
+    operands = _split(parts[1]) if len(parts) > 1 else []
+    toks = opcode.split(".")
+    ins = ir.Instr(index=index, text=body, opcode=opcode, guard=guard, address=address, line=lineno, loc=loc)
+    _classify(ins, toks, operands)
+    base = toks[0]
+    dest_ops: list[str] = []
+    if base not in _NO_DEST and ins.kind not in (ir.STORE, ir.RED, ir.BULK_STORE) and operands:
+        if base in _SETP:
+            dest_ops = [o for o in operands[:2] if _is_pred(o)]
+        else:
+            k = 0
+            while k < len(operands) and _is_pred(operands[k]):
+                dest_ops.append(operands[k])
+                k += 1
+            if k < len(operands) and not operands[k].startswith(("c[", "desc", "[", "0x", "-", "|", "!", "~")):
+                dest_ops.append(operands[k])
+                k += 1
+                if base in _CARRY and "X" not in toks and k < len(operands) and _is_pred(operands[k]):
+                    dest_ops.append(operands[k])
+    dests: list[str] = []
+    width = _dest_width(opcode)
+    for o in dest_ops:
+        for m in _REG.finditer(o):
+            r = m.group(1)
+            if r not in ("RZ", "PT", "URZ", "UPT"):
+                dests += _expand(r, width)
+    src_ops = operands[len(dest_ops):]
+    srcs: list[str] = []
+    pread: list[int] = []
+    for o in src_ops:
+        srcs += _operand_regs(o)
+        for cm in _CBANK.finditer(o):
+            pi = _param_at(int(cm.group(1), 16), params)
+            if pi is not None:
+                pread.append(pi)
+    if guard:
+        srcs.append(guard)
+    ins.dests = tuple(dests)
+    ins.srcs = tuple(srcs)
+    ins.params_read = tuple(pread)
+    ins.reads_tid = any(s.startswith(_THREAD_VARYING) for s in srcs)
+    return ins
