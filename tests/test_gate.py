@@ -1,0 +1,313 @@
+"""The gate over real temporary git repositories: policy routing, evidence binding, exit codes,
+outputs; plus the CI workflow's lint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gate_fixtures import (REPO, commit, commit_bundle, edit_lines, fake_builder, make_bundle,
+                           make_repo, new_keypair, shallow_clone, sign, write)
+from validation import cli
+from validation.gate import (EXIT_ERROR, EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome,
+                             run_gate, write_outputs)
+
+
+@pytest.fixture()
+def signed_repo(tmp_path):
+    priv, pem = new_keypair()
+    root = tmp_path / "repo"
+    base = make_repo(root, public_key_pem=pem)
+    return root, base, priv
+
+
+def change_alpha(root, *, lines=2):
+    edit_lines(root, "kernels/ops/alpha.py", lines)
+
+
+def gate(root, base, head, **kw):
+    kw.setdefault("builder", fake_builder(root))
+    return run_gate(base, head, repo=root, **kw)
+
+
+def reasons(v) -> str:
+    return "\n".join(v.reasons)
+
+
+def test_clean_one_kernel_change_with_bound_evidence_passes(signed_repo, tmp_path):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    built = fake_builder(root)("alpha")
+    path = commit_bundle(root, sign(make_bundle("alpha", built), priv))
+    write(root, "rfc.toml", 'title = "faster alpha"\n[claim]\nspeedup = false\n')
+    head = commit(root, "alpha: faster")
+    v = gate(root, base, head)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.kernels == ["alpha"] and v.evidence["bundle"] == path
+    assert any("static race audit of alpha: not run" in n for n in v.not_covered)
+    written = write_outputs(v, tmp_path / "out")
+    data = json.loads(written["verdict.json"].read_text())
+    assert data["status"] == "pass" and data["exit_code"] == 0
+    assert 'id="verdict">PASS' in written["report.html"].read_text()
+    assert "fasttrack gate: pass" in written["pr_comment.md"].read_text()
+
+
+@pytest.mark.parametrize("what, expect", [
+    ("two kernels", ("multiple-kernels", "", "touches 2 kernels (alpha: kernels/ops/alpha.py; beta: kernels/ops/beta.py)")),
+    ("reference", ("protected-path", "kernels/reference.py", "reference")),
+    ("validator", ("protected-path", "validation/numerics.py", "the validator")),
+    ("oracle test", ("protected-path", "tests/test_alpha.py", "oracles")),
+    ("roles", ("manifest-roles", "kernels/manifest.toml", "buffer roles")),
+    ("ci", ("protected-path", ".github/workflows/pr.yml", "CI configuration")),
+    ("shared code", ("unclassified-path", "kernels/ops/base.py", "not a declared source")),
+])
+def test_ineligible_changes_are_routed_to_full_review(signed_repo, what, expect):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    if what == "two kernels":
+        edit_lines(root, "kernels/ops/beta.py", 1)
+    elif what == "reference":
+        write(root, "kernels/reference.py", "def alpha(x):\n    return x * 0\n")
+    elif what == "validator":
+        write(root, "validation/numerics.py", "TOLERANCE = 1.0\n")
+    elif what == "oracle test":
+        write(root, "tests/test_alpha.py", "def test_alpha():\n    pass\n")
+    elif what == "roles":
+        text = (root / "kernels/manifest.toml").read_text()
+        write(root, "kernels/manifest.toml", text.replace('name = "w", role = "static"',
+                                                          'name = "w", role = "activation"'))
+    elif what == "ci":
+        write(root, ".github/workflows/pr.yml", "on: push\n")
+    elif what == "shared code":
+        write(root, "kernels/ops/base.py", "X = 1\n")
+    head = commit(root, what)
+    v = gate(root, base, head, builder=lambda k: pytest.fail("an ineligible change must not be built"))
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE)
+    rule, path, why = expect
+    hits = [x for x in v.policy["violations"] if x["rule"] == rule and x["path"] == path]
+    assert hits and why in hits[0]["why"], reasons(v)
+
+
+def test_line_bound_breach(tmp_path):
+    policy = (REPO / "validation/policy.toml").read_text().replace("max_changed_lines = 400",
+                                                                   "max_changed_lines = 10")
+    root = tmp_path / "repo"
+    base = make_repo(root, policy_text=policy)
+    change_alpha(root, lines=6)  # 12 changed lines
+    head = commit(root, "big")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_NOT_ELIGIBLE
+    assert "[line-bound] 12 changed lines exceed the bound of 10 (kernels/ops/alpha.py 12)" in reasons(v)
+
+
+def test_policy_is_read_at_the_base(tmp_path):
+    # Loosening the bound in the same change does not help: the base's policy judges it (and the
+    # policy file itself is protected).
+    policy = (REPO / "validation/policy.toml").read_text()
+    root = tmp_path / "repo"
+    base = make_repo(root, policy_text=policy.replace("max_changed_lines = 400", "max_changed_lines = 10"))
+    change_alpha(root, lines=6)
+    write(root, "validation/policy.toml", policy.replace("max_changed_lines = 400", "max_changed_lines = 1000"))
+    head = commit(root, "loosen")
+    v = gate(root, base, head)
+    rules = {x["rule"] for x in v.policy["violations"]}
+    assert v.exit_code == EXIT_NOT_ELIGIBLE and {"line-bound", "protected-path"} <= rules
+
+
+def test_evidence_for_another_binary_fails_naming_the_kernel(signed_repo):
+    root, base, priv = signed_repo
+    stale = fake_builder(root)("alpha")  # evidence measured before the last edit
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", stale), priv))
+    head = commit(root, "edited after measuring")
+    v = gate(root, base, head)
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
+    text = reasons(v)
+    assert 'kernel alpha variant {"batch":1,"n":64}' in text and "does not match the bundle's" in text
+
+
+@pytest.mark.parametrize("how, message", [
+    ("unsigned", "the bundle is not signed"),
+    ("tampered", "does not verify: the bundle was changed after signing"),
+    ("untrusted", "which is not among the trusted keys"),
+])
+def test_bundle_must_carry_a_trusted_signature(signed_repo, how, message):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    bundle = make_bundle("alpha", fake_builder(root)("alpha"))
+    if how == "tampered":
+        bundle = sign(make_bundle("alpha", fake_builder(root)("alpha"), verdicts={8: "SLOW"}), priv)
+        bundle["benchmark"]["cases"][1]["verdict"] = "SAME"  # hide the regression after signing
+        bundle["benchmark"]["passed"] = True
+    elif how == "untrusted":
+        other, _ = new_keypair()
+        bundle = sign(bundle, other)
+    commit_bundle(root, bundle)
+    head = commit(root, how)
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL and message in reasons(v)
+    assert v.evidence["bundle"] is None
+
+
+def test_no_evidence_fails(signed_repo):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "no evidence")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL
+    assert "kernel alpha: no committed evidence bundle under evidence_reports/ measures it" in reasons(v)
+
+
+@pytest.mark.parametrize("verdicts, claim, message", [
+    ({8: "SLOW"}, None, "SLOW (slower beyond noise) at: batch 8"),
+    ({1: "IMPOSSIBLE"}, None, "IMPOSSIBLE"),
+    ({}, "speedup = true\nbatches = [1]", "a speedup is claimed (batches 1) but no claimed case is FAST"),
+    ({1: "FAST", 8: "AMBIGUOUS"}, "speedup = true", "the claimed speedup is AMBIGUOUS at: batch 8"),
+])
+def test_benchmark_results_must_hold(signed_repo, verdicts, claim, message):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), verdicts=verdicts), priv))
+    if claim:
+        write(root, "kernels/ops/rfc.toml", f'title = "x"\n[claim]\n{claim}\n')
+    head = commit(root, "bench")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL and message in reasons(v), reasons(v)
+
+
+def test_claimed_speedup_with_fast_case_passes_and_ambiguous_elsewhere_is_allowed(signed_repo):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"),
+                                         verdicts={1: "FAST", 8: "AMBIGUOUS"}), priv))
+    write(root, "rfc.toml", 'title = "x"\n[claim]\nspeedup = true\nbatches = [1]\n')
+    head = commit(root, "claim")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_PASS, reasons(v)
+
+
+def test_missing_race_results_and_failing_audit_fail(signed_repo):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), race=False), priv))
+    head = commit(root, "no race")
+    v = gate(root, base, head, auditor=lambda k, built: AuditOutcome("fail", "static audit found errors",
+                                                                     ["R1 nc load of activation x"]))
+    text = reasons(v)
+    assert v.exit_code == EXIT_FAIL
+    assert "no race audit in the bundle" in text and "R1 nc load of activation x" in text
+
+
+def test_no_kernel_change_exits_zero(signed_repo):
+    root, base, _ = signed_repo
+    write(root, "README.md", "# demo\n\nmore words\n")
+    write(root, "tests/test_agent_loop.py", "def test_x():\n    assert 1\n")
+    head = commit(root, "docs")
+    v = gate(root, base, head, builder=lambda k: pytest.fail("nothing to build"))
+    assert (v.status, v.exit_code) == ("no_kernel_change", EXIT_PASS)
+
+
+def test_scope_only_stops_before_build(signed_repo):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "x")
+    v = gate(root, base, head, scope_only=True, builder=lambda k: pytest.fail("no build in scope-only"))
+    assert v.exit_code == EXIT_PASS and "scope only" in reasons(v)
+
+
+def test_run_gpu_without_a_device_is_an_error(signed_repo):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "x")
+    v = gate(root, base, head, run_gpu=True, cuda_available=lambda: False)
+    assert v.exit_code == EXIT_ERROR and "--run-gpu needs a CUDA device" in reasons(v)
+
+
+def test_run_gpu_binds_the_validators_own_bundle(signed_repo):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "x")
+    built = fake_builder(root)("alpha")
+    v = gate(root, base, head, run_gpu=True, cuda_available=lambda: True,
+             validator=lambda k: make_bundle(k, built))
+    assert v.exit_code == EXIT_PASS, reasons(v)
+    v = gate(root, base, head, run_gpu=True, cuda_available=lambda: True,
+             validator=lambda k: make_bundle(k, built, verdicts={1: "SLOW"}))
+    assert v.exit_code == EXIT_FAIL
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_cli_malformed_revision_exits_2_and_still_writes_outputs(signed_repo, tmp_path, capsys):
+    root, base, _ = signed_repo
+    out = tmp_path / "out"
+    rc = cli.main(["gate", "--base", "no-such-rev", "--head", base, "--repo", str(root), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip() == "fasttrack gate: revision 'no-such-rev' does not name a commit in this repository"
+    assert json.loads((out / "verdict.json").read_text())["status"] == "error"
+
+
+def test_cli_shallow_clone_missing_the_base_exits_2(signed_repo, tmp_path, capsys):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "x")
+    clone = tmp_path / "clone"
+    shallow_clone(root, clone)
+    rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(clone), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "shallow clone" in capsys.readouterr().err
+
+
+def test_cli_not_eligible_exits_3_with_each_rule(signed_repo, tmp_path, capsys):
+    root, base, _ = signed_repo
+    write(root, "kernels/reference.py", "def alpha(x):\n    return 2 * x\n")
+    write(root, "validation/numerics.py", "TOLERANCE = 1\n")
+    head = commit(root, "x")
+    rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert "[protected-path] kernels/reference.py:" in out and "[protected-path] validation/numerics.py:" in out
+    comment = (tmp_path / "o/pr_comment.md").read_text()
+    assert "| `protected-path` | `kernels/reference.py` |" in comment
+
+
+def test_cli_out_that_is_a_file_is_refused_and_kept(signed_repo, tmp_path, capsys):
+    root, base, _ = signed_repo
+    write(root, "README.md", "changed\n")
+    head = commit(root, "x")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(precious)])
+    assert rc == 2 and "is not a directory" in capsys.readouterr().err
+    assert precious.read_text() == "keep me"
+
+
+def test_cli_help_documents_exit_codes():
+    out = subprocess.run([sys.executable, "-m", "validation.cli", "gate", "--help"],
+                         capture_output=True, text=True, cwd=REPO).stdout
+    for line in ("0  pass", "1  fail", "2  bad input or infrastructure error", "3  not eligible for fast track"):
+        assert line in out
+
+
+# -- CI workflow -------------------------------------------------------------------------------
+
+def test_pr_workflow_is_valid():
+    """Lint the GitHub Actions workflows against the workflow schema (check-jsonschema), and
+    with actionlint when it is on PATH."""
+    workflows = sorted((REPO / ".github/workflows").glob("*.yml"))
+    assert workflows, "no workflows under .github/workflows"
+    cj = shutil.which("check-jsonschema")
+    if cj is None:
+        pytest.skip("check-jsonschema is not installed (pip install check-jsonschema)")
+    res = subprocess.run([cj, "--builtin-schema", "vendor.github-workflows", *map(str, workflows)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    if shutil.which("actionlint"):
+        res = subprocess.run(["actionlint", *map(str, workflows)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+    text = (REPO / ".github/workflows/pr.yml").read_text()
+    assert "fasttrack gate" in text and "[self-hosted, gpu]" in text
