@@ -625,6 +625,43 @@ def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, pr
     return out
 
 
+def find_artifact(kernel: str, shape: dict, tunables: dict | None = None, *, root: Path = DEFAULT_ROOT,
+                  manifest: Manifest | None = None, repo_root: Path = REPO_ROOT) -> BuildArtifact:
+    """The existing build of one variant, verified against today's sources; compiles nothing.
+
+    For hosts without the DSL (the GPU host runs what a CPU host built and carried over): the
+    folder's content key is recomputed from the current source files and the DSL version the
+    folder records, so a stale build (any hashed source changed since) is refused, naming the
+    changed files. Raises BuildError when no current build exists.
+    """
+    spec = _spec(kernel, manifest)
+    tun = resolve_tunables(spec, tunables)
+    shape = dict(shape)
+    label = f"kernel {kernel!r} [{variant_label(shape, tun)}]"
+    files = source_closure(spec, repo_root)
+    sources = {f: _sha256_file(Path(repo_root) / f) for f in files}
+    stale: list[str] = []
+    for meta_path in sorted((Path(root) / kernel).glob("*/meta.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("variant") != shape or meta.get("tunables") != tun or meta.get("format") != BUILD_FORMAT:
+                continue
+            key = content_key(spec, shape, tun, sources, meta["dsl_version"], meta["options"], meta["arch"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        plan = _Plan(spec, shape, tun, key, meta_path.parent)
+        if key == meta["key"] and meta_path.parent.name == key[:16]:
+            hit = _load_cached(plan)
+            if hit is not None:
+                return hit
+        changed = sorted(f for f in set(sources) | set(meta.get("sources", {}))
+                         if sources.get(f) != meta.get("sources", {}).get(f))
+        stale.append(f"{meta_path.parent.name} (changed since: {', '.join(changed) or 'build inputs'})")
+    if stale:
+        raise BuildError(f"{label}: only stale builds under {root}: {'; '.join(stale)}; rebuild with `fasttrack build {kernel}`")
+    raise BuildError(f"{label}: not built under {root}; run `fasttrack build {kernel}` on a host with the DSL")
+
+
 def load_artifact(build_dir: Path) -> dict:
     """The meta.json of a build folder (for tools that only read)."""
     return json.loads((Path(build_dir) / "meta.json").read_text())

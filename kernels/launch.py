@@ -194,19 +194,23 @@ def _check(result, call: str):
 
 _init_lock = threading.Lock()
 _contexts: dict[int, Any] = {}  # device ordinal -> retained primary context
+_torch_ready = False
 
 
 def _ensure_context():
     """Make torch's primary context of the current device current; return (device ordinal, ctx)."""
+    global _torch_ready
     try:
         import torch
     except ImportError:
         raise LaunchError("torch is not installed") from None
-    if not torch.cuda.is_available():
-        raise LaunchError("no CUDA device: torch.cuda.is_available() is False (a CPU-only host can "
-                          "build kernels but not launch them)")
-    # Initialise torch's CUDA state first so the primary context we retain is the one torch uses.
-    torch.cuda.init()
+    if not _torch_ready:
+        if not torch.cuda.is_available():
+            raise LaunchError("no CUDA device: torch.cuda.is_available() is False (a CPU-only host can "
+                              "build kernels but not launch them)")
+        # Initialise torch's CUDA state first so the primary context we retain is the one torch uses.
+        torch.cuda.init()
+        _torch_ready = True
     dev = torch.cuda.current_device()
     driver = _driver()
     with _init_lock:
@@ -293,6 +297,11 @@ class CubinKernel:
     @property
     def param_names(self) -> list[str]:
         return [p.get("name", f"arg{p['index']}") for p in self.params]
+
+    def load(self) -> None:
+        """Load the module on the current device now, e.g. before CUDA-graph capture (where
+        module loading is not allowed); launches load it on first use otherwise."""
+        self._function()
 
     def _function(self):
         dev, _ = _ensure_context()

@@ -296,3 +296,21 @@ def test_cli_compile_error_is_one_line_exit_1(capsys, tmp_path):
     assert code == 1
     assert err.startswith("fasttrack build: kernel 'broken' [n=32]: tests/fixtures/broken_op.py:")
     assert "Traceback" not in err
+
+
+def test_find_artifact_verifies_sources_without_the_dsl(built, manifest, tmp_path, monkeypatch):
+    """What a GPU host (no DSL) does: find the carried build of a variant, refuse a stale one."""
+    root, art = built
+    monkeypatch.setattr(build, "dsl_version", lambda: (_ for _ in ()).throw(AssertionError("needs no DSL")))
+    found = build.find_artifact("scale", SHAPE, root=root, manifest=manifest)
+    assert found.key == art.key and found.dir == art.dir and found.cache_hit
+    with pytest.raises(BuildError, match=r"kernel 'scale' \[rows=8 cols=96 threads=64\]: not built under"):
+        build.find_artifact("scale", {"rows": 8, "cols": 96}, root=root, manifest=manifest)
+    # A checkout whose op source differs from what was built: the build is stale.
+    clone = tmp_path / "checkout"
+    for rel in art.meta["sources"]:
+        (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO_ROOT / rel, clone / rel)
+    (clone / "tests/fixtures/scale_op.py").write_text((clone / "tests/fixtures/scale_op.py").read_text() + "\n# edit\n")
+    with pytest.raises(BuildError, match=r"only stale builds .*changed since: tests/fixtures/scale_op.py"):
+        build.find_artifact("scale", SHAPE, root=root, manifest=manifest, repo_root=clone)
