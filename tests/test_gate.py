@@ -13,7 +13,7 @@ import pytest
 from gate_fixtures import (REPO, commit, commit_bundle, edit_lines, fake_builder, make_bundle,
                            make_repo, new_keypair, shallow_clone, sign, write)
 from validation import cli
-from validation.gate import (EXIT_ERROR, EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome,
+from validation.gate import (EXIT_ERROR, EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome, BuiltVariant,
                              run_gate, write_outputs)
 
 
@@ -311,3 +311,67 @@ def test_pr_workflow_is_valid():
         assert res.returncode == 0, res.stdout + res.stderr
     text = (REPO / ".github/workflows/pr.yml").read_text()
     assert "fasttrack gate" in text and "[self-hosted, gpu]" in text
+
+
+# -- one real build, end to end ----------------------------------------------------------------
+
+SCALE_MANIFEST = """\
+[kernels.scale]
+op = "kernels.ops.scale:ScaleOp"
+reference = "kernels.reference:scale"
+sources = ["kernels/ops/scale.py"]
+params = [
+  { name = "x", role = "activation" },
+  { name = "alpha", role = "scalar" },
+  { name = "n", role = "scalar" },
+  { name = "y", role = "activation", direction = "out" },
+]
+[kernels.scale.tunables]
+threads = { choices = [64, 128], default = 64 }
+[kernels.scale.shapes]
+rows = [4]
+cols = [64]
+"""
+
+
+@pytest.mark.slow
+def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
+    """The default builder compiles the change's kernel with the CuTe DSL, the real static audit
+    reads its PTX/SASS, and a bundle signed over those cubin hashes passes; one edit later, the same
+    bundle no longer binds."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_kernel
+    from kernels.manifest import parse_manifest
+
+    priv, pem = new_keypair()
+    root = tmp_path / "repo"
+    base = make_repo(root, public_key_pem=pem)
+    write(root, ".gitignore", "build/\n.fasttrack/\n")
+    for rel in ("kernels/__init__.py", "kernels/ops/__init__.py", "kernels/ops/base.py"):
+        write(root, rel, (REPO / rel).read_text())
+    write(root, "kernels/ops/scale.py", (REPO / "tests/fixtures/scale_op.py").read_text())
+    write(root, "kernels/manifest.toml", SCALE_MANIFEST)
+    base = commit(root, "scale kernel")
+
+    src = (root / "kernels/ops/scale.py").read_text()
+    write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha", "alpha * mX[r, c]"))
+    arts = build_kernel("scale", root=root / "build", repo_root=root, manifest=parse_manifest(SCALE_MANIFEST))
+    built = [BuiltVariant(a.kernel, dict(a.shape), dict(a.tunables), a.cubin_sha256) for a in arts]
+    commit_bundle(root, sign(make_bundle("scale", built), priv))
+    head = commit(root, "scale: commute the product")
+
+    out = tmp_path / "out"
+    rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["build"][0]["cubin_sha256"] == built[0].cubin_sha256
+    assert verdict["audit"]["scale"]["status"] == "pass", verdict["audit"]
+
+    # Edit the kernel again without new evidence: the bundle is for another binary now.
+    write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
+                                                    "mX[r, c] * alpha - n.to(cutlass.Float32)"))
+    head2 = commit(root, "scale: sign flip")
+    rc = cli.main(["gate", "--base", base, "--head", head2, "--repo", str(root), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 1 and 'kernel scale variant {"cols":64,"rows":4}' in printed, printed

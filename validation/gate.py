@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 from .policy import (ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE, POLICY_RELPATH, PolicyDecision,
@@ -56,6 +57,7 @@ class BuiltVariant:
     tunables: dict
     cubin_sha256: str
     build_key: str | None = None
+    build_dir: str | None = None  # the build folder (kernel.ptx, kernel.sass), for the static audit
 
 
 class KernelBuildFailed(Exception):
@@ -286,27 +288,35 @@ def default_builder(repo_root: Path, manifest=None) -> Builder:
         except ImportError as e:  # the DSL is missing: infrastructure, not the change
             raise GateError(f"cannot build {kernel}: {e}") from None
         return [BuiltVariant(kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}),
-                             cubin_sha256=a.cubin_sha256, build_key=a.key)
+                             cubin_sha256=a.cubin_sha256, build_key=a.key, build_dir=str(a.dir))
                 for a in arts]
 
     return build
 
 
-def default_auditor(kernel: str, built: list[BuiltVariant]) -> AuditOutcome:
-    """The static race audit through a narrow seam: "not run" until validation.race offers
-    `audit_kernel(kernel) -> result` with `.passed` (and optionally `.findings`)."""
-    try:
-        from .race import audit as race_audit  # type: ignore[attr-defined]
-    except ImportError:
-        return AuditOutcome("not_run", "the static race audit (validation.race) is not available yet")
-    fn = getattr(race_audit, "audit_kernel", None)
-    if fn is None:
-        return AuditOutcome("not_run", "validation.race.audit has no audit_kernel(kernel)")
-    res = fn(kernel)
-    findings = [str(f) for f in getattr(res, "findings", []) or []]
-    passed = bool(getattr(res, "passed", False))
-    return AuditOutcome("pass" if passed else "fail",
-                        "static audit clean" if passed else "static audit found errors", findings)
+def default_auditor(manifest) -> Auditor:
+    """The static race audit (validation.race) of every rebuilt variant, against the roles the
+    manifest declares; "not run" when the audit or the build folders are not available."""
+
+    def audit(kernel: str, built: list[BuiltVariant]) -> AuditOutcome:
+        try:
+            from .race.artifacts import audit_artifact
+        except ImportError as e:
+            return AuditOutcome("not_run", f"the static race audit is not available ({e})")
+        if manifest is None or not built or any(b.build_dir is None for b in built):
+            return AuditOutcome("not_run", "no build folders to audit")
+        spec = manifest.kernel(kernel)
+        findings: list[str] = []
+        for b in built:
+            d = Path(b.build_dir)
+            art = SimpleNamespace(paths={"ptx": d / "kernel.ptx", "sass": d / "kernel.sass"})
+            rep = audit_artifact(art, spec, kernel=f"{kernel} {_canon(b.variant)}")
+            findings += [f"{kernel} {_canon(b.variant)}: {f}" for f in rep.errors]
+        if findings:
+            return AuditOutcome("fail", "the static race audit found errors", findings)
+        return AuditOutcome("pass", f"static race audit clean on {len(built)} variants")
+
+    return audit
 
 
 def _cuda_available() -> bool:
@@ -452,7 +462,8 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         return v
 
     # 3. static audit
-    outcomes = {k: (auditor or default_auditor)(k, [b for b in built if b.kernel == k]) for k in decision.kernels}
+    auditor = auditor or default_auditor(scope.head_manifest)
+    outcomes = {k: auditor(k, [b for b in built if b.kernel == k]) for k in decision.kernels}
     v.audit = {k: asdict(o) for k, o in outcomes.items()}
     for k, o in outcomes.items():
         if o.status == "fail":
