@@ -112,6 +112,19 @@ def thread_dependent_blocks(cfg: CFG, prov: Provenance) -> set[int]:
     return td
 
 
+def thread_contexts(cfg: CFG, prov: Provenance) -> dict[int, frozenset]:
+    """Block -> the thread-varying branch blocks it is (transitively) control dependent on."""
+    ctx: dict[int, frozenset] = {}
+    for b in cfg.rpo:  # dominators come first in reverse post-order
+        acc = set()
+        for x in cfg.control_deps.get(b, ()):
+            if prov.guard_is_thread_varying(cfg.branch_instr(x).index):
+                acc.add(x)
+            acc |= ctx.get(x, frozenset())
+        ctx[b] = frozenset(acc)
+    return ctx
+
+
 def _sync_loops(cfg: CFG, prov: Provenance, roles: Roles) -> set[int]:
     """Headers of loops whose body accesses a sync parameter or acquires: persistent and spin
     loops. An iteration of such a loop must find its own wait."""
@@ -160,7 +173,10 @@ def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set
                 st = {}
                 for k in init:
                     vals = [p[k] for p in preds]
-                    st[k] = all(vals) if k in must else any(vals)
+                    if isinstance(init[k], frozenset):
+                        st[k] = frozenset().union(*vals)
+                    else:
+                        st[k] = all(vals) if k in must else any(vals)
             if b in reset_heads and b == cfg.rpo[0]:
                 st = dict(reset)
             ins_state[b] = dict(st)
@@ -248,8 +264,8 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
                 names = ", ".join(repr(roles.names[p]) for p in hit)
                 if st["R"]:
                     emit(RawFinding("relaxed-spin-no-fence", ins,
-                                    f"load of {names} after a relaxed/weak spin on a sync flag with no "
-                                    "acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
+                                    f"load of {names} after a relaxed/weak read of a sync flag (a spin or an "
+                                    "RMW) with no acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
                 else:
                     emit(RawFinding("load-before-wait", ins,
                                     f"load of {names}, written by other CTAs of this launch, is not "
@@ -289,20 +305,26 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
         findings += _unpublished_writes(cfg, prov, roles, heads, td, xdata)
 
     # -- publish-before-writes (b) and bulk drains: forward over the iteration ----------------
+    # U holds the thread-dependent contexts (sets of divergent branches) of cross-CTA data
+    # accesses since the last CTA barrier. An elected publish orders only accesses made under
+    # (at least) its own guards, i.e. by the publishing thread itself.
+    ctx = thread_contexts(cfg, prov)
+
     def pub_step(ins: ir.Instr, st: dict, emit) -> None:
         k = ins.kind
         b = cfg.block_of[ins.index]
         if k == ir.BARRIER:
-            st["U"] = False
+            st["U"] = frozenset()
         elif k in ir.MEMORY_KINDS and not _is_publish(ins, prov, roles):
-            if b not in td and _buffer_params(prov, ins.index, roles) & xdata:
-                st["U"] = True
+            if _buffer_params(prov, ins.index, roles) & xdata:
+                st["U"] = st["U"] | {ctx.get(b, frozenset())}
         if k == ir.BULK_STORE:
             st["B"] = True
         elif k == ir.BULK_WAIT and ins.extra.get("pending_allowed", 0) == 0:
             st["B"] = False
         if emit is not None and _is_publish(ins, prov, roles):
-            if st["U"] and b in td:
+            mine = ctx.get(b, frozenset())
+            if b in td and any(not c >= mine for c in st["U"]):
                 emit(RawFinding("publish-before-writes", ins,
                                 "publish by an elected thread with no CTA barrier (bar.sync) after the "
                                 "other threads' accesses to cross-CTA data: their writes (or reads) "
@@ -312,7 +334,8 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
                                 "bulk-async global store still in flight at this publish: "
                                 "cp.async.bulk.wait_group 0 must come first"))
 
-    st_in = _forward(cfg, {"U": False, "B": False}, set(), {"U": False, "B": False}, set(), pub_step)
+    init = {"U": frozenset(), "B": False}
+    st_in = _forward(cfg, init, set(), init, set(), pub_step)
     _replay(cfg, st_in, pub_step, findings.append)
     return findings
 
