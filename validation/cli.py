@@ -16,6 +16,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("build", "validation.cmd_build"),
     ("gate", "validation.cmd_gate"),
     ("rfc", "validation.cmd_rfc"),
+    ("audit", "validation.cmd_audit"),
 ]
 
 
