@@ -7,7 +7,6 @@ import base64
 import copy
 import hashlib
 import json
-import shutil
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -185,7 +184,3 @@ def commit_bundle(root: Path, bundle: dict, name: str = "change") -> str:
 def shallow_clone(src: Path, dst: Path, depth: int = 1) -> None:
     subprocess.run(["git", "clone", "-q", "--depth", str(depth), f"file://{src}", str(dst)],
                    check=True, capture_output=True)
-
-
-def copy_tree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, symlinks=True)

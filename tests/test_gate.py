@@ -133,7 +133,7 @@ def test_evidence_for_another_binary_fails_naming_the_kernel(signed_repo):
 @pytest.mark.parametrize("how, message", [
     ("unsigned", "the bundle is not signed"),
     ("tampered", "does not verify: the bundle was changed after signing"),
-    ("untrusted", "which is not among the trusted keys"),
+    ("untrusted", "is not among the trusted keys"),
 ])
 def test_bundle_must_carry_a_trusted_signature(signed_repo, how, message):
     root, base, priv = signed_repo
