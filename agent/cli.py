@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
                    help="retries (exponential backoff) on 429/5xx/overloaded and connection errors")
     p.add_argument("--trajectory", type=Path, help="replay: the trajectory.jsonl to re-run")
-    p.add_argument("--measurements", type=Path, help="tuner: timings JSON from scripts/tune_measure.py")
+    p.add_argument("--measurements", type=Path, action="append",
+                   help="tuner: timings JSON from scripts/tune_measure.py (repeatable: one per round measured)")
     p.add_argument("--eta", type=int, default=2, help="tuner: successive-halving reduction factor")
     p.add_argument("--min-gain", type=float, default=2.0, help="tuner: minimum geomean gain in percent")
     p.add_argument("--repo", type=Path, default=Path("."), help="repository root (default: current folder)")
@@ -107,11 +108,12 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
             return _fail("no CUDA device on this host, so the tuner cannot measure here. Run "
                          "`scripts/tune_measure.py prepare` here and `scripts/tune_measure.py measure` "
                          "on a GPU host, then pass its JSON with --measurements FILE")
-        if args.measurements is not None and not args.measurements.is_file():
-            return _fail(f"measurements file {args.measurements} does not exist")
+        for m in args.measurements or []:
+            if not m.is_file():
+                return _fail(f"measurements file {m} does not exist")
         from agent.proposers.tuner import TunerProposer
 
-        proposer = TunerProposer(measurements=args.measurements and args.measurements.resolve(),
+        proposer = TunerProposer(measurements=[m.resolve() for m in args.measurements or []],
                                  eta=args.eta, min_gain_pct=args.min_gain)
         args.goal = args.goal or "faster kernel through its declared tunables"
     else:

@@ -50,7 +50,7 @@ class RunConfig:
     max_tokens: int = 16000
     max_retries: int = 4
     replay_from: Path | None = None
-    measurements: Path | None = None
+    measurements: list[Path] | None = None
     tuner_eta: int = 2
     tuner_min_gain_pct: float = 2.0
     run_id: str | None = None
@@ -60,13 +60,15 @@ class RunConfig:
         for k, v in d.items():
             if isinstance(v, Path):
                 d[k] = str(v)
+            elif isinstance(v, list) and v and isinstance(v[0], Path):
+                d[k] = [str(x) for x in v]
         return d
 
 
 @dataclass
 class RunResult:
-    outcome: str  # committed | no_change | rejected | no_proposal | gave_up | refused | budget_exhausted |
-    #               max_tokens | context_exceeded | api_error | interrupted | error
+    outcome: str  # committed | no_change | needs_measurements | rejected | no_proposal | gave_up | refused |
+    #               budget_exhausted | max_tokens | context_exceeded | api_error | interrupted | error
     reason: str
     run_id: str
     run_dir: Path

@@ -35,8 +35,28 @@ PLAN_SCHEMA = "fasttrack.tune-plan/1"
 REGRESSION_FLOOR = 0.02  # a shape counts as slower beyond max(2%, the measured noise)
 
 
+REQUEST_SCHEMA = "fasttrack.tune-request/1"
+
+
 class MeasurementError(ValueError):
     """A measurements file that cannot be used for this kernel and revision."""
+
+
+class NeedMeasurements(Exception):
+    """A round needs timings the measurements do not hold: `configs` x `shapes` (round `round`)."""
+
+    def __init__(self, round_: int, configs: list[dict], shapes: list[dict]):
+        super().__init__(f"round {round_} needs {len(configs)} settings x {len(shapes)} shapes not yet measured")
+        self.round = round_
+        self.configs = configs
+        self.shapes = shapes
+
+
+def schedule(n_configs: int, n_shapes: int, eta: int) -> list[int]:
+    """How many shapes each successive-halving round times (the last round: all)."""
+    n_rounds = max(1, math.ceil(math.log(n_configs, eta))) if n_configs > 1 else 1
+    return [n_shapes if r == n_rounds - 1 else max(1, math.ceil(n_shapes / eta ** (n_rounds - 1 - r)))
+            for r in range(n_rounds)]
 
 
 def config_key(cfg: dict) -> str:
@@ -107,24 +127,42 @@ def parse_measurements(data: dict, kernel: str, expected_sources: dict[str, str]
 
 
 class FileMeasurer:
-    """Timings recorded on a GPU host; measuring is a lookup."""
+    """Timings recorded on a GPU host (one or more files, later ones win); measuring is a lookup.
+    A round asking for timings no file holds raises NeedMeasurements."""
 
     source = "file"
 
-    def __init__(self, path: Path, kernel: str, expected_sources: dict[str, str] | None):
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise MeasurementError(f"cannot read measurements {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise MeasurementError(f"{Path(path).name}: not valid JSON ({e.msg})") from None
-        self.table = parse_measurements(data, kernel, expected_sources)
-        self.environment = data.get("environment") or {}
-        self.meta = {k: data.get(k) for k in ("created", "command", "commit", "environment")}
+    def __init__(self, paths, kernel: str, expected_sources: dict[str, str] | None):
+        self.table: dict = {}
+        self.meta: list[dict] = []
+        self.environment: dict = {}
+        self._round = -1
+        for path in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
+            try:
+                data = json.loads(Path(path).read_text())
+            except OSError as e:
+                raise MeasurementError(f"cannot read measurements {path}: {e.strerror}") from None
+            except json.JSONDecodeError as e:
+                raise MeasurementError(f"{Path(path).name}: not valid JSON ({e.msg})") from None
+            try:
+                self.table.update(parse_measurements(data, kernel, expected_sources))
+            except MeasurementError as e:
+                raise MeasurementError(f"{Path(path).name}: {e}") from None
+            env = data.get("environment") or {}
+            if self.environment and env.get("gpu") != self.environment.get("gpu"):
+                raise MeasurementError(f"{Path(path).name}: measured on {env.get('gpu')!r}, the others on "
+                                       f"{self.environment.get('gpu')!r}; timings of different GPUs do not mix")
+            self.environment = env
+            self.meta.append({"file": Path(path).name, **{k: data.get(k) for k in ("created", "command", "commit",
+                                                                                   "environment")}})
 
     def measure(self, configs: list[dict], shapes: list[dict]) -> dict:
-        return {(config_key(c), shape_key(s)): self.table.get((config_key(c), shape_key(s)),
-                                                              Timing(float("nan"), 0.0, "not measured"))
+        self._round += 1
+        missing_c = [c for c in configs if any((config_key(c), shape_key(s)) not in self.table for s in shapes)]
+        if missing_c:
+            missing_s = [s for s in shapes if any((config_key(c), shape_key(s)) not in self.table for c in missing_c)]
+            raise NeedMeasurements(self._round, missing_c, missing_s)
+        return {(config_key(c), shape_key(s)): self.table[(config_key(c), shape_key(s))]
                 for c in configs for s in shapes}
 
 
@@ -195,15 +233,15 @@ def successive_halving(configs: list[dict], shapes: list[dict], default: dict, m
     """Run successive halving; returns {rounds, ranking, timings} (see the module docstring)."""
     if eta < 2:
         raise ValueError("eta must be at least 2")
-    n_rounds = max(1, math.ceil(math.log(len(configs), eta))) if len(configs) > 1 else 1
+    plan = schedule(len(configs), len(shapes), eta)
+    n_rounds = len(plan)
     survivors = list(configs)
     rounds, timings = [], {}
     eliminated: dict[str, str] = {}
     ranking: list[dict] = []
     for r in range(n_rounds):
         last = r == n_rounds - 1
-        m = len(shapes) if last else max(1, math.ceil(len(shapes) / eta ** (n_rounds - 1 - r)))
-        subset = spread_pick(shapes, m)
+        subset = spread_pick(shapes, plan[r])
         to_measure = survivors + ([default] if default not in survivors else [])
         timings.update(measure(to_measure, subset))
         scored = []
@@ -276,8 +314,9 @@ class TunerProposer:
     name = "tuner"
     allows_tunable_edits = True
 
-    def __init__(self, *, measurements: Path | None = None, eta: int = 2, min_gain_pct: float = 2.0):
-        self.measurements = measurements
+    def __init__(self, *, measurements=None, eta: int = 2, min_gain_pct: float = 2.0):
+        self.measurements = [Path(m) for m in (measurements or [])] if not isinstance(measurements, (str, Path)) \
+            else [Path(measurements)]
         self.eta = eta
         self.min_gain_pct = min_gain_pct
         self.report: dict | None = None
@@ -305,7 +344,7 @@ class TunerProposer:
         session.stage(f"tuner: {len(grid)} candidates over {len(shapes)} shapes ({measurer.source})")
         session.trajectory.event("tuner_start", candidates=grid, shapes=shapes, eta=self.eta,
                                  min_gain_pct=self.min_gain_pct, measurer=measurer.source,
-                                 measurements=str(self.measurements) if self.measurements else None)
+                                 measurements=[m.name for m in self.measurements])
 
         def on_round(rd):
             session.check_budget()
@@ -314,7 +353,10 @@ class TunerProposer:
                 session.set_best(f"round {rd['round']}: {best['tunables']} at {best['relative_time']:.3f}x defaults")
             session.trajectory.event("tuner_round", **rd)
 
-        result = successive_halving(grid, shapes, default, measurer.measure, eta=self.eta, on_round=on_round)
+        try:
+            result = successive_halving(grid, shapes, default, measurer.measure, eta=self.eta, on_round=on_round)
+        except NeedMeasurements as need:
+            raise RunStopped("needs_measurements", self._request(session, need)) from None
         decision = decide(result, shapes, default, min_gain_pct=self.min_gain_pct)
         self.report = {
             "kernel": session.kernel, "default": default, "eta": self.eta, "min_gain_pct": self.min_gain_pct,
@@ -335,6 +377,20 @@ class TunerProposer:
         if out.proposal is None:
             raise RunStopped("rejected", out.content)
         return out.proposal
+
+    def _request(self, session: Session, need: NeedMeasurements) -> str:
+        """Write the next round's measurement request into the run folder; the message says what to run."""
+        req = {"schema": REQUEST_SCHEMA, "kernel": session.kernel, "round": need.round, "eta": self.eta,
+               "commit": session.base_sha, "configs": need.configs, "shapes": need.shapes,
+               "sources_sha256": sources_sha256(session.worktree, session.spec.sources)}
+        path = session.run_dir / f"tune_request_round{need.round}.json"
+        path.write_text(json.dumps(req, indent=1))
+        self.report = {"kernel": session.kernel, "eta": self.eta, "pending_request": path.name,
+                       "rounds_done": need.round, "measurements": [m.name for m in self.measurements]}
+        return (f"successive-halving round {need.round} needs {len(need.configs)} settings x "
+                f"{len(need.shapes)} shapes not measured yet. Next: `python scripts/tune_measure.py prepare "
+                f"--kernel {session.kernel} --request {path}` here, `scripts/tune_measure.py measure` on the GPU "
+                "host, then run the tuner again with every --measurements file so far")
 
     def _proposal_input(self, session, default, changed, decision, measurer) -> dict:
         rows = decision["per_shape"]

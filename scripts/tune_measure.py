@@ -1,0 +1,306 @@
+"""Time every tunable setting of a kernel, for the tuner (`propose-optimization --proposer tuner`).
+
+Two steps, on two hosts:
+
+  prepare (a CPU host with nvidia-cutlass-dsl): build the settings to time and write the plan next
+  to the builds. By default: every combination of the kernel's declared tunable choices on the few
+  shapes of the tuner's first successive-halving round; `--all-shapes`: on every validation shape;
+  `--request FILE`: the settings x shapes a later round asked for (the tuner writes that file when
+  its measurements run out, so the search crosses hosts round by round):
+
+      python scripts/tune_measure.py prepare --kernel gemv            # -> build/tune/gemv.plan.json
+
+  measure (the GPU host: PYTHONPATH=., torch with CUDA, cuda-bindings; no DSL, no anthropic, no
+  gitpython): find each planned build (verified against today's sources by kernels.build's
+  find_artifact), launch it with kernels.launch on fresh random inputs, check its outputs are fully
+  written and agree with the current defaults' outputs, time it with benchmarks.common (CUDA events,
+  rotated inputs past the L2, medians), and write one JSON:
+
+      PYTHONPATH=. python scripts/tune_measure.py measure --plan build/tune/gemv.plan.json \\
+          --out $OUT/tune_gemv.json
+
+  Carry `build` to the GPU host (it holds the cubins and the plan). Then, back here:
+
+      propose-optimization --kernel gemv --proposer tuner --measurements tune_gemv.json
+
+  (repeat --measurements for every file measured so far when the tuner asked for another round).
+
+The measurements record the command, GPU, driver, CUDA runtime and toolkit, torch, the commit, the
+sha256 of the kernel's sources (the tuner refuses timings of other sources) and of every cubin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import math
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+PLAN_SCHEMA = "fasttrack.tune-plan/1"
+MEASUREMENTS_SCHEMA = "fasttrack.tune-measurements/1"
+MAX_ROTATION_COPIES = 64
+ROTATION_BYTES_CAP = 16 << 30  # never allocate more than this for rotated input copies
+AGREEMENT_RTOL = 2e-2  # outputs vs the defaults', relative to the defaults' largest magnitude
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def tunable_grid(spec) -> list[dict]:
+    """Every combination of the declared tunable choices, the defaults first."""
+    names = [t.name for t in spec.tunables]
+    grid = [dict(zip(names, c)) for c in itertools.product(*(t.choices for t in spec.tunables))]
+    default = spec.tunable_defaults()
+    return sorted(grid, key=lambda c: c != default)
+
+
+def sources_sha256(root: Path, sources) -> dict[str, str]:
+    return {s: hashlib.sha256((Path(root) / s).read_bytes()).hexdigest() for s in sources}
+
+
+def git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# -- prepare (CPU host) -----------------------------------------------------------------------
+
+def prepare(kernel: str, root: Path, plan_path: Path, *, request: Path | None, all_shapes: bool,
+            eta: int) -> dict:
+    """Build the settings x shapes to measure: a tuner's request, every shape (`all_shapes`), or by
+    default the tuner's first successive-halving round (every setting on its few screening shapes)."""
+    from kernels.build import BuildError, build_kernel  # compiles in child processes (the DSL lives there)
+    from kernels.manifest import load_manifest
+
+    spec = load_manifest().kernel(kernel)
+    shapes = list(spec.shapes)
+    configs = tunable_grid(spec)
+    if request is not None:
+        req = json.loads(Path(request).read_text())
+        if req.get("kernel") != kernel:
+            raise SystemExit(f"tune_measure: the request is for kernel {req.get('kernel')!r}, not {kernel!r}")
+        configs, shapes = req["configs"], req["shapes"]
+    elif not all_shapes:
+        from agent.proposers.tuner import schedule, spread_pick
+
+        shapes = spread_pick(shapes, schedule(len(configs), len(shapes), eta)[0])
+    default = spec.tunable_defaults()
+    if default not in configs:  # every round compares with the defaults on the same shapes
+        configs = [default, *configs]
+    entries = []
+    for cfg in configs:
+        print(f"building {kernel} {cfg} x {len(shapes)} shapes", file=sys.stderr)
+        try:
+            arts = build_kernel(kernel, shapes=shapes, tunables=cfg, root=root)
+        except BuildError as e:
+            entries += [{"tunables": cfg, "variant": sh, "error": f"BuildError: {e}"[:500]} for sh in shapes]
+            continue
+        entries += [{"tunables": a.tunables, "variant": a.shape, "cubin_sha256": a.cubin_sha256} for a in arts]
+    plan = {"schema": PLAN_SCHEMA, "kernel": kernel, "commit": git_commit(_repo_root()),
+            "sources_sha256": sources_sha256(_repo_root(), spec.sources),
+            "default": default, "root": str(root), "entries": entries}
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    plan_path.write_text(json.dumps(plan, indent=1))
+    return plan
+
+
+# -- measure (GPU host) -----------------------------------------------------------------------
+
+def _make_inputs(params: list[dict], seed: int):
+    """Fresh random buffers for one shape: {name: tensor or scalar}; outputs poisoned (NaN)."""
+    import torch
+
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    values = {}
+    for p in params:
+        spec = p["spec"]
+        name = p.get("name", f"arg{p['index']}")
+        if spec["kind"] == "scalar":
+            values[name] = spec["value"]
+            continue
+        dtype = getattr(torch, spec["dtype"])
+        shape = tuple(spec["shape"])
+        role, direction = p.get("role", "activation"), p.get("direction", "in")
+        if role in ("sync", "scratch"):
+            t = torch.zeros(shape, dtype=dtype, device="cuda")  # counters start at zero
+        elif direction != "in":
+            t = torch.full(shape, float("nan"), dtype=dtype, device="cuda") if dtype.is_floating_point else \
+                torch.full(shape, -1, dtype=dtype, device="cuda")
+        elif dtype.is_floating_point:
+            scale = shape[-1] ** -0.5 if role == "static" and shape else 1.0
+            t = (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+        else:
+            t = torch.randint(0, 4, shape, generator=g, device="cuda", dtype=dtype)
+        values[name] = t
+    return values
+
+
+def _is_rotated(p: dict) -> bool:
+    return p["spec"]["kind"] == "tensor" and p.get("direction", "in") == "in" and p.get("role") in ("static", "activation")
+
+
+def _outputs(params, values) -> dict:
+    return {p.get("name"): values[p.get("name")] for p in params
+            if p["spec"]["kind"] == "tensor" and p.get("direction", "in") != "in"}
+
+
+def _compare(out: dict, ref: dict | None) -> str | None:
+    """A reason the outputs are wrong (not fully written, or far from the defaults'), else None."""
+    import torch
+
+    for name, t in out.items():
+        if t.dtype.is_floating_point and torch.isnan(t.float()).any():
+            return f"output {name} not fully written (NaN poison left)"
+        if ref is not None:
+            r = ref[name].float()
+            err = (t.float() - r).abs().max().item()
+            scale = max(r.abs().max().item(), 1e-6)
+            if not math.isfinite(err) or err > AGREEMENT_RTOL * scale:
+                return f"output {name} differs from the defaults' by {err:.3g} (scale {scale:.3g})"
+    return None
+
+
+def measure(plan: dict, *, reps: int, warmup: int, root: Path | None) -> dict:
+    import torch
+
+    from benchmarks.common import gpu_environment, l2_bytes, rotation_count, time_launches
+    from kernels.build import BuildError, find_artifact
+    from kernels.launch import CubinKernel, LaunchError
+
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_measure measure: no CUDA device on this host")
+    kernel = plan["kernel"]
+    from kernels.manifest import load_manifest
+
+    spec = load_manifest().kernel(kernel)
+    build_root = Path(root or plan.get("root") or "build")
+    default = plan["default"]
+    by_shape: dict[str, list[dict]] = {}
+    for e in plan["entries"]:
+        by_shape.setdefault(json.dumps(e["variant"], sort_keys=True), []).append(e)
+    results = []
+    l2 = l2_bytes()
+    for si, (skey, entries) in enumerate(sorted(by_shape.items())):
+        entries.sort(key=lambda e: e["tunables"] != default)  # the defaults first: the others agree with them
+        ref_out = None
+        base_values = None
+        for e in entries:
+            row = {"tunables": e["tunables"], "variant": e["variant"], "cubin_sha256": e.get("cubin_sha256"),
+                   "error": e.get("error")}
+            if row["error"]:  # did not build: recorded, so the tuner eliminates it with the reason
+                results.append(row)
+                continue
+            try:
+                art = find_artifact(kernel, e["variant"], e["tunables"], root=build_root)
+                row["cubin_sha256"] = art.cubin_sha256
+                k = CubinKernel.from_dir(art.dir)
+                if base_values is None:
+                    base_values = _make_inputs(k.params, seed=1000 + si)
+                values = {n: (v.clone() if hasattr(v, "clone") else v) for n, v in base_values.items()}
+                k(**values)
+                torch.cuda.synchronize()
+                out = _outputs(k.params, values)
+                wrong = _compare(out, ref_out)
+                if e["tunables"] == default and wrong is None:
+                    ref_out = {n: t.clone() for n, t in out.items()}
+                if wrong:
+                    row["error"] = wrong
+                    results.append(row)
+                    continue
+                rotated = [p for p in k.params if _is_rotated(p)]
+                bytes_in = sum(values[p["name"]].numel() * values[p["name"]].element_size() for p in rotated)
+                copies = min(MAX_ROTATION_COPIES, rotation_count(bytes_in, l2),
+                             max(1, ROTATION_BYTES_CAP // max(1, bytes_in)))
+                sets = [values] + [{**values, **{p["name"]: values[p["name"]].clone() for p in rotated}}
+                                   for _ in range(copies - 1)]
+                arg_lists = [k.bind(**s) for s in sets]
+                timing = time_launches(lambda i: k(*arg_lists[i % len(arg_lists)]), reps=reps, warmup=warmup)
+                row.update(timing.summary())
+                row["rotation_copies"] = copies
+                del sets, arg_lists
+            except (BuildError, LaunchError) as ex:
+                row["error"] = f"{type(ex).__name__}: {ex}"
+            except torch.cuda.OutOfMemoryError as ex:
+                row["error"] = f"out of memory: {ex}"
+                torch.cuda.empty_cache()
+            results.append(row)
+            print(f"{kernel} {e['variant']} {e['tunables']}: "
+                  + (f"{row['median_us']:.2f} us" if row.get("median_us") else row["error"]), file=sys.stderr)
+    return {
+        "schema": MEASUREMENTS_SCHEMA, "kernel": kernel,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv), "commit": git_commit(_repo_root()), "plan_commit": plan.get("commit"),
+        "sources_sha256": sources_sha256(_repo_root(), spec.sources),
+        "plan_sources_sha256": plan.get("sources_sha256"),
+        "environment": gpu_environment(), "reps": reps, "warmup": warmup, "default": default,
+        "results": results,
+    }
+
+
+def format_table(doc: dict) -> str:
+    lines = [f"{'variant':40s} {'tunables':45s} {'median us':>10s} {'vs default':>10s}"]
+    base = {json.dumps(r["variant"], sort_keys=True): r.get("median_us") for r in doc["results"]
+            if r["tunables"] == doc["default"]}
+    for r in doc["results"]:
+        b = base.get(json.dumps(r["variant"], sort_keys=True))
+        med = r.get("median_us")
+        rel = f"{med / b:10.3f}" if med and b else f"{'-':>10s}"
+        med_text = f"{med:10.2f}" if med else f"{'ERROR':>10s}"
+        lines.append(f"{json.dumps(r['variant'])[:40]:40s} {json.dumps(r['tunables'])[:45]:45s} "
+                     f"{med_text} {rel}" + (f"  {r['error']}" if r.get("error") else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="build every tunable setting (CPU host with the DSL)")
+    p.add_argument("--kernel", required=True)
+    p.add_argument("--root", type=Path, default=Path("build"))
+    p.add_argument("--plan", type=Path)
+    p.add_argument("--request", type=Path, help="a tune_request_round*.json written by the tuner")
+    p.add_argument("--all-shapes", action="store_true", help="every setting on every validation shape")
+    p.add_argument("--eta", type=int, default=2, help="the tuner's eta (sets the screening shapes)")
+    m = sub.add_parser("measure", help="time the prebuilt cubins (GPU host)")
+    m.add_argument("--plan", type=Path, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--root", type=Path, help="build root (default: the plan's)")
+    m.add_argument("--reps", type=int, default=100)
+    m.add_argument("--warmup", type=int, default=10)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        suffix = f".{args.request.stem}" if args.request else ""
+        plan_path = args.plan or args.root / "tune" / f"{args.kernel}{suffix}.plan.json"
+        t0 = time.monotonic()
+        plan = prepare(args.kernel, args.root, plan_path, request=args.request, all_shapes=args.all_shapes,
+                       eta=args.eta)
+        print(f"{len(plan['entries'])} builds in {time.monotonic() - t0:.0f} s; plan: {plan_path}")
+        return 0
+    try:
+        plan = json.loads(args.plan.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"tune_measure: cannot read plan {args.plan}: {e}", file=sys.stderr)
+        return 2
+    if plan.get("schema") != PLAN_SCHEMA:
+        print(f"tune_measure: {args.plan} is not a tune plan ({PLAN_SCHEMA})", file=sys.stderr)
+        return 2
+    doc = measure(plan, reps=args.reps, warmup=args.warmup, root=args.root)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(format_table(doc))
+    return 0 if any(r.get("median_us") for r in doc["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
