@@ -49,6 +49,19 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def json_safe(obj):
+    """`obj` with every non-finite float replaced by "nan" / "inf" / "-inf" (JSON has none)."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def new_bundle(*, change: dict, environment: dict, binaries: list[dict], correctness: dict | None,
                defences: dict | None, race: dict | None, benchmark: dict | None,
                not_covered: list[str], reasons_extra: list[str] | None = None) -> dict:
@@ -78,6 +91,7 @@ def new_bundle(*, change: dict, environment: dict, binaries: list[dict], correct
         "reasons": reasons,
         "signature": None,
     }
+    bundle = json_safe(bundle)
     problems = schema_problems(bundle)
     if problems:
         raise BundleError("refusing to build a malformed bundle: " + "; ".join(problems))

@@ -1,0 +1,258 @@
+"""The GPU stages of `fasttrack validate`, over prebuilt cubins: numerics (+ defences, stress) and
+benchmarks. Each runs in a child process (`validation.isolate`), started as
+
+    python -m validation.gpu_stages numerics --kernel K --build-dir D [--build-dir D ...] --out R.json
+    python -m validation.gpu_stages bench    --kernel K --build-dir D ... [--base torch] --out R.json
+
+Runs on the GPU host, which has torch, cuda-bindings and triton but no nvidia-cutlass-dsl,
+gitpython or cryptography: nothing here imports those. A cubin is judged through a
+`DestinationSubject` whose launch maps the reference op's tensors to the kernel's parameters by
+name (the manifest's params are named like the reference function's arguments), so it meets
+exactly the defences a Python callable meets in `fasttrack check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.config import get_config
+from kernels.manifest import load_manifest
+
+from . import defences as D
+from .check import judge
+from .numerics import DEFAULT_SEEDS, DISTRIBUTIONS, Case, case_matrix, gpu_configuration, load_policy
+from .opinputs import OpDef, build_inputs, map_tensors, op_def
+
+BASE_CONFIG = "k3"  # eps and widths of the model the kernels serve
+STRESS_RUNS = 32
+
+
+class StageError(RuntimeError):
+    """A build folder or kernel that this stage cannot judge (bad metadata, unknown reference)."""
+
+
+def read_meta(build_dir) -> dict:
+    try:
+        return json.loads((Path(build_dir) / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise StageError(f"{build_dir}: cannot read meta.json ({e})") from None
+
+
+class KernelAdapter:
+    """One prebuilt kernel variant, seen as an implementation of its manifest reference op."""
+
+    def __init__(self, build_dir, device="cuda"):
+        from kernels.launch import CubinKernel
+
+        self.dir = Path(build_dir)
+        self.meta = read_meta(build_dir)
+        self.kernel = CubinKernel.from_dir(build_dir)
+        spec = load_manifest().kernel(self.meta["kernel"])
+        ref_name = spec.reference.partition(":")[2]
+        try:
+            self.op: OpDef = op_def(ref_name)
+        except KeyError as e:
+            raise StageError(f"kernel {spec.name}: reference {spec.reference} has no input builder ({e})") from None
+        self.variant = dict(self.meta["variant"])
+        self.batch = int(self.variant["batch"])
+        self.problem = {k: v for k, v in self.variant.items() if k != "batch"}
+        self.params = self.meta["params"]
+        outs = [p for p in self.params if p.get("direction") in ("out", "inout")]
+        if len(outs) != 1 or outs[0]["direction"] != "out":
+            raise StageError(f"kernel {spec.name}: exactly one 'out' parameter is supported, found "
+                             f"{[p['name'] for p in outs]}")
+        self.out_param = outs[0]
+        self.device = torch.device(device)
+        self.subject = D.DestinationSubject(self.launch, self.output_specs,
+                                            f"{spec.name} {self.dir.name}", self.device)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.variant.items())
+
+    def output_specs(self, inputs: dict) -> dict:
+        s = self.out_param["spec"]
+        return {"out": (tuple(s["shape"]), getattr(torch, s["dtype"]))}
+
+    def args(self, inputs: dict, out: torch.Tensor) -> list:
+        """Launch arguments in parameter order: inputs by name, the output, scalars from the spec."""
+        args = []
+        for p in self.params:
+            if p is self.out_param:
+                args.append(out)
+            elif p["spec"]["kind"] == "scalar":
+                args.append(p["spec"]["value"])
+            elif p["name"] in inputs:
+                args.append(inputs[p["name"]])
+            else:
+                raise StageError(f"kernel parameter {p['name']!r} has no input of that name in "
+                                 f"reference op {self.op.name} (inputs: {', '.join(inputs)})")
+        return args
+
+    def launch(self, inputs: dict, outs: dict) -> None:
+        self.kernel(*self.args(inputs, outs["out"]))
+
+    def cases(self, seeds=DEFAULT_SEEDS, distributions=DISTRIBUTIONS) -> list[Case]:
+        gpu = gpu_configuration(self.device)
+        return [Case(c.op, c.problem, c.batch, c.seed, c.distribution, c.routing, c.gpu, c.tags)
+                for c in case_matrix(self.op.name, [{**self.problem, "batch": self.batch}],
+                                     moe=self.op.moe, gpu=gpu, seeds=seeds, distributions=distributions)]
+
+    def binary(self, side: str = "head") -> dict:
+        return {"kernel": self.meta["kernel"], "side": side, "variant": self.variant,
+                "tunables": self.meta.get("tunables", {}), "build_key": self.meta.get("key"),
+                "cubin_sha256": self.kernel.sha256}
+
+
+def stress(adapter: KernelAdapter, case: Case, runs: int = STRESS_RUNS) -> dict:
+    """`runs` back-to-back launches on identical inputs: every output bitwise equal to the first."""
+    cfg = get_config(BASE_CONFIG)
+    inputs = build_inputs(adapter.op, case, cfg, adapter.device)
+    outs = []
+    for _ in range(runs):
+        outs.append(adapter.subject.run(inputs, D.NAN_POISON))
+    torch.cuda.synchronize()
+    first = outs[0]["out"]
+    differ = sum(1 for o in outs[1:] if not D.same_bits(o["out"], first))
+    return {"runs": runs, "differing": differ, "passed": differ == 0}
+
+
+def numerics_stage(build_dirs: list[str], *, quick: bool = False) -> dict:
+    """Correctness matrix, every defence and the stress test, per prebuilt variant."""
+    policy = load_policy()
+    cfg = get_config(BASE_CONFIG)
+    variants = []
+    for d in build_dirs:
+        t0 = time.time()
+        a = KernelAdapter(d)
+        cases = a.cases(seeds=DEFAULT_SEEDS[:1] if quick else DEFAULT_SEEDS)
+        rep = judge(a.subject, a.op, cfg, cases, policy=policy,
+                    unseen_reason="a cubin is built for one declared shape (static layouts); the "
+                                  "gate binds evidence to each variant's cubin hash instead")
+        st = stress(a, cases[0])
+        variants.append({
+            "binary": a.binary(), "label": a.label, "passed": rep.passed and st["passed"],
+            "cases": [{**c.to_dict(), "kernel": a.meta["kernel"], "variant": a.variant} for c in rep.cases],
+            "checks": [d_.to_dict() for d_ in rep.checks], "stress": st,
+            "seconds": round(time.time() - t0, 2),
+        })
+        print(f"numerics {a.label}: {'pass' if variants[-1]['passed'] else 'FAIL'} "
+              f"({len(rep.cases)} cases, {variants[-1]['seconds']} s)", flush=True)
+    return {"stage": "numerics", "policy": policy.to_dict(), "variants": variants,
+            "gpu": gpu_configuration("cuda")}
+
+
+def torch_baseline(op: OpDef):
+    """The path an H200 user gets today for the op (cuBLAS / torch), as `fn(inputs)`, and its name."""
+    import torch.nn.functional as F
+
+    from kernels import reference as R
+
+    if op.name in ("linear", "latent_down"):
+        return (lambda i: F.linear(i["x"], i["w"]).to(i["out_dtype"])), "torch F.linear (cuBLAS)"
+    if op.name == "rmsnorm":
+        return (lambda i: R.rmsnorm(i["x"], i["gamma"], i["eps"])), "torch reference rmsnorm (fp32 stats)"
+    return (lambda i: op.reference(**i)), f"torch reference {op.name}"
+
+
+def _noise(summary: dict) -> float:
+    return (summary["p90_us"] - summary["p10_us"]) / (2 * summary["median_us"]) if summary["median_us"] else 0.0
+
+
+def bench_stage(build_dirs: list[str], *, base: str | None, rounds: int = 10, inner: int = 40) -> dict:
+    """Ceilings, then per variant head (and base) interleaved, verdicts and bandwidth fractions."""
+    from benchmarks.common import copy_bandwidth, gpu_environment, read_bandwidth
+
+    from .bench import bandwidth_check, case_verdict, compare_samples, measure_interleaved, rotation_copies
+
+    env = gpu_environment()
+    read = read_bandwidth()
+    copy = copy_bandwidth()
+    best = read["readers"][read["kernel"]]
+    ceilings = {"read_tbps": read["tbps"], "read_noise": _noise(best), "read_kernel": read["kernel"],
+                "read_readers": read["readers"], "copy_tbps": copy["tbps"], "copy_noise": _noise(copy),
+                "copy_kernel": copy["kernel"]}
+    print(f"ceilings: read {read['tbps']:.2f} TB/s ({read['kernel']}), copy {copy['tbps']:.2f} TB/s", flush=True)
+    cfg = get_config(BASE_CONFIG)
+    cases = []
+    base_name = None
+    for d in build_dirs:
+        a = KernelAdapter(d)
+        case = a.cases(seeds=(0,), distributions=("normal",))[0]
+        inputs = build_inputs(a.op, case, cfg, a.device)
+        nbytes = sum(t.nbytes for t in (inputs[p["name"]] for p in a.params
+                                         if p["spec"]["kind"] == "tensor" and p is not a.out_param))
+        shape, dtype = a.output_specs(inputs)["out"]
+        nbytes += torch.empty(shape, dtype=dtype, device="meta").nbytes
+        copies, past_l2 = rotation_copies(nbytes)
+        sets = [inputs] + [map_tensors(inputs, lambda t: t.clone()) for _ in range(copies - 1)]
+        outs = [torch.empty(shape, dtype=dtype, device=a.device) for _ in range(copies)]
+        argsets = [a.args(s, o) for s, o in zip(sets, outs)]
+
+        def head(i, argsets=argsets, k=a.kernel):
+            k(*argsets[i % len(argsets)])
+
+        base_fn = None
+        if base == "torch":
+            fn, base_name = torch_baseline(a.op)
+
+            def base_fn(i, sets=sets, fn=fn):
+                fn(sets[i % len(sets)])
+
+        m = measure_interleaved(base_fn, head, rounds=rounds, inner=inner)
+        comp = compare_samples(m["base"], m["head"]) if m["base"] else None
+        from .bench import summarize
+
+        hs = summarize(m["head"])
+        head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+        base_bw = None
+        bs = None
+        if m["base"]:
+            bs = summarize(m["base"])
+            base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+        verdict, reason = case_verdict(comp, head_bw)
+        cases.append({
+            "case_id": f"{a.meta['kernel']}/{a.label}", "name": f"{a.meta['kernel']} {a.label}",
+            "kernel": a.meta["kernel"], "variant": a.variant, "batch": a.batch, "bytes": nbytes,
+            "base": bs, "head": hs, "change": comp.change if comp else None,
+            "speedup": comp.speedup if comp else None, "p_value": comp.p_value if comp else None,
+            "noise": comp.noise if comp else hs["rel_iqr"], "head_bandwidth": head_bw,
+            "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2, "copies": copies,
+            "verdict": verdict, "reason": reason, "binary": a.binary(),
+        })
+        print(f"bench {a.label}: head {hs['median']:.2f} us"
+              + (f", base {bs['median']:.2f} us" if bs else "")
+              + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
+        del sets, outs, argsets
+        torch.cuda.empty_cache()
+    return {"stage": "bench", "environment": env, "ceilings": ceilings, "cases": cases,
+            "base_name": base_name}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m validation.gpu_stages")
+    p.add_argument("stage", choices=("numerics", "bench"))
+    p.add_argument("--build-dir", action="append", required=True)
+    p.add_argument("--base", choices=("torch", "none"), default="none")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 3
+    if args.stage == "numerics":
+        res = numerics_stage(args.build_dir, quick=args.quick)
+    else:
+        res = bench_stage(args.build_dir, base=None if args.base == "none" else args.base)
+    Path(args.out).write_text(json.dumps(res, default=str, allow_nan=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

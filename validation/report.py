@@ -1,0 +1,180 @@
+"""The HTML evidence report, rendered with jinja2 from the bundle alone (`fasttrack report`).
+
+One self-contained file: inline CSS, inline SVG plots, no scripts, no external resources, so it
+reads the same from a CI artifact, an e-mail or a laptop without a server.
+
+Plots are hand-rolled SVG rather than matplotlib: two small line plots need ~80 lines, add no
+dependency to the CPU venv or the GPU host, and give byte-identical output for the same bundle
+(matplotlib's SVG carries generated ids and a creation date, which would make re-rendered reports
+differ for no reason).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections import defaultdict
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "rfc_templates"
+TEMPLATE = "report.html.j2"
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
+
+
+def _num(v):
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_label: str,
+              x_label: str = "batch size", ref_y: float | None = None, ref_label: str = "",
+              width: int = 560, height: int = 300) -> str:
+    """An inline SVG line plot, x on a log2 axis (batch sizes), one polyline per series."""
+    pts = [(x, y) for s in series.values() for x, y in s if _num(x) and _num(y) is not None]
+    if not pts:
+        return f'<p class="muted">{html.escape(title)}: no data</p>'
+    left, right, top, bottom = 58, 150, 28, 42
+    pw, ph = width - left - right, height - top - bottom
+    xs = sorted({x for x, _ in pts})
+    lx = [math.log2(x) for x in xs]
+    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+    ys = [y for _, y in pts] + ([ref_y] if ref_y is not None else [])
+    y0, y1 = min(0.0, min(ys)), max(ys) * 1.1 or 1.0
+
+    def X(x):
+        return left + (math.log2(x) - x0) / (x1 - x0) * pw
+
+    def Y(y):
+        return top + ph - (y - y0) / (y1 - y0) * ph
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">',
+           f'<text x="{left}" y="16" class="pt">{html.escape(title)}</text>',
+           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    for i in range(5):  # y grid and ticks
+        v = y0 + (y1 - y0) * i / 4
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" stroke="#eee"/>')
+        out.append(f'<text x="{left - 6}" y="{Y(v) + 4:.1f}" text-anchor="end" class="tk">{v:.2f}</text>')
+    for x in xs:
+        out.append(f'<text x="{X(x):.1f}" y="{top + ph + 16}" text-anchor="middle" class="tk">{x:g}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" text-anchor="middle" class="tk">{html.escape(x_label)}</text>')
+    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
+               f'text-anchor="middle" class="tk">{html.escape(y_label)}</text>')
+    if ref_y is not None and y0 <= ref_y <= y1:
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{Y(ref_y):.1f}" y2="{Y(ref_y):.1f}" '
+                   f'stroke="#555" stroke-dasharray="4 3"/>')
+        out.append(f'<text x="{left + pw - 4}" y="{Y(ref_y) - 4:.1f}" text-anchor="end" class="tk">{html.escape(ref_label)}</text>')
+    for i, (name, s) in enumerate(series.items()):
+        s = sorted((x, y) for x, y in s if _num(x) and _num(y) is not None)
+        if not s:
+            continue
+        c = PALETTE[i % len(PALETTE)]
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
+                   + " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s) + '"/>')
+        for x, y in s:
+            out.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3" fill="{c}"><title>'
+                       f'{html.escape(name)} batch {x:g}: {y:.3f}</title></circle>')
+        ly = top + 12 + 16 * i
+        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" stroke-width="2"/>')
+        out.append(f'<text x="{left + pw + 30}" y="{ly}" class="tk">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _problem_label(variant: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(variant.items()) if k != "batch") or "default"
+
+
+def _correctness_rows(bundle: dict) -> list[dict]:
+    """Per (kernel, variant or op problem): cases, failures, worst ratio and errors."""
+    groups: dict[str, list] = defaultdict(list)
+    for c in (bundle.get("correctness") or {}).get("cases") or []:
+        v = c.get("variant") or {**(c.get("problem") or {}), "batch": c.get("batch")}
+        groups[" ".join(f"{k}={x}" for k, x in v.items())].append(c)
+    rows = []
+    for label, cs in groups.items():
+        outs = [o for c in cs for o in c.get("outputs") or []]
+
+        def worst(key):
+            vals = [_num(o.get(key)) for o in outs]
+            vals = [v for v in vals if v is not None]
+            return max(vals) if vals else None
+
+        rows.append({"label": label, "n": len(cs), "failed": sum(1 for c in cs if not c.get("passed")),
+                     "ratio": worst("ratio"), "rel_fro": worst("rel_fro"), "ref_rel_fro": worst("ref_rel_fro"),
+                     "ulp_max": worst("ulp_max"), "mismatch": worst("mismatch_fraction"),
+                     "nan": sum(int(o.get("nan") or 0) + int(o.get("inf") or 0) for o in outs),
+                     "dists": sorted({c.get("distribution") for c in cs if c.get("distribution")})})
+    return rows
+
+
+def _risks(bundle: dict) -> list[str]:
+    risks = []
+    bench = bundle.get("benchmark") or {}
+    cases = bench.get("cases") or []
+    amb = [c.get("name") or c.get("case_id") for c in cases if c.get("verdict") == "AMBIGUOUS"]
+    if amb and bench.get("base_name"):
+        risks.append(f"{len(amb)} benchmark case(s) AMBIGUOUS (no speed claim holds there): {', '.join(map(str, amb[:4]))}"
+                     + (" ..." if len(amb) > 4 else ""))
+    slow = [c.get("name") for c in cases if c.get("verdict") == "SLOW"]
+    if slow:
+        risks.append(f"{len(slow)} case(s) SLOW against the base: {', '.join(map(str, slow[:4]))}")
+    env = bundle.get("environment") or {}
+    if env.get("dirty"):
+        risks.append("the kernel's sources had uncommitted changes when validated")
+    if not bundle.get("signature"):
+        risks.append("the bundle is unsigned: verify its origin before trusting it (fasttrack sign / verify)")
+    for d in (bundle.get("defences") or {}).get("checks") or []:
+        if not d.get("passed"):
+            risks.append(f"defence {d.get('name')} failed: {d.get('detail')}")
+    if (bundle.get("race") or {}).get("passed") is False:
+        risks.append("the race audit did not pass")
+    return risks
+
+
+def _fmt(v, spec=".3g"):
+    n = _num(v)
+    return "–" if n is None else format(n, spec)
+
+
+def render_report(bundle: dict) -> str:
+    """The report page for `bundle` (a dict following fasttrack.evidence/1)."""
+    from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(str(TEMPLATE_DIR)), autoescape=select_autoescape(["html", "j2"]),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["fmt"] = _fmt
+    env.filters["pct"] = lambda v: "–" if _num(v) is None else f"{_num(v):.1%}"
+    bench = bundle.get("benchmark") or {}
+    cases = bench.get("cases") or []
+    speed, frac_head, frac_base = defaultdict(list), defaultdict(list), defaultdict(list)
+    for c in cases:
+        v = c.get("variant") or {}
+        label = _problem_label(v)
+        b = v.get("batch", c.get("batch"))
+        if _num(c.get("speedup")) is not None:
+            speed[label].append((b, c["speedup"]))
+        hb = (c.get("head_bandwidth") or {}).get("fraction_of_read")
+        if _num(hb) is not None:
+            frac_head[f"{label}"].append((b, hb))
+        bb = (c.get("base_bandwidth") or {}).get("fraction_of_read")
+        if _num(bb) is not None:
+            frac_base[f"{label} (base)"].append((b, bb))
+    plots = []
+    if speed:
+        plots.append(line_plot(dict(speed), title="Speedup over the base (base median / head median)",
+                               y_label="speedup", ref_y=1.0, ref_label="1.0 = same"))
+    if frac_head:
+        plots.append(line_plot({**frac_head, **frac_base}, title="Fraction of the read-only streaming ceiling",
+                               y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling"))
+    corr = bundle.get("correctness") or {}
+    n_cases = len(corr.get("cases") or [])
+    tmpl = env.get_template(TEMPLATE)
+    return tmpl.render(b=bundle, change=bundle.get("change") or {}, envd=bundle.get("environment") or {},
+                       corr=corr, corr_rows=_correctness_rows(bundle),
+                       failed_cases=[c for c in corr.get("cases") or [] if not c.get("passed")][:30],
+                       n_cases=n_cases, defences=(bundle.get("defences") or {}).get("checks") or [],
+                       race=bundle.get("race"), bench=bench, bench_cases=cases, plots=plots,
+                       ceilings=bench.get("ceilings") or {}, risks=_risks(bundle),
+                       binaries=bundle.get("binaries") or [], signature=bundle.get("signature"))
