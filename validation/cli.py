@@ -17,6 +17,11 @@ COMMANDS: list[tuple[str, str]] = [
     ("gate", "validation.cmd_gate"),
     ("rfc", "validation.cmd_rfc"),
     ("audit", "validation.cmd_audit"),
+    ("validate", "validation.cmd_validate"),
+    ("report", "validation.cmd_report"),
+    ("check", "validation.cmd_check"),
+    ("sign", "validation.cmd_sign"),
+    ("verify", "validation.cmd_verify"),
 ]
 
 
