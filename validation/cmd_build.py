@@ -45,27 +45,31 @@ def _display_path(p: Path) -> str:
 
 
 def _print_table(rows: list[dict]) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="fasttrack build", title_justify="left")
-    for col, kw in [
-        ("kernel", {"no_wrap": True}), ("variant", {"no_wrap": True}), ("entry", {"overflow": "ellipsis", "max_width": 36, "no_wrap": True}),
-        ("regs", {"justify": "right"}), ("spill st/ld B", {"justify": "right"}),
-        ("local B", {"justify": "right"}), ("smem static+dyn B", {"justify": "right"}),
-        ("cubin sha256", {}), ("cached", {}),
-    ]:
-        table.add_column(col, **kw)
-    for r in rows:
-        table.add_row(
-            r["kernel"], r["variant"], r["entry"], str(r["registers"]),
-            f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", str(r["local_bytes"]),
-            f"{r['static_smem_bytes']}+{r['dynamic_smem_bytes']}", r["cubin_sha256"][:12],
-            "yes" if r["cache_hit"] else "no",
-        )
     console = Console()
     if not console.is_terminal:
         console = Console(width=240)  # piped: keep one row per variant
+    wide = console.width >= 180  # the entry name is long; narrow terminals get it from --json
+    table = Table(title="fasttrack build (sizes in bytes; spill = local store/load bytes, smem = "
+                  "static+dynamic)", title_justify="left", box=box.SIMPLE_HEAD)
+    cols = [("kernel", {"no_wrap": True}), ("variant", {"no_wrap": wide, "min_width": 16})]
+    if wide:
+        cols.append(("entry", {"overflow": "ellipsis", "max_width": 36, "no_wrap": True}))
+    heads = ("regs", "spill st/ld", "local", "smem st+dyn") if wide else ("regs", "spill", "local", "smem")
+    cols += [(c, {"justify": "right", "no_wrap": True}) for c in heads]
+    cols += [("cubin sha256" if wide else "cubin", {"no_wrap": True}), ("cached", {"no_wrap": True})]
+    for col, kw in cols:
+        table.add_column(col, **kw)
+    for r in rows:
+        cells = [r["kernel"], r["variant"]] + ([r["entry"]] if wide else []) + [
+            str(r["registers"]), f"{r['spill_store_bytes']}/{r['spill_load_bytes']}", str(r["local_bytes"]),
+            f"{r['static_smem_bytes']}+{r['dynamic_smem_bytes']}", r["cubin_sha256"][:12 if wide else 8],
+            "yes" if r["cache_hit"] else "no",
+        ]
+        table.add_row(*cells)
     console.print(table)
 
 
