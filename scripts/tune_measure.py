@@ -174,12 +174,11 @@ def _compare(out: dict, ref: dict | None) -> str | None:
 def measure(plan: dict, *, reps: int, warmup: int, root: Path | None) -> dict:
     import torch
 
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_measure measure: no CUDA device on this host")
     from benchmarks.common import gpu_environment, l2_bytes, rotation_count, time_launches
     from kernels.build import BuildError, find_artifact
     from kernels.launch import CubinKernel, LaunchError
-
-    if not torch.cuda.is_available():
-        raise SystemExit("tune_measure measure: no CUDA device on this host")
     kernel = plan["kernel"]
     from kernels.manifest import load_manifest
 
@@ -279,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--reps", type=int, default=100)
     m.add_argument("--warmup", type=int, default=10)
     args = ap.parse_args(argv)
+    # The repository's own packages (kernels, benchmarks), whether or not PYTHONPATH names it.
+    sys.path.insert(0, str(_repo_root()))
     if args.cmd == "prepare":
         suffix = f".{args.request.stem}" if args.request else ""
         plan_path = args.plan or args.root / "tune" / f"{args.kernel}{suffix}.plan.json"

@@ -177,3 +177,21 @@ def test_build_table_names_resources():
                                  "resources": {"registers": 40, "spill_store_bytes": 0, "spill_load_bytes": 0,
                                                "static_smem_bytes": 128, "dynamic_smem_bytes": 0}}])
     assert "batch=1 | 40 | 0/0 | 128+0 | abababababab" in table
+
+
+def test_progress_display_shows_turn_stage_and_best():
+    import io
+
+    from agent.progress import Progress
+
+    plain = io.StringIO()
+    with Progress("toy / tuner", stream=plain, live=False) as p:
+        p.update(turn=2, stage="build (quick)")
+        p.update(turn=2, stage="build (quick)")  # unchanged stage: no new line
+        p.update(stage="static audit")
+    assert plain.getvalue().splitlines() == ["[toy / tuner] turn 2: build (quick)", "[toy / tuner] turn 2: static audit"]
+    live = io.StringIO()
+    with Progress("toy / claude", stream=live, live=True) as p:
+        p.update(turn=7, stage="validate", best="attempt 2 accepted", cost_usd=0.25)
+    out = live.getvalue()
+    assert "validate" in out and "attempt 2 accepted" in out and "$0.250" in out

@@ -254,3 +254,27 @@ def test_tune_measure_rejects_a_bad_plan(tmp_path):
     out = subprocess.run([sys.executable, "scripts/tune_measure.py", "measure", "--plan", str(plan), "--out",
                           str(tmp_path / "o.json")], cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.returncode == 2 and "not a tune plan" in out.stderr
+
+
+def test_tune_measure_output_checks_on_cpu_tensors():
+    """The measure step's checks: poison left in an output, or outputs far from the defaults'."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("tune_measure", REPO_ROOT / "scripts" / "tune_measure.py")
+    tm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tm)
+    ref = {"y": torch.ones(4, 8, dtype=torch.bfloat16)}
+    assert tm._compare({"y": ref["y"].clone()}, ref) is None
+    assert tm._compare({"y": ref["y"] * 1.01}, ref) is None  # within the agreement tolerance
+    poisoned = ref["y"].clone()
+    poisoned[3, 7] = float("nan")
+    assert "not fully written" in tm._compare({"y": poisoned}, None)
+    assert "differs from the defaults'" in tm._compare({"y": ref["y"] * 2}, ref)
+    doc = {"default": DEFAULT, "results": [
+        {"tunables": DEFAULT, "variant": {"batch": 1}, "median_us": 10.0},
+        {"tunables": {"threads": 256, "unroll": 4}, "variant": {"batch": 1}, "median_us": 8.0},
+        {"tunables": {"threads": 64, "unroll": 1}, "variant": {"batch": 1}, "error": "BuildError: x"}]}
+    table = tm.format_table(doc)
+    assert "0.800" in table and "ERROR" in table and "BuildError" in table
