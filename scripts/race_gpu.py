@@ -297,7 +297,7 @@ def gpu(out_dir: Path) -> int:
     log = out_dir / "sanitizers.log"
     res["sanitizers"] = {}
     for tool in TOOLS:
-        r = run_tool(tool, child_cmd, correct, timeout_s=150, log_path=log, sanitizer=san)
+        r = run_tool(tool, child_cmd, correct, timeout_s=60, log_path=log, sanitizer=san)
         res["sanitizers"][tool] = r.to_dict()
         print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
         (out_dir / "race_gpu.json").write_text(json.dumps(res, indent=1, default=str))
@@ -312,7 +312,7 @@ def gpu(out_dir: Path) -> int:
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "stress", "--ids", ",".join(mut_ids),
-                            "--runs", "20"], capture_output=True, text=True, timeout=120)
+                            "--runs", "20"], capture_output=True, text=True, timeout=60)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
