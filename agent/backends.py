@@ -149,40 +149,68 @@ class RepoBackends:
         except json.JSONDecodeError:
             data = {}
         if proc.returncode == 0:
-            return CheckResult("audit", OK, _tail(proc.stdout, 3000) or "static audit clean", data)
+            return CheckResult("audit", OK, format_audit(data) or "static audit clean", data)
         if proc.returncode == 1:
-            return CheckResult("audit", FAILED, _tail(proc.stdout or proc.stderr, 4000), data)
+            return CheckResult("audit", FAILED, format_audit(data) or _tail(proc.stdout or proc.stderr, 4000), data)
         return CheckResult("audit", FAILED, "static audit could not run:\n" + _tail(proc.stderr))
+
+    def _validate(self, root, kernel, out_dir, check: str, extra: list[str]) -> CheckResult:
+        try:
+            res, proc = self._cli(Path(root), check, ["validate", kernel, "--out", str(out_dir),
+                                                      "--build-root", str(Path(root) / "build"), *extra])
+        except subprocess.TimeoutExpired:
+            return CheckResult(check, FAILED, f"{check} timed out after {self.timeout_s:.0f} s")
+        if res:
+            return CheckResult(check, UNAVAILABLE, res.summary)
+        bundle_path = Path(out_dir) / "bundle.json"
+        try:
+            bundle = json.loads(bundle_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return CheckResult(check, FAILED, "validation wrote no bundle:\n" + _tail(proc.stderr or proc.stdout))
+        status = OK if proc.returncode == 0 and bundle.get("verdict") == "pass" else FAILED
+        return CheckResult(check, status, format_bundle(bundle, benchmark=check == "benchmark"),
+                           {"bundle": str(bundle_path), "verdict": bundle.get("verdict")})
 
     def validate(self, root, kernel, out_dir) -> CheckResult:
         if not self.gpu_available():
             return CheckResult("validate", NO_GPU,
                                "no CUDA device on this host: numerics, sanitizers and benchmarks were "
                                "NOT run; evidence must come from a GPU host (`fasttrack validate`)")
-        try:
-            res, proc = self._cli(Path(root), "validate", ["validate", kernel, "--out", str(out_dir)])
-        except subprocess.TimeoutExpired:
-            return CheckResult("validate", FAILED, "validation timed out")
-        if res:
-            return res
-        bundle = Path(out_dir) / "bundle.json"
-        data = {"bundle": str(bundle) if bundle.exists() else None}
-        status = OK if proc.returncode == 0 else FAILED
-        return CheckResult("validate", status, _tail(proc.stdout + "\n" + proc.stderr, 4000), data)
+        return self._validate(root, kernel, out_dir, "validate", ["--require-gpu"])
 
     def benchmark(self, root, kernel, out_dir) -> CheckResult:
         if not self.gpu_available():
             return CheckResult("benchmark", NO_GPU,
                                "no CUDA device on this host: no benchmark was run, so there is no "
                                "timing to report")
-        try:
-            res, proc = self._cli(Path(root), "benchmark", ["benchmark", kernel, "--out", str(out_dir)])
-        except subprocess.TimeoutExpired:
-            return CheckResult("benchmark", FAILED, "benchmark timed out")
-        if res:
-            return res
-        status = OK if proc.returncode == 0 else FAILED
-        return CheckResult("benchmark", status, _tail(proc.stdout + "\n" + proc.stderr, 4000))
+        return self._validate(root, kernel, out_dir, "benchmark", ["--require-gpu", "--base", "torch", "--quick"])
+
+
+def format_audit(data: dict) -> str:
+    """One line per finding of `fasttrack audit --json` output (empty when it has no reports)."""
+    lines = []
+    for rep in (data or {}).get("reports", []):
+        findings = rep.get("findings", [])
+        lines.append(f"{rep.get('kernel')}: {'clean' if rep.get('clean') else f'{len(findings)} finding(s)'} "
+                     f"(checked {', '.join(rep.get('checked', []))})")
+        for f in findings[:20]:
+            where = "; ".join(x for x in (f.get("source") and f"source {f['source']}", f.get("ptx"), f.get("sass")) if x)
+            lines.append(f"  [{f.get('severity')}] {f.get('rule')}: {f.get('message')} ({where})")
+    return "\n".join(lines)
+
+
+def format_bundle(bundle: dict, *, benchmark: bool = False) -> str:
+    """The verdict, its reasons, and (for benchmarks) each case's time and verdict."""
+    lines = [f"verdict: {bundle.get('verdict')}"]
+    lines += [f"- {r}" for r in (bundle.get("reasons") or [])[:15]]
+    if benchmark:
+        for c in ((bundle.get("benchmark") or {}).get("cases") or [])[:60]:
+            keys = ("variant", "median_us", "base_median_us", "speedup", "fraction_of_read_ceiling", "verdict")
+            lines.append("  " + ", ".join(f"{k}={c[k]}" for k in keys if k in c))
+    nc = bundle.get("not_covered") or []
+    if nc:
+        lines.append("not covered: " + "; ".join(str(x) for x in nc[:10]))
+    return "\n".join(lines)
 
 
 def format_build_table(built: list[dict]) -> str:

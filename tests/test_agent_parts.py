@@ -195,3 +195,22 @@ def test_progress_display_shows_turn_stage_and_best():
         p.update(turn=7, stage="validate", best="attempt 2 accepted", cost_usd=0.25)
     out = live.getvalue()
     assert "validate" in out and "attempt 2 accepted" in out and "$0.250" in out
+
+
+@pytest.mark.slow
+def test_build_and_audit_seam_against_the_real_repository():
+    """The seam drives the repository's real kernels/build.py and `fasttrack audit` in a child
+    process (one variant of one real kernel; a cache hit after the first run)."""
+    from kernels.manifest import load_manifest
+
+    manifest = load_manifest()
+    name = "rmsnorm" if "rmsnorm" in manifest.kernels else sorted(manifest.kernels)[0]
+    spec = manifest.kernel(name)
+    b = RepoBackends(timeout_s=600)
+    r = b.build(REPO_ROOT, name, [spec.shapes[0]])
+    assert r.status == "ok", r.summary
+    (built,) = r.data["built"]
+    assert len(built["cubin_sha256"]) == 64 and built["resources"]["registers"] > 0
+    assert f"| {built['resources']['registers']} |" in r.summary
+    a = b.audit(REPO_ROOT, name)
+    assert a.status in ("ok", "failed") and name in a.summary
