@@ -263,6 +263,8 @@ class CubinKernel:
     Loading is lazy (first call), once per process and device, keyed by the cubin's sha256.
     """
 
+    device_type = "cuda"  # what buffers must live on; tests of the launch path set "cpu"
+
     def __init__(self, cubin: bytes, meta: dict):
         self.cubin = bytes(cubin)
         self.meta = meta
@@ -347,9 +349,9 @@ class CubinKernel:
         """
         ordered = self.bind(*args, **kwargs)
         dev, fn = self._function()  # first: a host without a GPU hears exactly that
-        values, _types = pack_args(self.params, ordered)
+        values, _types = pack_args(self.params, ordered, device_type=self.device_type)
         for p, a in zip(self.params, ordered):
-            if p["spec"]["kind"] == "tensor" and a.device.index != dev:
+            if self.device_type == "cuda" and p["spec"]["kind"] == "tensor" and a.device.index != dev:
                 raise LaunchError(f"parameter {p.get('name')!r} is on cuda:{a.device.index}, "
                                   f"the current device is cuda:{dev}")
         ptrs = param_pointer_array(values)

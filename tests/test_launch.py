@@ -177,3 +177,114 @@ def test_launch_prebuilt_fixture_on_gpu():
     assert len([key for key in launch._modules if key[1] == k.sha256]) == 1
     with pytest.raises(LaunchError, match="shape"):
         k(x[:2], 0.5, 4, y)
+
+
+class _FakeDriver:
+    """Records the driver calls the launcher makes; fails the one named in `fail`."""
+
+    def __init__(self, fail=None):
+        from cuda.bindings import driver as real
+
+        self.CUresult = real.CUresult
+        self.CUfunction_attribute = real.CUfunction_attribute
+        self.CUstream = lambda h: ("stream", int(h))
+        self.calls = []
+        self.fail = fail
+
+    def __getattr__(self, name):
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, args))
+            if name in ("cuLaunchKernel", "cuLaunchCooperativeKernel"):
+                # What the real driver does during the call: copy each parameter's bytes.
+                ptrs = (ctypes.c_void_p * 4).from_address(args[9])
+                self.param_bytes = [ctypes.string_at(p, 8) for p in ptrs]
+            if name == self.fail:
+                return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+            if name == "cuGetErrorString":
+                return (self.CUresult.CUDA_SUCCESS, b"invalid argument")
+            if name in ("cuInit", "cuCtxSetCurrent", "cuFuncSetAttribute", "cuLaunchKernel",
+                        "cuLaunchCooperativeKernel"):
+                return (self.CUresult.CUDA_SUCCESS,)
+            return (self.CUresult.CUDA_SUCCESS, {"cuCtxGetCurrent": 0}.get(name, 1000 + len(self.calls)))
+
+        return call
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The launch path on CPU: a recording driver and a torch that claims one device."""
+    monkeypatch.setattr(launch, "_contexts", {})
+    monkeypatch.setattr(launch, "_modules", {})
+    monkeypatch.setattr(launch, "_torch_ready", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 77})())
+
+    def install(fail=None):
+        drv = _FakeDriver(fail)
+        monkeypatch.setattr(launch, "_driver", lambda: drv)
+        return drv
+
+    return install
+
+
+def _cpu_kernel(meta):
+    k = CubinKernel(b"cubin-bytes", meta)
+    k.device_type = "cpu"
+    return k
+
+
+def test_launch_sequence_on_a_recording_driver(fake_cuda):
+    drv = fake_cuda()
+    k = _cpu_kernel(_meta())
+    x, y = torch.zeros(4, 96), torch.empty(4, 96)
+    k(x, 0.5, 4, y)
+    k(x, 0.5, 4, y)
+    names = [c[0] for c in drv.calls]
+    # Context and module once; a launch per call, on torch's current stream.
+    assert names == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent", "cuCtxSetCurrent",
+                     "cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel",
+                     "cuCtxGetCurrent", "cuCtxSetCurrent", "cuLaunchKernel"]
+    assert drv.calls[5][1] == (b"cubin-bytes",)
+    assert drv.calls[6][1][1] == b"k"
+    fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra = drv.calls[7][1]
+    assert (gx, gy, gz, bx, by, bz, smem, stream, extra) == (6, 1, 1, 64, 1, 1, 0, ("stream", 77), 0)
+    assert isinstance(params, int)  # the address of a void*[] (the form every cuda-bindings takes)
+    assert drv.param_bytes[0] == struct.pack("<Q", x.data_ptr())
+    assert drv.param_bytes[1][:4] == struct.pack("<f", 0.5)
+    assert drv.param_bytes[2][:4] == struct.pack("<i", 4)
+    assert drv.param_bytes[3] == struct.pack("<Q", y.data_ptr())
+    # Another kernel object with the same cubin shares the loaded module.
+    _cpu_kernel(_meta())(x, 0.5, 4, y)
+    assert [c[0] for c in drv.calls].count("cuModuleLoadData") == 1
+
+
+def test_large_smem_and_cooperative_launch(fake_cuda):
+    drv = fake_cuda()
+    meta = _meta()
+    meta["launch"].update(smem_bytes=100 * 1024, cooperative=True)
+    _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96), stream=5)
+    calls = dict((c[0], c[1]) for c in drv.calls)
+    fn, attr, value = calls["cuFuncSetAttribute"]
+    assert attr == drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES and value == 100 * 1024
+    assert "cuLaunchKernel" not in calls
+    args = calls["cuLaunchCooperativeKernel"]
+    assert args[7] == 100 * 1024 and args[8] == ("stream", 5)
+
+
+@pytest.mark.parametrize("call", ["cuModuleLoadData", "cuLaunchKernel", "cuInit"])
+def test_failed_driver_call_is_named(fake_cuda, call):
+    fake_cuda(fail=call)
+    with pytest.raises(LaunchError, match=f"^{call} failed: CUDA_ERROR_INVALID_VALUE: invalid argument$"):
+        _cpu_kernel(_meta())(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
+
+
+def test_bad_argument_launches_nothing(fake_cuda):
+    drv = fake_cuda()
+    with pytest.raises(LaunchError, match="shape"):
+        _cpu_kernel(_meta())(torch.zeros(4, 95), 0.5, 4, torch.empty(4, 96))
+    assert "cuLaunchKernel" not in [c[0] for c in drv.calls]
