@@ -134,6 +134,14 @@ def test_real_manifest_defaults_can_be_rewritten_in_place():
             new = rewrite_manifest_defaults(text, spec.name, {t.name: other})
             assert manifest_change_reason(text, new, spec.name) is None, (spec.name, t.name)
             assert parse_manifest(new).kernel(spec.name).tunable_defaults()[t.name] == other
+        # The op module's defaults are the manifest's (the tuner changes both together).
+        for src in spec.sources:
+            path = REPO_ROOT / src
+            found = module_defaults(path.read_text()) if path.exists() else None
+            if found is not None and set(found) == {t.name for t in spec.tunables}:
+                assert found == spec.tunable_defaults(), (spec.name, src)
+                other = {t.name: next((c for c in t.choices if c != t.default), t.default) for t in spec.tunables}
+                assert module_defaults(rewrite_module_defaults(path.read_text(), other)) == other
 
 
 def run_tuner(repo, *extra, backends=None):
