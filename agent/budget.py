@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 # USD per million tokens (input, output). Cache writes (5-minute TTL) cost 1.25x input and cache
 # reads 0.1x input. Source: the public Claude models overview and pricing pages (2026). Models not
@@ -128,7 +129,7 @@ class BudgetTracker:
 
     limits: BudgetLimits
     model: str = ""
-    clock: callable = time.monotonic
+    clock: Callable[[], float] = time.monotonic
     spent: UsageTotals = field(default_factory=UsageTotals)
     started: float = field(default=0.0)
 
