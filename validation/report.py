@@ -140,10 +140,12 @@ def _fmt(v, spec=".3g"):
 
 def render_report(bundle: dict) -> str:
     """The report page for `bundle` (a dict following fasttrack.evidence/1)."""
-    from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+    from jinja2 import ChainableUndefined, Environment, FileSystemLoader, select_autoescape
 
+    # Optional bundle keys render as empty (ChainableUndefined): a report of a partial bundle
+    # still shows what is there.
     env = Environment(loader=FileSystemLoader(str(TEMPLATE_DIR)), autoescape=select_autoescape(["html", "j2"]),
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+                      undefined=ChainableUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = _fmt
     env.filters["pct"] = lambda v: "–" if _num(v) is None else f"{_num(v):.1%}"
     bench = bundle.get("benchmark") or {}

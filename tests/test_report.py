@@ -1,0 +1,123 @@
+"""The HTML evidence report: rendered from the bundle alone, self-contained, showing what matters."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kernels.config import get_config
+from validation import bundle as B
+from validation import defences as D
+from validation.check import judge, matrix_for
+from validation.cli import main
+from validation.opinputs import op_def
+from validation.report import line_plot, render_report
+
+
+def realistic_bundle(verdict_slow: bool = False) -> dict:
+    """Correctness and defences from a real CPU judging run; benchmark cases synthetic."""
+    from kernels import reference as R
+    import torch
+
+    op, cfg = op_def("rmsnorm"), get_config("tiny")
+    subject = D.DestinationSubject(
+        lambda i, o: o["out"].copy_(R.rmsnorm(i["x"], i["gamma"], i["eps"])),
+        lambda i: {"out": (tuple(i["x"].shape), torch.bfloat16)}, "rmsnorm", "cpu")
+    rep = judge(subject, op, cfg, matrix_for(op, cfg, "cpu", quick=True), unseen_reason="cubin")
+    cases = []
+    for width in (7168, 3584):
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            head = 3.0 + 0.05 * b
+            base = head * (0.9 if verdict_slow and b == 64 else 1.6)
+            nbytes = (2 * b + 1) * width * 2
+            cases.append({
+                "case_id": f"rmsnorm/batch={b} width={width}", "name": f"rmsnorm batch={b} width={width}",
+                "kernel": "rmsnorm", "variant": {"batch": b, "width": width}, "batch": b, "bytes": nbytes,
+                "head": {"median": head, "p10": head * 0.98, "p90": head * 1.02, "p25": head, "p75": head,
+                         "min": head, "n": 10, "rel_iqr": 0.01},
+                "base": {"median": base, "p10": base, "p90": base, "p25": base, "p75": base, "min": base,
+                         "n": 10, "rel_iqr": 0.01},
+                "change": head / base - 1, "speedup": base / head, "p_value": 1e-4, "noise": 0.01,
+                "head_bandwidth": {"achieved_tbps": nbytes / head / 1e6, "fraction_of_read": nbytes / head / 1e6 / 4.6,
+                                   "noise_margin": 0.02, "impossible": False},
+                "base_bandwidth": {"achieved_tbps": nbytes / base / 1e6, "fraction_of_read": nbytes / base / 1e6 / 4.6,
+                                   "noise_margin": 0.02, "impossible": False},
+                "graph": True, "l2_rotated": b > 8, "copies": 64,
+                "verdict": "SLOW" if base < head else "FAST", "reason": "synthetic <script>x</script>",
+            })
+    return B.new_bundle(
+        change={"kernel": "rmsnorm", "base": "torch", "head": "0123456789abcdef", "files": ["kernels/ops/rmsnorm.py"],
+                "title": "rmsnorm foundation", "summary": "s"},
+        environment={"gpu": "NVIDIA H200", "gpu_count": 1, "sm_count": 132, "driver": "580", "cuda_runtime": "13.0",
+                     "torch": "2.11", "dsl_version": "4.8.1", "commit": "0123456789abcdef", "dirty": False,
+                     "hostname_hash": "abc"},
+        binaries=[{"kernel": "rmsnorm", "side": "head", "variant": c["variant"], "tunables": {"threads": 256},
+                   "build_key": "k" * 64, "cubin_sha256": "f" * 64} for c in cases],
+        correctness=rep.correctness(), defences=rep.defences(),
+        race={"passed": True, "static": {"passed": True, "variants": 14, "findings": []}, "dynamic": None,
+              "stress": {"passed": True, "runs_per_variant": 32, "failing_variants": []}},
+        benchmark={"ceilings": {"read_tbps": 4.6, "read_noise": 0.01, "read_kernel": "triton", "copy_tbps": 4.25},
+                   "cases": cases, "passed": not verdict_slow, "base_name": "torch",
+                   "policy": {"min_effect": 0.03, "alpha": 0.01, "max_noise": 0.1}},
+        not_covered=["race.dynamic: compute-sanitizer not run"])
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return realistic_bundle()
+
+
+def test_report_is_self_contained_and_complete(bundle):
+    html = render_report(bundle)
+    # Self-contained: no scripts, no external resources of any kind.
+    assert "<script" not in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "@import" not in html and "url(" not in html
+    # The one-screen summary, then every section.
+    for heading in ("Summary", "Risks", "Not covered", "Correctness", "Defences", "Race audit",
+                    "Performance", "Environment and provenance"):
+        assert heading in html
+    assert "PASS" in html and "race.dynamic: compute-sanitizer not run" in html
+    assert html.count("<svg") == 2  # speedup and fraction-of-read plots
+    assert "f" * 64 in html  # the cubin hashes the evidence is bound to
+    for d in D.DEFENCE_NAMES:
+        assert d in html
+    assert "&lt;script&gt;" in html  # bundle text is escaped, never markup
+
+
+def test_report_shows_a_failing_bundle_as_failing():
+    b = realistic_bundle(verdict_slow=True)
+    assert b["verdict"] == "fail"
+    html = render_report(b)
+    assert "FAIL" in html and "benchmark: failed" in html
+    assert "SLOW against the base" in html  # listed among the risks
+
+
+def test_report_renders_a_bundle_without_gpu_results():
+    b = B.new_bundle(change={"kernel": "gemv", "base": None, "head": None, "files": [], "title": "", "summary": ""},
+                     environment={}, binaries=[], correctness=None, defences=None, race=None, benchmark=None,
+                     not_covered=["GPU stages: no CUDA device"])
+    html = render_report(b)
+    assert "GPU stages: no CUDA device" in html and "No benchmark results" in html
+
+
+def test_same_bundle_renders_identical_bytes(bundle):
+    assert render_report(bundle) == render_report(bundle)
+
+
+def test_line_plot_handles_empty_and_degenerate_data():
+    assert "no data" in line_plot({}, title="t", y_label="y")
+    svg = line_plot({"one": [(8, 1.5)]}, title="t", y_label="y", ref_y=1.0)
+    assert svg.startswith("<svg") and "<circle" in svg
+
+
+def test_report_cli_rerenders_and_rejects_bad_bundles(bundle, tmp_path, capsys):
+    p = tmp_path / "bundle.json"
+    B.write_bundle_atomic(p, bundle)
+    assert main(["report", str(p)]) == 0
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["report", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
