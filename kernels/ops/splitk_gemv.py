@@ -34,6 +34,7 @@ WARP = 32
 VEC = 8  # bf16 per 16-byte load
 DEFAULT_TUNABLES = {"splits": 7, "warps": 4, "rows_per_warp": 4}
 MAX_BATCH = 8  # accumulators live in registers: rows_per_warp * batch per lane
+SMEM_BYTES = 16  # the last-CTA verdict, broadcast through dynamic shared memory
 
 
 def splitk_gemv_ref(x, w):
@@ -82,7 +83,8 @@ class SplitKGemvOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        return LaunchConfig(grid=(self.tiles, self.splits, 1), block=(self.warps * WARP, 1, 1))
+        return LaunchConfig(grid=(self.tiles, self.splits, 1), block=(self.warps * WARP, 1, 1),
+                            smem_bytes=SMEM_BYTES)
 
     def reference(self, x, w, y=None, partials=None, counters=None):
         return {"y": splitk_gemv_ref(x, w)}
@@ -103,7 +105,7 @@ class SplitKGemvOp(OpBase):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor, mC: cute.Tensor):
         lc = self.launch_config()
-        self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block))
+        self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor, mC: cute.Tensor):

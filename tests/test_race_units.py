@@ -1,0 +1,167 @@
+"""Parsers, CFG and the rules that no repository kernel exercises yet (bulk-async stores),
+plus the sanitizer-summary judge. Hand-written PTX here is supplementary: the rules are tested
+on real builds in test_race_static.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from validation.race import ir
+from validation.race.audit import AuditInputError, audit_ptx
+from validation.race.cfg import CFG
+from validation.race.dynamic import marker, parse_tool_output, sanitizer_command
+from validation.race.ptx import parse_ptx
+from validation.race.sass import parse_sass
+
+HEADER = """
+.version 8.8
+.target sm_90a
+.address_size 64
+.visible .entry k(
+	.param .align 8 .b8 k_param_0[8],
+	.param .align 8 .b8 k_param_1[8],
+	.param .u32 k_param_2
+)
+{
+	.reg .pred %p<4>;
+	.reg .b32 %r<16>;
+	.reg .b64 %rd<16>;
+	ld.param.b64 %rd1, [k_param_0];
+	ld.param.b64 %rd2, [k_param_1];
+	ld.param.u32 %r9, [k_param_2];
+	mov.u32 %r1, %tid.x;
+"""
+
+
+def _ptx(body: str) -> str:
+    return HEADER + body + "\n\tret;\n}\n"
+
+
+def test_params_offsets_and_provenance():
+    fn = parse_ptx(_ptx("\tmul.wide.u32 %rd3, %r1, 4;\n\tadd.s64 %rd4, %rd2, %rd3;\n\tst.global.b32 [%rd4], %r1;"))[0]
+    assert [(p.index, p.size, p.offset) for p in fn.params] == [(0, 8, 0), (1, 8, 8), (2, 4, 16)]
+    from validation.race.dataflow import analyze
+
+    cfg = CFG(fn)
+    prov = analyze(cfg)
+    st = [i for i in fn.instrs if i.kind == ir.STORE][0]
+    assert prov.params_of_addr(st.index) == {1}
+
+
+def test_bulk_store_must_drain_before_release():
+    body = """
+	cp.async.bulk.global.shared::cta.bulk_group [%rd2], [%r2], 256;
+	cp.async.bulk.commit_group;
+	fence.acq_rel.gpu;
+	red.release.gpu.global.add.s32 [%rd1], 1;"""
+    rep = audit_ptx(_ptx(body), ["sync", "activation", "scalar"])
+    assert "bulk-store-not-drained" in rep.rules_hit()
+    drained = body.replace("cp.async.bulk.commit_group;", "cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group 0;")
+    assert "bulk-store-not-drained" not in audit_ptx(_ptx(drained), ["sync", "activation", "scalar"]).rules_hit()
+    read_only = body.replace("cp.async.bulk.commit_group;", "cp.async.bulk.commit_group;\n\tcp.async.bulk.wait_group.read 0;")
+    assert "bulk-store-not-drained" in audit_ptx(_ptx(read_only), ["sync", "activation", "scalar"]).rules_hit()
+
+
+def test_barrier_under_thread_dependent_branch_only():
+    body = """
+	setp.ne.s32 %p1, %r1, 0;
+	@%p1 bra $L__skip;
+	bar.sync 0;
+$L__skip:
+	bar.sync 0;"""
+    rep = audit_ptx(_ptx(body), ["activation", "activation", "scalar"])
+    bad = [f for f in rep.findings if f.rule == "barrier-divergent"]
+    assert len(bad) == 1 and "line" in bad[0].ptx
+    uniform = body.replace("%r1, 0", "%r9, 0")  # a by-value parameter: same for every thread
+    assert "barrier-divergent" not in audit_ptx(_ptx(uniform), ["activation", "activation", "scalar"]).rules_hit()
+
+
+def test_relaxed_publish_after_fence_is_a_release():
+    fenced = "\tst.global.b32 [%rd2], %r1;\n\tfence.acq_rel.gpu;\n\tst.relaxed.gpu.global.b32 [%rd1], 1;"
+    assert audit_ptx(_ptx(fenced), ["sync", "activation", "scalar"]).clean
+    late = "\tfence.acq_rel.gpu;\n\tst.global.b32 [%rd2], %r1;\n\tst.relaxed.gpu.global.b32 [%rd1], 1;"
+    assert "relaxed-publish" in audit_ptx(_ptx(late), ["sync", "activation", "scalar"]).rules_hit()
+
+
+def test_roles_input_errors():
+    text = _ptx("")
+    with pytest.raises(AuditInputError, match="3 parameters"):
+        audit_ptx(text, ["static"])
+    with pytest.raises(AuditInputError, match="unknown role"):
+        audit_ptx(text, {"0": "weights"})
+    with pytest.raises(AuditInputError, match="unreadable PTX"):
+        audit_ptx("not ptx at all", None)
+
+
+def test_cfg_dominators_and_loops():
+    body = """
+	mov.u32 %r2, 0;
+$L__head:
+	ld.acquire.gpu.global.b32 %r3, [%rd1];
+	setp.eq.s32 %p1, %r3, 0;
+	@%p1 bra $L__head;
+	ld.global.b32 %r4, [%rd2];"""
+    fn = parse_ptx(_ptx(body))[0]
+    cfg = CFG(fn)
+    acq = next(i for i in fn.instrs if i.sem == ir.ACQUIRE)
+    ld = next(i for i in fn.instrs if i.kind == ir.LOAD and i.sem == ir.WEAK)
+    assert cfg.instr_dominates(acq.index, ld.index)
+    assert not cfg.instr_dominates(ld.index, acq.index)
+    assert len(cfg.loops) == 1 and cfg.block_of[acq.index] in cfg.loops[0].body
+
+
+def test_sass_parse_params_and_kinds():
+    text = """
+	.text.k:
+        /*0000*/                   LDC.64 R2, c[0x0][0x210] ;
+        /*0010*/                   LDG.E.STRONG.GPU R7, desc[UR6][R2.64] ;
+        /*0020*/                   CCTL.IVALL ;
+        /*0030*/                   LDC.64 R4, c[0x0][0x218] ;
+        /*0040*/                   LDG.E.128.CONSTANT R8, desc[UR6][R4.64] ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/                   EXIT ;
+"""
+    params = parse_ptx(_ptx(""))[0].params
+    fn = parse_sass(text, params)[0]
+    kinds = [i.kind for i in fn.instrs]
+    assert kinds == [ir.OTHER, ir.LOAD, ir.INVALIDATE, ir.OTHER, ir.LOAD, ir.BARRIER, ir.EXIT]
+    assert fn.instrs[0].params_read == (0,) and fn.instrs[3].params_read == (1,)
+    assert fn.instrs[4].nc and fn.instrs[1].strong
+    assert fn.instrs[4].dests == ("R8", "R9", "R10", "R11")
+
+
+# -- sanitizer judge ----------------------------------------------------------------------------
+
+CLEAN = "========= COMPUTE-SANITIZER\n{m}\n========= ERROR SUMMARY: 0 errors\n"
+
+
+def test_clean_needs_summary_and_marker():
+    ok = CLEAN.format(m=marker("k", True, rel_err="1e-7"))
+    assert parse_tool_output("memcheck", ok, ["k"], 0).clean
+    # No marker: the kernel may never have run.
+    r = parse_tool_output("memcheck", CLEAN.format(m=""), ["k"], 0)
+    assert not r.clean and "no proof" in r.reason
+    # Marker says the output was wrong.
+    r = parse_tool_output("memcheck", CLEAN.format(m=marker("k", False)), ["k"], 0)
+    assert not r.clean and "wrong" in r.reason
+    # Errors reported.
+    r = parse_tool_output("memcheck", ok.replace("0 errors", "3 errors"), ["k"], 0)
+    assert not r.clean and r.errors == 3
+    # No summary at all (crash) or a timeout.
+    assert not parse_tool_output("memcheck", marker("k", True), ["k"], 0).clean
+    assert not parse_tool_output("memcheck", ok, ["k"], None, timed_out=True).clean
+
+
+def test_racecheck_summary():
+    text = marker("k", True) + "\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert parse_tool_output("racecheck", text, ["k"], 0).clean
+    bad = text.replace("0 hazards displayed (0 errors, 0 warnings)", "2 hazards displayed (1 error, 1 warning)")
+    assert not parse_tool_output("racecheck", bad, ["k"], 0).clean
+
+
+def test_sanitizer_command_line():
+    cmd = sanitizer_command("cs", "racecheck", ["python", "x.py"])
+    assert cmd[:5] == ["cs", "--tool", "racecheck", "--report-api-errors", "no"]
+    assert cmd[-2:] == ["python", "x.py"]
+    with pytest.raises(ValueError):
+        sanitizer_command("cs", "leakcheck", [])
