@@ -135,3 +135,83 @@ def test_gpu_side_imports_without_the_dsl_gitpython_or_cryptography():
 
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# -- the cubin adapter, on CPU with a stand-in for the launcher --------------------------------
+
+
+class _FakeCubin:
+    """Stands in for kernels.launch.CubinKernel: computes rmsnorm with torch into the output."""
+
+    behaviour = "honest"
+
+    def __init__(self, meta):
+        self.meta = meta
+        self.sha256 = "e" * 64
+
+    def __call__(self, x, gamma, y):
+        from kernels import reference as R
+
+        if self.behaviour == "raise" and x.shape[0] == 2:
+            raise RuntimeError("cuLaunchKernel failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        full = R.rmsnorm(x, gamma, 1e-5)
+        rows = x.shape[0] // 2 if self.behaviour == "half" else x.shape[0]
+        y[:rows].copy_(full[:rows])
+
+
+def _rmsnorm_build_dirs(tmp_path, batches=(1, 2)):
+    from kernels.manifest import load_manifest
+
+    spec = load_manifest().kernel("rmsnorm")
+    dirs = []
+    for b in batches:
+        v = {"batch": b, "width": 64}
+        d = tmp_path / f"b{b}"
+        d.mkdir()
+        params = [{"name": "x", "role": "activation", "direction": "in",
+                   "spec": {"kind": "tensor", "shape": [b, 64], "dtype": "bfloat16"}},
+                  {"name": "gamma", "role": "static", "direction": "in",
+                   "spec": {"kind": "tensor", "shape": [64], "dtype": "bfloat16"}},
+                  {"name": "y", "role": "activation", "direction": "out",
+                   "spec": {"kind": "tensor", "shape": [b, 64], "dtype": "bfloat16"}}]
+        (d / "meta.json").write_text(json.dumps({"kernel": "rmsnorm", "variant": v, "params": params,
+                                                 "tunables": spec.tunable_defaults(), "key": "k"}))
+        dirs.append(str(d))
+    return dirs
+
+
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    from kernels import launch
+
+    monkeypatch.setattr(launch.CubinKernel, "from_dir",
+                        classmethod(lambda cls, d: _FakeCubin(json.loads((Path(d) / "meta.json").read_text()))))
+    yield _FakeCubin
+    _FakeCubin.behaviour = "honest"
+
+
+def test_numerics_stage_judges_a_cubin_like_any_candidate(tmp_path, fake_launcher):
+    from validation.gpu_stages import numerics_stage
+
+    res = numerics_stage(_rmsnorm_build_dirs(tmp_path), quick=True, device="cpu")
+    assert [v["passed"] for v in res["variants"]] == [True, True]
+    names = {c["name"]: c for c in res["variants"][1]["checks"]}
+    assert not names["unseen_shapes"]["applicable"] and names["poisoned_outputs"]["passed"]
+    assert res["variants"][0]["stress"]["passed"]
+    assert all(c["variant"]["width"] == 64 for v in res["variants"] for c in v["cases"])
+
+
+def test_numerics_stage_catches_unwritten_rows_and_survives_a_crashing_variant(tmp_path, fake_launcher):
+    from validation.gpu_stages import numerics_stage
+    from validation.validate import merge_checks
+
+    fake_launcher.behaviour = "half"
+    res = numerics_stage(_rmsnorm_build_dirs(tmp_path, (4,)), quick=True, device="cpu")
+    checks = {c["name"]: c for c in merge_checks(res["variants"])}
+    assert not checks["poisoned_outputs"]["passed"] and "never written" in checks["poisoned_outputs"]["detail"]
+
+    fake_launcher.behaviour = "raise"
+    res = numerics_stage(_rmsnorm_build_dirs(tmp_path / "r", (1, 2)) if (tmp_path / "r").mkdir() is None else [],
+                         quick=True, device="cpu")
+    assert res["variants"][0]["passed"] and not res["variants"][1]["passed"]
+    assert "ILLEGAL_ADDRESS" in " ".join(c["reasons"][0] for c in res["variants"][1]["cases"] if c["reasons"])

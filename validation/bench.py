@@ -142,10 +142,13 @@ def case_verdict(comparison: Comparison | None, head_bw: dict) -> tuple[str, str
 
 
 def benchmark_passed(cases: list[dict], *, allow_slow: bool = False) -> tuple[bool, list[str]]:
-    """A benchmark section passes when no case is IMPOSSIBLE and (unless allowed) none is SLOW."""
+    """A benchmark section passes when every case was measured, none is IMPOSSIBLE and (unless
+    allowed) none is SLOW."""
     reasons = []
     for c in cases:
-        if c["verdict"] == "IMPOSSIBLE":
+        if c.get("error"):
+            reasons.append(f"{c['case_id']}: not measured ({c['error']})")
+        elif c["verdict"] == "IMPOSSIBLE":
             reasons.append(f"{c['case_id']}: IMPOSSIBLE ({c['reason']})")
         elif c["verdict"] == "SLOW" and not allow_slow:
             reasons.append(f"{c['case_id']}: SLOW ({c['reason']})")

@@ -117,25 +117,50 @@ def stress(adapter: KernelAdapter, case: Case, runs: int = STRESS_RUNS) -> dict:
     outs = []
     for _ in range(runs):
         outs.append(adapter.subject.run(inputs, D.NAN_POISON))
-    torch.cuda.synchronize()
+    D._sync(adapter.device)
     first = outs[0]["out"]
     differ = sum(1 for o in outs[1:] if not D.same_bits(o["out"], first))
     return {"runs": runs, "differing": differ, "passed": differ == 0}
 
 
-def numerics_stage(build_dirs: list[str], *, quick: bool = False) -> dict:
-    """Correctness matrix, every defence and the stress test, per prebuilt variant."""
+def _failed_variant(build_dir, err: BaseException) -> dict:
+    """A variant whose judging raised: a failed entry with the error, so the others still count."""
+    import traceback
+
+    meta = {}
+    try:
+        meta = read_meta(build_dir)
+    except StageError:
+        pass
+    label = " ".join(f"{k}={v}" for k, v in (meta.get("variant") or {}).items()) or str(build_dir)
+    msg = f"{type(err).__name__}: {err}"
+    print(f"numerics {label}: ERROR {msg}\n{traceback.format_exc()}", flush=True)
+    check = {"name": "poisoned_outputs", "passed": False, "applicable": True, "detail": f"not judged: {msg}",
+             "cases": []}
+    return {"binary": None, "label": label, "passed": False, "error": msg,
+            "cases": [{"case_id": f"{meta.get('kernel', '?')}/{label}", "passed": False, "reasons": [msg],
+                       "outputs": [], "kernel": meta.get("kernel"), "variant": meta.get("variant")}],
+            "checks": [check], "stress": {"runs": 0, "differing": 0, "passed": False}, "seconds": 0}
+
+
+def numerics_stage(build_dirs: list[str], *, quick: bool = False, device: str = "cuda") -> dict:
+    """Correctness matrix, every defence and the stress test, per prebuilt variant. A variant
+    that raises is recorded as failed with its error; the others are still judged."""
     policy = load_policy()
     cfg = get_config(BASE_CONFIG)
     variants = []
     for d in build_dirs:
         t0 = time.time()
-        a = KernelAdapter(d)
-        cases = a.cases(seeds=DEFAULT_SEEDS[:1] if quick else DEFAULT_SEEDS)
-        rep = judge(a.subject, a.op, cfg, cases, policy=policy,
-                    unseen_reason="a cubin is built for one declared shape (static layouts); the "
-                                  "gate binds evidence to each variant's cubin hash instead")
-        st = stress(a, cases[0])
+        try:
+            a = KernelAdapter(d, device)
+            cases = a.cases(seeds=DEFAULT_SEEDS[:1] if quick else DEFAULT_SEEDS)
+            rep = judge(a.subject, a.op, cfg, cases, policy=policy,
+                        unseen_reason="a cubin is built for one declared shape (static layouts); the "
+                                      "gate binds evidence to each variant's cubin hash instead")
+            st = stress(a, cases[0])
+        except Exception as e:  # noqa: BLE001 - recorded as this variant's failure
+            variants.append(_failed_variant(d, e))
+            continue
         variants.append({
             "binary": a.binary(), "label": a.label, "passed": rep.passed and st["passed"],
             "cases": [{**c.to_dict(), "kernel": a.meta["kernel"], "variant": a.variant} for c in rep.cases],
@@ -145,7 +170,7 @@ def numerics_stage(build_dirs: list[str], *, quick: bool = False) -> dict:
         print(f"numerics {a.label}: {'pass' if variants[-1]['passed'] else 'FAIL'} "
               f"({len(rep.cases)} cases, {variants[-1]['seconds']} s)", flush=True)
     return {"stage": "numerics", "policy": policy.to_dict(), "variants": variants,
-            "gpu": gpu_configuration("cuda")}
+            "gpu": gpu_configuration(device)}
 
 
 def torch_baseline(op: OpDef):
@@ -165,11 +190,9 @@ def _noise(summary: dict) -> float:
     return (summary["p90_us"] - summary["p10_us"]) / (2 * summary["median_us"]) if summary["median_us"] else 0.0
 
 
-def bench_stage(build_dirs: list[str], *, base: str | None, rounds: int = 10, inner: int = 40) -> dict:
+def bench_stage(build_dirs: list[str], *, base: str | None) -> dict:
     """Ceilings, then per variant head (and base) interleaved, verdicts and bandwidth fractions."""
     from benchmarks.common import copy_bandwidth, gpu_environment, read_bandwidth
-
-    from .bench import bandwidth_check, case_verdict, compare_samples, measure_interleaved, rotation_copies
 
     env = gpu_environment()
     read = read_bandwidth()
@@ -183,56 +206,77 @@ def bench_stage(build_dirs: list[str], *, base: str | None, rounds: int = 10, in
     cases = []
     base_name = None
     for d in build_dirs:
-        a = KernelAdapter(d)
-        case = a.cases(seeds=(0,), distributions=("normal",))[0]
-        inputs = build_inputs(a.op, case, cfg, a.device)
-        nbytes = sum(t.nbytes for t in (inputs[p["name"]] for p in a.params
-                                         if p["spec"]["kind"] == "tensor" and p is not a.out_param))
-        shape, dtype = a.output_specs(inputs)["out"]
-        nbytes += torch.empty(shape, dtype=dtype, device="meta").nbytes
-        copies, past_l2 = rotation_copies(nbytes)
-        sets = [inputs] + [map_tensors(inputs, lambda t: t.clone()) for _ in range(copies - 1)]
-        outs = [torch.empty(shape, dtype=dtype, device=a.device) for _ in range(copies)]
-        argsets = [a.args(s, o) for s, o in zip(sets, outs)]
+        try:
+            cases.append(_bench_variant(d, cfg, ceilings, base))
+            base_name = cases[-1].pop("base_name", None) or base_name
+        except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest still run
+            import traceback
 
-        def head(i, argsets=argsets, k=a.kernel):
-            k(*argsets[i % len(argsets)])
-
-        base_fn = None
-        if base == "torch":
-            fn, base_name = torch_baseline(a.op)
-
-            def base_fn(i, sets=sets, fn=fn):
-                fn(sets[i % len(sets)])
-
-        m = measure_interleaved(base_fn, head, rounds=rounds, inner=inner)
-        comp = compare_samples(m["base"], m["head"]) if m["base"] else None
-        from .bench import summarize
-
-        hs = summarize(m["head"])
-        head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
-        base_bw = None
-        bs = None
-        if m["base"]:
-            bs = summarize(m["base"])
-            base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
-        verdict, reason = case_verdict(comp, head_bw)
-        cases.append({
-            "case_id": f"{a.meta['kernel']}/{a.label}", "name": f"{a.meta['kernel']} {a.label}",
-            "kernel": a.meta["kernel"], "variant": a.variant, "batch": a.batch, "bytes": nbytes,
-            "base": bs, "head": hs, "change": comp.change if comp else None,
-            "speedup": comp.speedup if comp else None, "p_value": comp.p_value if comp else None,
-            "noise": comp.noise if comp else hs["rel_iqr"], "head_bandwidth": head_bw,
-            "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2, "copies": copies,
-            "verdict": verdict, "reason": reason, "binary": a.binary(),
-        })
-        print(f"bench {a.label}: head {hs['median']:.2f} us"
-              + (f", base {bs['median']:.2f} us" if bs else "")
-              + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
-        del sets, outs, argsets
+            meta = read_meta(d)
+            label = " ".join(f"{k}={v}" for k, v in meta.get("variant", {}).items())
+            print(f"bench {label}: ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}", flush=True)
+            cases.append({"case_id": f"{meta.get('kernel')}/{label}", "name": f"{meta.get('kernel')} {label}",
+                          "kernel": meta.get("kernel"), "variant": meta.get("variant"),
+                          "batch": (meta.get("variant") or {}).get("batch"), "bytes": 0, "base": None,
+                          "head": None, "verdict": "AMBIGUOUS", "error": f"{type(e).__name__}: {e}",
+                          "reason": f"not measured: {type(e).__name__}: {e}", "graph": False, "l2_rotated": False,
+                          "copies": 0, "head_bandwidth": {}, "base_bandwidth": None})
         torch.cuda.empty_cache()
     return {"stage": "bench", "environment": env, "ceilings": ceilings, "cases": cases,
             "base_name": base_name}
+
+
+def _bench_variant(d, cfg, ceilings: dict, base: str | None) -> dict:
+    """One variant: head (and base) interleaved, the verdict and both bandwidth fractions."""
+    from .bench import (bandwidth_check, case_verdict, compare_samples, measure_interleaved,
+                        rotation_copies, summarize)
+
+    base_name = None
+    a = KernelAdapter(d)
+    case = a.cases(seeds=(0,), distributions=("normal",))[0]
+    inputs = build_inputs(a.op, case, cfg, a.device)
+    nbytes = sum(t.nbytes for t in (inputs[p["name"]] for p in a.params
+                                     if p["spec"]["kind"] == "tensor" and p is not a.out_param))
+    shape, dtype = a.output_specs(inputs)["out"]
+    nbytes += torch.empty(shape, dtype=dtype, device="meta").nbytes
+    copies, past_l2 = rotation_copies(nbytes)
+    sets = [inputs] + [map_tensors(inputs, lambda t: t.clone()) for _ in range(copies - 1)]
+    outs = [torch.empty(shape, dtype=dtype, device=a.device) for _ in range(copies)]
+    argsets = [a.args(s, o) for s, o in zip(sets, outs)]
+
+    def head(i, argsets=argsets, k=a.kernel):
+        k(*argsets[i % len(argsets)])
+
+    base_fn = None
+    if base == "torch":
+        fn, base_name = torch_baseline(a.op)
+
+        def base_fn(i, sets=sets, fn=fn):
+            fn(sets[i % len(sets)])
+
+    m = measure_interleaved(base_fn, head)
+    comp = compare_samples(m["base"], m["head"]) if m["base"] else None
+    hs = summarize(m["head"])
+    head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+    base_bw = None
+    bs = None
+    if m["base"]:
+        bs = summarize(m["base"])
+        base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+    verdict, reason = case_verdict(comp, head_bw)
+    row = ({
+        "case_id": f"{a.meta['kernel']}/{a.label}", "name": f"{a.meta['kernel']} {a.label}",
+        "kernel": a.meta["kernel"], "variant": a.variant, "batch": a.batch, "bytes": nbytes,
+        "base": bs, "head": hs, "change": comp.change if comp else None,
+        "speedup": comp.speedup if comp else None, "p_value": comp.p_value if comp else None,
+        "noise": comp.noise if comp else hs["rel_iqr"], "head_bandwidth": head_bw,
+        "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2, "copies": copies,
+        "verdict": verdict, "reason": reason, "binary": a.binary(), "base_name": base_name,
+    })
+    print(f"bench {a.label}: head {hs['median']:.2f} us"
+          + (f", base {bs['median']:.2f} us" if bs else "")
+          + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
