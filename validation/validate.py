@@ -198,7 +198,7 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     env = {"gpu": None, "gpu_count": 0, "sm_count": 0, "driver": None, "cuda_runtime": torch.version.cuda,
            "torch": torch.__version__}
     stages = []
-    work = Path(out_dir or (Path(build_root) / "validate" / kernel))
+    work = Path(build_root) / "validate" / kernel  # stage results and logs (not evidence)
     work.mkdir(parents=True, exist_ok=True)
     dirs = [str(b.dir) for b in builds]
     if not has_gpu:
