@@ -293,7 +293,7 @@ def gpu(out_dir: Path) -> int:
     res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True,
                                                                 text=True).stdout.strip().splitlines()[-1:] if san else None}
     correct = ["prodcons_p2c4", "splitk_gemv_b1"]
-    child_cmd = [sys.executable, str(Path(__file__).resolve()), "child", "--ids", ",".join(correct)]
+    child_cmd = [sys.executable, str(Path(__file__).resolve().relative_to(ROOT)), "child", "--ids", ",".join(correct)]
     log = out_dir / "sanitizers.log"
     res["sanitizers"] = {}
     for tool in TOOLS:
