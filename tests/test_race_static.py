@@ -55,8 +55,10 @@ def test_motivating_bug_invariant_load_hoisted_above_the_spin():
     stage_nc = [i for i in nc if not any(cfg.block_of[i.index] in lp.body for lp in cfg.loops
                                          if any(cfg.block_of[a.index] in lp.body for a in acq))]
     assert stage_nc, "expected an nc load hoisted out of every loop that holds an acquire"
-    first_acq = min(a.index for a in acq)
-    assert any(i.index < first_acq for i in stage_nc)
+    for i in stage_nc:
+        # No acquire orders it, and it runs before the consumers' spin on every path to it.
+        assert not any(cfg.instr_dominates(a.index, i.index) for a in acq)
+        assert any(cfg.instr_dominates(i.index, a.index) for a in acq)
 
     good = parse_ptx(_ptx_of("prodcons"))[0]
     gcfg = CFG(good)
