@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, ManifestError, load_manifest
-from kernels.ptx import PtxError, parse_single_entry
+from kernels.ptx import PtxError, dynamic_shared_symbols, parse_single_entry
 
 BUILD_FORMAT = 1  # bump when the folder layout or meta.json schema changes
 ARCH = "sm_90a"
@@ -366,6 +366,17 @@ def _check_block(entry, launch: dict, where: str) -> None:
         raise BuildError(f"{where}: op.launch_config() block {list(block)} exceeds the PTX .maxntid {list(dims)}")
 
 
+def _check_dynamic_smem(ptx_text: str, launch: dict, where: str) -> None:
+    # A kernel that addresses dynamic shared memory launched with none writes out of bounds;
+    # the size cannot be read from the PTX, but "some versus none" can.
+    symbols = dynamic_shared_symbols(ptx_text)
+    if symbols and int(launch.get("smem_bytes", 0)) <= 0:
+        raise BuildError(
+            f"{where}: the kernel uses dynamic shared memory (.extern .shared {symbols[0]}[]) but "
+            "op.launch_config() requests smem_bytes=0"
+        )
+
+
 def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], version: str) -> dict:
     """Parse the worker's PTX/cubin in `tmp`, write kernel.sass and meta.json there; return meta."""
     label = variant_label(plan.shape, plan.tunables)
@@ -378,6 +389,7 @@ def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], versi
     params = _zip_params(plan.spec, entry, result["specs"], label)
     launch = dict(result["launch"])
     _check_block(entry, launch, where)
+    _check_dynamic_smem(ptx_text, launch, where)
     cubin = tmp / "kernel.cubin"
     sass = _run_tool([find_tool("nvdisasm"), "-c", "-g", cubin], f"{where}: nvdisasm")
     (tmp / "kernel.sass").write_text(sass)

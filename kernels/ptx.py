@@ -121,6 +121,14 @@ def parse_entries(ptx: str) -> list[PtxEntry]:
     return entries
 
 
+_EXTERN_SHARED_RE = re.compile(r"^[ \t]*\.extern[ \t]+\.shared\b[^;]*?([A-Za-z_$%][\w$]*)\s*\[\s*\]", re.M)
+
+
+def dynamic_shared_symbols(ptx: str) -> list[str]:
+    """Names of `.extern .shared name[]` arrays: the kernel addresses dynamic shared memory."""
+    return _EXTERN_SHARED_RE.findall(_COMMENT_RE.sub("", ptx))
+
+
 def parse_single_entry(ptx: str, what: str = "PTX") -> PtxEntry:
     """The one `.entry` of `ptx`; PtxError naming `what` if there is none or several."""
     entries = parse_entries(ptx)

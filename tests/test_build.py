@@ -318,3 +318,16 @@ def test_find_artifact_verifies_sources_without_the_dsl(built, manifest, tmp_pat
     (clone / "tests/fixtures/scale_op.py").write_text((clone / "tests/fixtures/scale_op.py").read_text() + "\n# edit\n")
     with pytest.raises(BuildError, match=r"only stale builds .*changed since: tests/fixtures/scale_op.py"):
         build.find_artifact("scale", SHAPE, root=root, manifest=manifest, repo_root=clone)
+
+
+def test_dynamic_shared_memory_must_be_requested():
+    ptx = (".visible .entry k(\n)\n{\n\t.extern .shared .align 16 .b8 __dynamic_shmem__0[];\n\tret;\n}\n"
+           "// .extern .shared .b8 commented_out[];\n")
+    from kernels.ptx import dynamic_shared_symbols
+
+    assert dynamic_shared_symbols(ptx) == ["__dynamic_shmem__0"]
+    with pytest.raises(BuildError, match=r"uses dynamic shared memory \(.extern .shared __dynamic_shmem__0\[\]\) "
+                                         r"but op.launch_config\(\) requests smem_bytes=0"):
+        build._check_dynamic_smem(ptx, {"smem_bytes": 0}, "kernel 'k'")
+    build._check_dynamic_smem(ptx, {"smem_bytes": 16}, "kernel 'k'")
+    build._check_dynamic_smem(".visible .entry k(\n)\n{\n}\n", {"smem_bytes": 0}, "kernel 'k'")
