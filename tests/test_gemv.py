@@ -1,0 +1,137 @@
+"""The decode GEMM op (kernels/ops/gemv.py): its contract with the manifest, the build and the
+reference on CPU; its PTX (tensor-core mmas, 16-byte loads, the read-only path only for W); and,
+on a GPU host with a carried build, its numerics against the float64 oracle."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.manifest import load_manifest
+from kernels.ops import gemv as G
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = load_manifest().kernel("gemv")
+
+
+def test_default_tunables_are_the_manifest_defaults():
+    assert G.DEFAULT_TUNABLES == SPEC.tunable_defaults()
+
+
+def test_every_manifest_variant_is_valid_with_default_tunables():
+    assert len(SPEC.shapes) == 35
+    for shape in SPEC.shapes:
+        op = G.GemvOp(shape)
+        lc = op.launch_config()
+        assert lc.grid[0] * op.rows_per_cta == shape["n"]
+        assert lc.block == (32 * op.warps, 1, 1)
+        assert lc.smem_bytes <= G.SMEM_LIMIT
+
+
+def test_tensor_specs_follow_the_manifest_parameters():
+    op = G.GemvOp({"batch": 4, "n": 896, "k": 7168, "out_dtype": "float32"})
+    specs = op.tensor_specs()
+    assert list(specs) == [p.name for p in SPEC.params]
+    assert specs["x"].shape == (4, 7168) and specs["x"].dtype == "bfloat16"
+    assert specs["w"].shape == (896, 7168) and specs["w"].dtype == "bfloat16"
+    assert specs["y"].shape == (4, 896) and specs["y"].dtype == "float32"
+
+
+@pytest.mark.parametrize("shape, tunables, fragment", [
+    ({"batch": 1, "n": 100, "k": 512}, {}, "rows per CTA"),
+    ({"batch": 1, "n": 64, "k": 520}, {}, "multiple of 32"),
+    ({"batch": 0, "n": 64, "k": 512}, {}, "batch 0"),
+    ({"batch": 65, "n": 64, "k": 512}, {}, "batch 65"),
+    ({"batch": 1, "n": 64, "k": 512, "out_dtype": "float16"}, {}, "out_dtype"),
+    ({"batch": 1, "n": 64}, {}, "missing"),
+    ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
+])
+def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        G.GemvOp(shape, **tunables)
+
+
+def test_tunables_adapt_to_the_batch():
+    """One tunable setting serves every batch: row tiles double past batch 16 and halve to keep
+    >= 132 CTAs, load groups shrink with the vectors per step, warps halve to fit shared memory."""
+    b1 = G.GemvOp({"batch": 1, "n": 3584, "k": 7168})
+    assert (b1.warps, b1.row_tiles, b1.k_unroll) == (8, 2, 5)  # 3 vectors per step, 16 per group
+    router = G.GemvOp({"batch": 1, "n": 896, "k": 7168})
+    assert router.row_tiles == 1 and router.launch_config().grid[0] == 112
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
+    assert (b64.row_tiles, b64.k_unroll, b64.warps) == (4, 1, 4)  # 8 warps' partials: 64 KB > 48 KB
+    assert b64.smem_bytes == 4 * 64 * 32 * 4
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_reference_is_the_projects_linear(out_dtype):
+    op = G.GemvOp({"batch": 3, "n": 64, "k": 256, "out_dtype": out_dtype})
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    w = (torch.randn(64, 256) / 16).to(torch.bfloat16)
+    got = op.reference(x=x, w=w)["y"]
+    assert got.dtype == getattr(torch, out_dtype)
+    assert torch.equal(got, reference.linear(x, w, out_dtype=getattr(torch, out_dtype)))
+    oracle = op.reference(x=x, w=w, compute_dtype=torch.float64)["y"]
+    assert oracle.dtype == torch.float64
+    assert torch.allclose(oracle, x.double() @ w.double().T)
+
+
+def test_op_module_imports_without_the_dsl():
+    """The GPU host has no nvidia-cutlass-dsl: specs, launch config and reference must still work."""
+    code = (
+        "import sys; sys.modules['cutlass'] = None; sys.modules['cutlass.cute'] = None\n"
+        "from kernels.ops.gemv import GemvOp\n"
+        "op = GemvOp({'batch': 2, 'n': 3584, 'k': 7168})\n"
+        "print(op.launch_config().grid[0], op.tensor_specs()['w'].shape)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["224", "(3584,", "7168)"]
+
+
+@pytest.mark.slow
+def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path):
+    """Batch 3 (a partly filled batch tile), two row tiles, a k-step tail: the PTX must hold the
+    bf16 m16n8k16 mma, 16-byte loads only, read-only (nc) loads for W and plain loads for x,
+    and no local memory."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    op = G.GemvOp({"batch": 3, "n": 2112, "k": 640}, warps_per_cta=2, row_tiles=2, k_unroll=4, prefetch=1)
+    assert (op.row_tiles, op.k_unroll, op.steps_per_warp) == (2, 4, 10)
+    cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
+    assert loads and all(l.endswith(".v4.b32") for l in loads), set(loads)
+    # 10 steps per warp, 2 row tiles: 20 W vectors; x: one vector per step (batch 3 < 8).
+    assert sum(l.startswith("ld.global.nc") for l in loads) == 20
+    assert sum(not l.startswith("ld.global.nc") for l in loads) == 10
+    assert ".local" not in ptx
+
+
+def _plan_cases(kernel):
+    plan = REPO / "build" / "proof_plan.json"
+    if not plan.exists():
+        return []
+    return [c for c in json.loads(plan.read_text())["cases"] if c["kernel"] == kernel and c["default_tunables"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", _plan_cases("gemv")[::5] or [None])
+def test_numerics_on_gpu(case):
+    """Prebuilt cubins (scripts/gpu_proof.py plan, carried in build/) against the float64 oracle."""
+    if case is None:
+        pytest.skip("no build/proof_plan.json: run `scripts/gpu_proof.py plan` and carry build/")
+    from benchmarks.benchmark_gemv import GemvCase
+    from benchmarks.common import check_numerics
+    from kernels.launch import CubinKernel
+
+    res = check_numerics(CubinKernel.from_dir(REPO / case["dir"]), GemvCase(case["shape"]))
+    assert res["passed"], res
