@@ -1,0 +1,326 @@
+"""Proof of the foundation kernels (rmsnorm, gemv) on a GPU host: numerics against the float64
+oracle and speed against torch (cuBLAS) and two bandwidth ceilings measured in the same run.
+
+Two steps, on two hosts:
+
+  python scripts/gpu_proof.py plan [--sweep]          # CPU host with the DSL: build, write the plan
+  PYTHONPATH=. python scripts/gpu_proof.py run --out DIR   # GPU host (no DSL): check and time
+
+`plan` builds every manifest variant of the two kernels (default tunables; `--sweep` adds the
+tunable variants listed in SWEEP) with kernels/build and writes build/proof_plan.json: each
+case's build folder, cubin sha256, build key, and the commit the sources came from. `run` loads
+those cubins through kernels/launch and, per case:
+  * numerics: fresh random inputs (two draws, normal and uniform, never zeros), the output
+    poisoned with NaN first and checked fully written, compared with the float64 oracle
+    (kernels.reference with compute_dtype=float64): max abs error and relative Frobenius error,
+    beside the same errors of the bf16 torch path (the yardstick); pass when the kernel's
+    relative error is at most max(2 x the yardstick's, a floor of 2^-9 for bf16 outputs or 2^-16
+    for fp32) and every element is finite (the policy of validation/tolerances.toml); plus a
+    bitwise run-twice determinism check;
+  * speed: per-launch CUDA-event medians behind a GPU backlog (benchmarks/common.py), every
+    launch reading its own copy of weights and activations, cycling through copies totalling at
+    least 4x the L2; torch (`torch.mm`, cuBLAS, bf16 out; `F.rms_norm` for RMSNorm) timed the same
+    way on the same copies, interleaved A/B/A/B with the kernel;
+  * bytes = weights + activations read + outputs written; TB/s; fraction of the read-only
+    streaming ceiling; speedup over torch.
+The JSON (written after every case, so a timeout keeps what was measured) records the exact
+command, GPU, driver, CUDA runtime and toolkit, torch, commit, and every cubin's sha256. A short
+table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PLAN_PATH = Path("build") / "proof_plan.json"
+KERNELS = ("rmsnorm", "gemv")
+SCHEMA = "fasttrack.gpu_proof/1"
+
+# Tunable variants `plan --sweep` adds: (kernel, batches, tunable grid).
+SWEEP = [
+    ("gemv", [1], {"warps_per_cta": [8, 16], "row_tiles": [1, 2], "k_unroll": [4, 8], "prefetch": [0, 1]}),
+    ("gemv", [8, 16], {"warps_per_cta": [8], "row_tiles": [1, 2], "k_unroll": [2, 4], "prefetch": [1]}),
+    ("gemv", [64], {"warps_per_cta": [4, 8], "row_tiles": [2, 4], "k_unroll": [1, 2], "prefetch": [1]}),
+    ("rmsnorm", [1, 64], {"threads": [64, 128, 224, 448]}),
+]
+
+
+class ProofError(RuntimeError):
+    """A user-fixable problem (no plan, no GPU, a missing build folder)."""
+
+
+# -- plan (CPU host) -------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _sweep_variants(spec, batches, grid):
+    from kernels.manifest import load_manifest  # noqa: F401 (spec already loaded)
+
+    names = list(grid)
+    for combo in itertools.product(*(grid[n] for n in names)):
+        tun = dict(zip(names, combo))
+        for shape in spec.shapes:
+            if shape["batch"] in batches:
+                yield dict(shape), tun
+
+
+def plan(args) -> int:
+    """Build the variants and write the plan the GPU host runs."""
+    from kernels.build import BuildError, build_kernel, resolve_tunables
+    from kernels.manifest import load_manifest
+    from kernels.manifest import resolve as resolve_op
+
+    man = load_manifest()
+    groups: list[tuple[str, list[dict], dict]] = []  # (kernel, shapes, tunables)
+    for k in args.kernels:
+        groups.append((k, [dict(s) for s in man.kernel(k).shapes], {}))
+    if args.sweep:
+        for k, batches, grid in SWEEP:
+            if k not in args.kernels:
+                continue
+            spec = man.kernel(k)
+            by_tun: dict[str, tuple[dict, list]] = {}
+            for shape, tun in _sweep_variants(spec, batches, grid):
+                full = resolve_tunables(spec, tun)
+                try:  # skip combinations the op rejects (e.g. shared memory over the limit)
+                    resolve_op(spec.op)(shape, **full)
+                except ValueError:
+                    continue
+                by_tun.setdefault(json.dumps(full, sort_keys=True), (full, []))[1].append(shape)
+            for full, shapes in by_tun.values():
+                groups.append((k, shapes, full))
+
+    cases, seen = [], set()
+    t0 = time.time()
+    for k, shapes, tun in groups:
+        def progress(done, total, art):
+            print(f"  built {art.kernel} {art.shape} {art.tunables} {'(cached)' if art.cache_hit else ''}",
+                  flush=True)
+
+        try:
+            arts = build_kernel(k, shapes=shapes, tunables=tun or None, root=Path(args.root).resolve(), progress=progress)
+        except BuildError as e:
+            raise ProofError(str(e)) from None
+        for a in arts:
+            if a.key in seen:
+                continue
+            seen.add(a.key)
+            cases.append({
+                "kernel": a.kernel,
+                "shape": a.shape,
+                "tunables": a.tunables,
+                "default_tunables": a.tunables == man.kernel(a.kernel).tunable_defaults(),
+                "dir": str(Path(a.dir).resolve().relative_to(REPO)),
+                "build_key": a.key,
+                "cubin_sha256": a.meta["hashes"]["cubin_sha256"],
+                "registers": a.meta["resources"]["registers"],
+                "spill_bytes": a.meta["resources"]["spill_store_bytes"] + a.meta["resources"]["spill_load_bytes"],
+            })
+    dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")
+    out = {
+        "schema": SCHEMA + "#plan",
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(dirty),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "cases": cases,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"plan: {len(cases)} cases in {time.time() - t0:.0f} s -> {path}"
+          f"{' (sources dirty: uncommitted changes)' if dirty else ''}")
+    return 0
+
+
+# -- run (GPU host) --------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    """Check and time every case of the plan on this GPU; write JSON under --out."""
+    import torch
+
+    from benchmarks.benchmark_gemv import GemvCase
+    from benchmarks.benchmark_rmsnorm import RMSNormCase
+    from benchmarks.common import (MAX_ERROR_RATIO, REL_FRO_FLOOR, check_numerics, copy_bandwidth,
+                                   gpu_environment, launch_floor, read_bandwidth,
+                                   time_against_torch)
+    from kernels.launch import CubinKernel
+
+    case_types = {"gemv": GemvCase, "rmsnorm": RMSNormCase}
+
+    if not torch.cuda.is_available():
+        raise ProofError("no CUDA device: run this on the GPU host")
+    try:
+        plan_doc = json.loads(Path(args.plan).read_text())
+    except OSError as e:
+        raise ProofError(f"cannot read the plan {args.plan}: {e.strerror} (run `gpu_proof.py plan` first)") from None
+    cases = [c for c in plan_doc["cases"] if c["kernel"] in args.kernels]
+    if args.defaults_only:
+        cases = [c for c in cases if c["default_tunables"]]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_path = out_dir / "gpu_proof.json"
+
+    torch.manual_seed(args.seed)
+    doc = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "PYTHONPATH=. python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "plan_command": plan_doc.get("command"),
+        "commit": plan_doc.get("commit"),
+        "sources_dirty": plan_doc.get("dirty"),
+        "environment": gpu_environment(),
+        "policy": {"rel_fro_floor": REL_FRO_FLOOR, "max_error_ratio": MAX_ERROR_RATIO,
+                   "rule": "rel_fro(kernel) <= max(ratio * rel_fro(torch bf16 path), floor), all finite, "
+                           "bitwise run-twice"},
+        "timing": {"reps": args.reps, "rounds": args.rounds, "rotation": "copies totalling >= 4x L2",
+                   "graph": "median over CUDA-graph replays of (replay time / launches in the graph); the "
+                            "serving condition (a decode step runs as one graph); the primary figure",
+                   "stream": "median of per-launch CUDA-event times behind a GPU backlog (includes the "
+                             "stream's per-launch gap)"},
+        "ceilings": {},
+        "cases": [],
+    }
+    print("ceilings ...", flush=True)
+    doc["ceilings"]["read"] = read_bandwidth()
+    doc["ceilings"]["copy"] = copy_bandwidth()
+    doc["ceilings"]["launch_floor"] = launch_floor()
+    read_tbps = doc["ceilings"]["read"]["tbps"]
+    print(f"read-only {read_tbps:.3f} TB/s ({doc['ceilings']['read']['kernel']}), "
+          f"copy {doc['ceilings']['copy']['tbps']:.3f} TB/s, launch floor {doc['ceilings']['launch_floor']}",
+          flush=True)
+
+    torch_cache: dict[str, dict] = {}
+    for i, entry in enumerate(cases):
+        case = case_types[entry["kernel"]](entry["shape"])
+        d = REPO / entry["dir"]
+        if not d.is_dir():
+            raise ProofError(f"build folder {entry['dir']} is missing: carry `build` with the run")
+        kern = CubinKernel.from_dir(d)
+        if kern.sha256 != entry["cubin_sha256"]:
+            raise ProofError(f"{entry['dir']}: cubin sha256 differs from the plan's")
+        row = {k: entry[k] for k in ("kernel", "shape", "tunables", "default_tunables", "build_key",
+                                     "cubin_sha256", "registers", "spill_bytes")}
+        try:
+            row["numerics"] = check_numerics(kern, case)
+            key = json.dumps([entry["kernel"], entry["shape"]], sort_keys=True)
+            need_torch = key not in torch_cache
+            t = time_against_torch(kern, case, reps=args.reps, rounds=args.rounds, with_torch=need_torch)
+            if need_torch:
+                torch_cache[key] = {w: t[w]["torch"] for w in ("graph", "stream")}
+            row["timing"] = t
+            for way in ("graph", "stream"):
+                t[way]["torch"] = torch_cache[key][way]
+                us, tus = t[way]["kernel"]["median_us"], t[way]["torch"]["median_us"]
+                row[way] = {"us": us, "torch_us": tus, "tbps": t["bytes"] / us / 1e6,
+                            "fraction_of_read": t["bytes"] / us / 1e6 / read_tbps,
+                            "torch_tbps": t["bytes"] / tus / 1e6, "speedup_vs_torch": tus / us}
+        except Exception as e:  # one failing case must not lose the others
+            row["error"] = f"{type(e).__name__}: {e}"
+        doc["cases"].append(row)
+        out_path.write_text(json.dumps(doc, indent=1))
+        print(f"[{i + 1}/{len(cases)}] {entry['kernel']} {entry['shape']} {entry['tunables']}: "
+              + (row.get("error") or f"graph {row['graph']['us']:.2f} us ({row['graph']['fraction_of_read']:.1%} "
+                 f"of read, x{row['graph']['speedup_vs_torch']:.2f} vs torch), stream {row['stream']['us']:.2f} us "
+                 f"(x{row['stream']['speedup_vs_torch']:.2f}), numerics {'ok' if row['numerics']['passed'] else 'FAIL'}"),
+              flush=True)
+
+    doc["passed_numerics"] = all(c.get("numerics", {}).get("passed") for c in doc["cases"])
+    out_path.write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {out_path}")
+    print(summary_table(doc))
+    return 0 if doc["passed_numerics"] else 1
+
+
+def summary_table(doc: dict, *, best_only: bool = True) -> str:
+    """The short table: per kernel and shape, the default variant (or the fastest, with --sweep)."""
+    from benchmarks.common import format_table
+
+    rows = []
+    for c in doc["cases"]:
+        if "error" in c:
+            rows.append({"case": _label(c), "err": c["error"][:40]})
+            continue
+        tr = max(c["numerics"]["trials"], key=lambda t: t["kernel"]["rel_fro"])
+        g, st = c["graph"], c["stream"]
+        rows.append({
+            "case": _label(c), "tun": "" if c["default_tunables"] else _tun(c["tunables"]),
+            "us": g["us"], "torch_us": g["torch_us"], "tbps": g["tbps"], "read": g["fraction_of_read"],
+            "x": g["speedup_vs_torch"], "sus": st["us"], "sx": st["speedup_vs_torch"],
+            "rel": tr["kernel"]["rel_fro"], "trel": tr["torch_path"]["rel_fro"],
+            "ok": "ok" if c["numerics"]["passed"] else "FAIL",
+        })
+    cols = [("case", "case", ""), ("tun", "tunables", ""), ("us", "us", ".2f"), ("torch_us", "torch", ".2f"),
+            ("tbps", "TB/s", ".3f"), ("read", "of read", ".1%"), ("x", "vs torch", ".2f"),
+            ("sus", "stream us", ".2f"), ("sx", "vs torch", ".2f"),
+            ("rel", "rel err", ".2e"), ("trel", "torch err", ".2e"), ("ok", "num", ""), ("err", "error", "")]
+    c = doc["ceilings"]
+    head = (f"{doc['environment']['gpu']}, driver {doc['environment']['driver']}, read ceiling "
+            f"{c['read']['tbps']:.3f} TB/s, copy {c['copy']['tbps']:.3f} TB/s; columns 3-7: CUDA-graph "
+            f"replay, then per-launch stream events")
+    return head + "\n" + format_table(rows, cols)
+
+
+def _label(c: dict) -> str:
+    s = c["shape"]
+    if c["kernel"] == "gemv":
+        return f"gemv b{s['batch']} {s['k']}->{s['n']}{' f32' if s.get('out_dtype') == 'float32' else ''}"
+    return f"rmsnorm b{s['batch']} w{s['width']}"
+
+
+def _tun(t: dict) -> str:
+    short = {"warps_per_cta": "w", "row_tiles": "r", "k_unroll": "u", "prefetch": "p", "threads": "t"}
+    return " ".join(f"{short.get(k, k)}{v}" for k, v in t.items())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="step", required=True)
+    pp = sub.add_parser("plan", help="build the variants and write the plan (CPU host, needs the DSL)")
+    pp.add_argument("--sweep", action="store_true", help="add the tunable variants of SWEEP")
+    pp.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    pp.add_argument("--root", default="build", help="build cache root (default: build)")
+    pp.add_argument("--out", default=str(PLAN_PATH))
+    pr = sub.add_parser("run", help="check and time the plan's cubins (GPU host, no DSL)")
+    pr.add_argument("--plan", default=str(PLAN_PATH))
+    pr.add_argument("--out", required=True, help="folder for gpu_proof.json")
+    pr.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    pr.add_argument("--defaults-only", action="store_true", help="skip sweep variants")
+    pr.add_argument("--reps", type=int, default=100, help="timed launches per round")
+    pr.add_argument("--rounds", type=int, default=2, help="interleaved kernel/torch rounds")
+    pr.add_argument("--seed", type=int, default=0)
+    pt = sub.add_parser("table", help="print the table of a gpu_proof.json")
+    pt.add_argument("json")
+    args = p.parse_args(argv)
+    try:
+        if args.step == "plan":
+            return plan(args)
+        if args.step == "run":
+            return run(args)
+        print(summary_table(json.loads(Path(args.json).read_text())))
+        return 0
+    except ProofError as e:
+        print(f"gpu_proof: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
