@@ -517,6 +517,8 @@ def _plans(spec: KernelSpec, variants: list[tuple[dict, dict]], root: Path, repo
 
 def _build(spec: KernelSpec, variants: list[tuple[dict, dict]], *, root: Path, force: bool,
            progress: Callable | None, jobs: int | None, repo_root: Path) -> list[BuildArtifact]:
+    # The compile worker runs in a staging folder: a relative root would resolve there.
+    root = Path(root).resolve()
     files, sources, version, plans = _plans(spec, variants, root, repo_root)
     total = len(plans)
     done = 0

@@ -331,3 +331,13 @@ def test_dynamic_shared_memory_must_be_requested():
         build._check_dynamic_smem(ptx, {"smem_bytes": 0}, "kernel 'k'")
     build._check_dynamic_smem(ptx, {"smem_bytes": 16}, "kernel 'k'")
     build._check_dynamic_smem(".visible .entry k(\n)\n{\n}\n", {"smem_bytes": 0}, "kernel 'k'")
+
+
+def test_relative_root_compiles_and_hits(manifest, tmp_path, monkeypatch):
+    # The compile worker runs in a staging folder; a relative root must not resolve there.
+    monkeypatch.chdir(tmp_path)
+    art = build_variant("scale", {"rows": 2, "cols": 64}, root=Path("rel_build"), manifest=manifest)
+    assert not art.cache_hit and (tmp_path / "rel_build").is_dir()
+    assert (art.dir / "kernel.cubin").is_file()
+    again = build_variant("scale", {"rows": 2, "cols": 64}, root=Path("rel_build"), manifest=manifest)
+    assert again.cache_hit and again.meta["hashes"]["cubin_sha256"] == art.meta["hashes"]["cubin_sha256"]
