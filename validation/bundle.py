@@ -167,6 +167,7 @@ def write_bundle_atomic(path, bundle: dict) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # evidence is for every reader (mkstemp made it private)
         os.replace(tmp, p)
     except BaseException:
         try:

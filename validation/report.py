@@ -29,12 +29,15 @@ def _num(v):
 
 def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_label: str,
               x_label: str = "batch size", ref_y: float | None = None, ref_label: str = "",
-              width: int = 560, height: int = 300) -> str:
-    """An inline SVG line plot, x on a log2 axis (batch sizes), one polyline per series."""
+              width: int = 560, height: int = 300, styles: dict[str, tuple[int, bool]] | None = None) -> str:
+    """An inline SVG line plot, x on a log2 axis (batch sizes), one polyline per series.
+
+    `styles` maps a series to (colour index, dashed): a base series takes its head's colour, dashed.
+    """
     pts = [(x, y) for s in series.values() for x, y in s if _num(x) and _num(y) is not None]
     if not pts:
         return f'<p class="muted">{html.escape(title)}: no data</p>'
-    left, right, top, bottom = 58, 150, 28, 42
+    left, right, top, bottom = 58, 190, 28, 42
     pw, ph = width - left - right, height - top - bottom
     xs = sorted({x for x, _ in pts})
     lx = [math.log2(x) for x in xs]
@@ -69,21 +72,29 @@ def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_lab
         s = sorted((x, y) for x, y in s if _num(x) and _num(y) is not None)
         if not s:
             continue
-        c = PALETTE[i % len(PALETTE)]
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
+        ci, dashed = (styles or {}).get(name, (i, False))
+        c = PALETTE[ci % len(PALETTE)]
+        dash = ' stroke-dasharray="5 3"' if dashed else ""
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="'
                    + " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s) + '"/>')
         for x, y in s:
             out.append(f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3" fill="{c}"><title>'
                        f'{html.escape(name)} batch {x:g}: {y:.3f}</title></circle>')
         ly = top + 12 + 16 * i
-        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" stroke-width="2"/>')
+        out.append(f'<line x1="{left + pw + 10}" x2="{left + pw + 26}" y1="{ly - 4}" y2="{ly - 4}" stroke="{c}" stroke-width="2"{dash}/>')
         out.append(f'<text x="{left + pw + 30}" y="{ly}" class="tk">{html.escape(name)}</text>')
     out.append("</svg>")
     return "".join(out)
 
 
 def _problem_label(variant: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in sorted(variant.items()) if k != "batch") or "default"
+    """A short legend label: the problem without the batch; the default bf16 output dtype omitted."""
+    parts = []
+    for k, v in sorted(variant.items()):
+        if k == "batch" or (k == "out_dtype" and v == "bfloat16"):
+            continue
+        parts.append(f"{v} out" if k == "out_dtype" else f"{k}={v}")
+    return " ".join(parts) or "default"
 
 
 def _correctness_rows(bundle: dict) -> list[dict]:
@@ -168,8 +179,12 @@ def render_report(bundle: dict) -> str:
         plots.append(line_plot(dict(speed), title="Speedup over the base (base median / head median)",
                                y_label="speedup", ref_y=1.0, ref_label="1.0 = same"))
     if frac_head:
-        plots.append(line_plot({**frac_head, **frac_base}, title="Fraction of the read-only streaming ceiling",
-                               y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling"))
+        styles = {}
+        for i, label in enumerate(frac_head):
+            styles[label] = (i, False)
+            styles[f"{label} (base)"] = (i, True)
+        plots.append(line_plot({**frac_head, **frac_base}, title="Fraction of the read-only ceiling (dashed: base)",
+                               y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling", styles=styles))
     corr = bundle.get("correctness") or {}
     n_cases = len(corr.get("cases") or [])
     tmpl = env.get_template(TEMPLATE)

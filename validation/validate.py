@@ -267,9 +267,12 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     not_covered.append("GPU-configuration axis: one configuration (the validating host's GPU) measured")
     meta0 = builds[0].meta if builds else {}
     head = commit or _git(["rev-parse", "HEAD"], Path(repo_root))
-    dirty_out = _git(["status", "--porcelain", "--", *spec.sources], Path(repo_root))
+    # With --commit (a GPU host's copy of the tree) git's view of the copy is not the checkout's:
+    # dirtiness is unknown there; the sources the cubins were built from are recorded instead.
+    dirty_out = None if commit else _git(["status", "--porcelain", "--", *spec.sources], Path(repo_root))
     env.update({"dsl_version": meta0.get("dsl_version"), "commit": head,
                 "dirty": bool(dirty_out) if dirty_out is not None else None,
+                "build_sources_sha256": meta0.get("sources"),
                 "hostname_hash": env.get("hostname_hash") or hashlib.sha256(platform.node().encode()).hexdigest()[:16],
                 "stages": stages})
     change = {"kernel": kernel, "base": base, "head": head, "files": list(spec.sources),
