@@ -1,0 +1,159 @@
+"""The LatentMoE decode block as a chain of prebuilt CuTe DSL kernels, captured in one CUDA graph.
+
+GPU host only and DSL-free: every kernel is an AOT-built cubin found with
+`kernels.build.find_artifact` (verified against today's sources) and launched through
+`kernels.launch.CubinKernel`. The chain, for T tokens (kernels/reference.py gives the semantics):
+
+    1 rmsnorm         h = RMSNorm(x) * gamma_pre                       (foundation kernel)
+    2 router          logits, top-k ids and weights, routing grouped by expert, and alongside
+                      in the same launch the latent down-projection z = h @ W_down.T
+    4 moe_w13         act = SiTU(z[token] @ W13_e.T) per (expert, token)
+    5 moe_w2          c = sum_k w_k (act @ W2_e.T)
+    6 rmsnorm         n = RMSNorm(c) * gamma_latent                    (foundation kernel)
+    7 shared_gate_up  a_s = SiTU(h @ W_sgu.T)
+    8 latent_out      out = x + n @ W_up.T + a_s @ W_sd.T
+
+With `concurrent=True`, 7 runs on a second stream beside 2-6 (it needs only h); an event joins it
+before 8. Under graph capture the streams become parallel branches of the one graph.
+
+Scratch buffers are allocated once per block object; the split-K counters (router, moe_w2) are
+zeroed once and every launch leaves them zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.build import DEFAULT_ROOT, find_artifact
+from kernels.config import ModelConfig
+
+BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out")
+
+
+def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, dict]]:
+    """(kernel, manifest shape) of every kernel variant the block launches at `batch`."""
+    T = batch
+    return [
+        ("rmsnorm", {"batch": T, "width": cfg.hidden}),
+        ("router", {"batch": T, "n_experts": cfg.n_experts, "hidden": cfg.hidden, "top_k": cfg.top_k,
+                    "latent": cfg.latent}),
+        ("moe_w13", {"batch": T, "n_experts": cfg.n_experts, "latent": cfg.latent,
+                     "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}),
+        ("moe_w2", {"batch": T, "n_experts": cfg.n_experts, "latent": cfg.latent,
+                    "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}),
+        ("rmsnorm", {"batch": T, "width": cfg.latent}),
+        ("shared_gate_up", {"batch": T, "hidden": cfg.hidden, "shared_inter": cfg.shared_inter}),
+        ("latent_out", {"batch": T, "hidden": cfg.hidden, "latent": cfg.latent, "shared_inter": cfg.shared_inter}),
+    ]
+
+
+@dataclass
+class BlockKernels:
+    """The loaded kernels of one batch size, by role."""
+
+    norm_pre: object
+    router: object
+    w13: object
+    w2: object
+    norm_latent: object
+    shared_gate_up: object
+    latent_out: object
+
+    def hashes(self) -> dict[str, str]:
+        return {f"{role}:{k.meta['kernel']}": k.sha256 for role, k in vars(self).items()}
+
+
+def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT) -> BlockKernels:
+    """Find and load (on the current device) every prebuilt cubin of the block at `batch`.
+
+    Raises kernels.build.BuildError naming a missing or stale variant.
+    """
+    from kernels.launch import CubinKernel
+
+    ks = [CubinKernel.from_dir(find_artifact(name, shape, root=root).dir) for name, shape in block_variants(cfg, batch)]
+    for k in ks:
+        k.load()  # before any graph capture (module loading is not capturable)
+    return BlockKernels(*ks)
+
+
+class MoEBlock:
+    """One batch size of the block: its kernels, weights and scratch; `launch` enqueues the chain."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, weights, *, root: Path = DEFAULT_ROOT,
+                 concurrent: bool = True, kernels: BlockKernels | None = None):
+        import torch
+
+        self.cfg = cfg
+        self.batch = T = batch
+        self.w = weights
+        self.k = kernels or load_block_kernels(cfg, batch, root)
+        self.concurrent = concurrent
+        dev = weights.w_gate.device
+        bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+        E, H, L, I, S, K = cfg.n_experts, cfg.hidden, cfg.latent, cfg.expert_inter, cfg.shared_inter, cfg.top_k
+        TK = T * K
+        G = min(TK, E)
+        counters = next(p for p in self.k.w2.meta["params"] if p["name"] == "counters")
+        rb_w2 = counters["spec"]["shape"][0]  # one per row block
+
+        def e(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=dev)
+
+        self.buf = {
+            "h": e((T, H), bf16), "logits": e((T, E), f32), "ids": e((T, K), i32), "weights": e((T, K), f32),
+            "n_groups": e((1,), i32), "group_expert": e((G,), i32), "group_start": e((G + 1,), i32),
+            "sorted_slots": e((TK,), i32), "router_counter": torch.zeros((1,), dtype=i32, device=dev),
+            "z": e((T, L), bf16), "act": e((TK, I), bf16), "o": e((TK, L), f32),
+            "w2_counters": torch.zeros((rb_w2,), dtype=i32, device=dev), "c": e((T, L), bf16),
+            "n": e((T, L), bf16), "a_shared": e((T, S), bf16),
+        }
+        if concurrent:
+            self._side = torch.cuda.Stream(device=dev)
+
+    def routing_tensors(self) -> dict:
+        """The router's outputs of the last launch (ids, weights, logits and the grouping)."""
+        return {k: self.buf[k] for k in ("logits", "ids", "weights", "n_groups", "group_expert",
+                                         "group_start", "sorted_slots")}
+
+    def launch(self, x, out) -> None:
+        """Enqueue the block on torch's current stream (forking to side streams when concurrent):
+        out = block(x). Asynchronous; capturable."""
+        import torch
+
+        b, w, k = self.buf, self.w, self.k
+        main = torch.cuda.current_stream()
+        k.norm_pre(x, w.gamma_pre, b["h"])
+        if self.concurrent:
+            h_ready = torch.cuda.Event()
+            h_ready.record(main)
+            self._side.wait_event(h_ready)
+            with torch.cuda.stream(self._side):
+                k.shared_gate_up(b["h"], w.w_shared_gate_up, b["a_shared"])
+            a_ready = torch.cuda.Event()
+            a_ready.record(self._side)
+        k.router(b["h"], w.w_gate, w.bias, b["logits"], b["ids"], b["weights"], b["n_groups"],
+                 b["group_expert"], b["group_start"], b["sorted_slots"], b["router_counter"], w.w_down, b["z"])
+        k.w13(b["z"], w.w13, b["n_groups"], b["group_expert"], b["group_start"], b["sorted_slots"], b["act"])
+        k.w2(b["act"], w.w2, b["weights"], b["n_groups"], b["group_expert"], b["group_start"],
+             b["sorted_slots"], b["o"], b["w2_counters"], b["c"])
+        k.norm_latent(b["c"], w.gamma_latent, b["n"])
+        if self.concurrent:
+            main.wait_event(a_ready)
+        else:
+            k.shared_gate_up(b["h"], w.w_shared_gate_up, b["a_shared"])
+        k.latent_out(x, b["n"], w.w_up, b["a_shared"], w.w_shared_down, out)
+
+    def capture(self, xs, outs):
+        """A CUDA graph of `launch(xs[i], outs[i])` for every i, in order (one decode step each).
+        Warms up every launch first. Returns the torch.cuda.CUDAGraph."""
+        import torch
+
+        for x, o in zip(xs, outs):
+            self.launch(x, o)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for x, o in zip(xs, outs):
+                self.launch(x, o)
+        return graph

@@ -1,0 +1,379 @@
+"""Routed experts grouped by expert, in two launches: `moe_w13` ([g | u] = z @ W13_e.T, SiTU in fp32,
+a in bf16) and `moe_w2` (o = a @ W2_e.T in fp32, then the weighted combine c = sum_k w_k o_k in the
+latent, bf16). Every selected expert's weights are read once per launch, whatever the routing.
+
+Input routing is the router's grouping (kernels/ops/router.py): group u is expert group_expert[u]
+with the sorted positions group_start[u] .. group_start[u+1]-1, whose slots (t * top_k + j) are
+sorted_slots[pos], in token order. A work item is (group, row block); both kernels are persistent:
+a fixed grid of `ctas_per_sm` x 132 CTAs strides over the n_groups x row_blocks items that this
+launch's routing has (read on the device, so one CUDA graph serves every routing). Items of one
+group are consecutive, so neighbouring CTAs stream neighbouring rows of one expert.
+
+Per item the CTA runs the decode mma scheme of kernels/ops/decode_mma.py over the expert's rows
+(64-bit expert offsets) and the group's tokens, gathered by row index (a group never has more
+tokens than the batch; when the batch exceeds one 16-row mma tile, a group of at most 16 tokens
+takes a one-tile path, chosen at run time, so a batch-64 launch with mostly single-token groups
+does not pay for 64 rows). The warps' partials meet in shared memory in warp order.
+
+moe_w13: a CTA's row tiles are half gate rows, half the matching up rows, so SiTU is applied in
+the epilogue; `a` goes to act[sorted position, column] (scratch, bf16, as the reference rounds it).
+moe_w2: the epilogue writes o[slot, rows] in fp32 (scratch); then, the split-K pattern of
+kernels/ops/splitk_gemv.py, thread 0 adds 1 to the row block's gpu-scope counter with acq_rel
+semantics after a CTA barrier; the CTA that completes the row block's n_groups-th item resets the
+counter (release) and sums, for every token, w_k * o[t * top_k + k] over k in order 0..top_k-1
+(fixed order: bitwise deterministic), rounding c to bf16 once. The host zeroes the counters once.
+"""
+
+from __future__ import annotations
+
+from kernels import reference
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.common import WARP, ceil_div, cute, cutlass
+from kernels.ops.decode_mma import (
+    BATCH_PER_TILE,
+    ROWS_PER_TILE,
+    MmaPlan,
+    accumulate,
+    expert_view,
+    new_accumulators,
+    padded_batch,
+    partials_layout,
+    situ,
+    store_partials,
+    sum_partials,
+    vector_view,
+    x_row_slots,
+)
+from kernels.ops.router import routing_groups_ref
+
+SMS = 132  # SMs of an H100/H200 SXM: the persistent grid is a multiple of it
+MAX_BATCH = 64
+LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
+GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
+
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2}
+
+
+def _x_vectors(batch_tiles: int, valid: int) -> int:
+    return sum(1 for mb in range(batch_tiles) for h in range(2) if mb * BATCH_PER_TILE + h * 8 < valid)
+
+
+def make_plans(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> dict[int, MmaPlan]:
+    """The mma plans a grouped kernel traces: {valid rows: plan} for the full batch and, past one
+    tile, the one-tile path."""
+    plans = {}
+    for valid in sorted({batch, min(batch, BATCH_PER_TILE)}):
+        mb = ceil_div(valid, BATCH_PER_TILE)
+        u = max(1, min(k_unroll, LOAD_GROUP_VECTORS // (row_tiles + _x_vectors(mb, valid))))
+        plans[valid] = MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=mb, k=k, k_unroll=u)
+    return plans
+
+
+def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
+    """o [T*k, latent] per slot (kernels.reference.expert_outputs, flattened)."""
+    kwargs = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
+    o = reference.expert_outputs(z, ids, w13, w2, gate_limit=GATE_LIMIT, up_limit=UP_LIMIT, **kwargs)
+    return o.reshape(-1, o.shape[-1])
+
+
+class _GroupedBase(OpBase):
+    """Shape {"batch", "n_experts", "latent", "expert_inter", "top_k"} plus tunables."""
+
+    def __init__(self, shape: dict, **tunables):
+        unknown = set(tunables) - set(DEFAULT_TUNABLES)
+        if unknown:
+            raise ValueError(f"{self.kernel_name}: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
+        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        try:
+            self.batch = int(shape["batch"])
+            self.n_experts = int(shape["n_experts"])
+            self.latent = int(shape["latent"])
+            self.inter = int(shape["expert_inter"])
+            self.top_k = int(shape["top_k"])
+        except KeyError as e:
+            raise ValueError(f"{self.kernel_name}: shape needs batch, n_experts, latent, expert_inter and top_k; "
+                             f"missing {e}") from None
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"{self.kernel_name}: batch {self.batch} outside 1..{MAX_BATCH}")
+        self.warps = int(self.tunables["warps_per_cta"])
+        self.row_tiles = int(self.tunables["row_tiles"])
+        self.threads = self.warps * WARP
+        self.slots = self.batch * self.top_k
+        self.groups = min(self.slots, self.n_experts)
+        self.pb = padded_batch(self.batch)
+
+    def _grid(self, row_blocks: int) -> int:
+        return max(1, min(int(self.tunables["ctas_per_sm"]) * SMS, self.groups * row_blocks))
+
+    def routing_tensors(self, ids):
+        """The router's grouping of `ids` (torch), for launching this op on a given routing."""
+        return routing_groups_ref(ids, self.n_experts)
+
+
+class ExpertsUpOp(_GroupedBase):
+    """moe_w13: act[pos] = bf16(SiTU(z[token] @ W13_e.T)) for every sorted position of every group."""
+
+    kernel_name = "moe_w13"
+
+    def __init__(self, shape: dict, **tunables):
+        super().__init__(shape, **tunables)
+        if self.row_tiles % 2:
+            raise ValueError("moe_w13: row_tiles must be even (half gate, half up)")
+        self.half_rows = ROWS_PER_TILE * self.row_tiles // 2
+        if self.inter % self.half_rows:
+            raise ValueError(f"moe_w13: expert_inter {self.inter} is not a multiple of {self.half_rows}")
+        self.row_blocks = self.inter // self.half_rows
+        self.plans = make_plans(self.batch, self.latent, self.warps, self.row_tiles,
+                                int(self.tunables["k_unroll"]))
+        self.ctas = self._grid(self.row_blocks)
+        self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        T, E, L, I = self.batch, self.n_experts, self.latent, self.inter
+        return {
+            "z": TensorSpec((T, L), "bfloat16"),
+            "w13": TensorSpec((E, 2 * I, L), "bfloat16"),
+            "n_groups": TensorSpec((1,), "int32"),
+            "group_expert": TensorSpec((self.groups,), "int32"),
+            "group_start": TensorSpec((self.groups + 1,), "int32"),
+            "sorted_slots": TensorSpec((self.slots,), "int32"),
+            "act": TensorSpec((self.slots, I), "bfloat16"),
+        }
+
+    def launch_config(self) -> LaunchConfig:
+        return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
+
+    def reference(self, *, z, w13, sorted_slots, compute_dtype=None, **_rest):
+        """act [T*k, I] in sorted-position order: SiTU(z[token] @ W13_e.T), bf16 (float64 oracle)."""
+        import torch
+
+        cd = compute_dtype or torch.float32
+        K, I = self.top_k, self.inter
+        slots = sorted_slots.long()
+        ids_flat = _rest["ids"].reshape(-1).long() if "ids" in _rest else None
+        if ids_flat is None:
+            raise ValueError("moe_w13 reference needs ids= (the routing the metadata came from)")
+        tok = slots // K
+        exp = ids_flat[slots]
+        out = torch.empty(slots.numel(), I, dtype=cd if cd == torch.float64 else z.dtype, device=z.device)
+        for e in torch.unique(exp).tolist():
+            m = exp == e
+            gu = z[tok[m]].to(cd) @ w13[e].to(cd).T
+            a = reference.situ(gu[:, :I], gu[:, I:], GATE_LIMIT, UP_LIMIT)
+            out[m] = a if cd == torch.float64 else a.to(z.dtype)
+        return {"act": out}
+
+    @cute.jit
+    def __call__(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
+                 mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
+        lc = self.launch_config()
+        self.kernel(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct).launch(
+            grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+
+    @cute.kernel
+    def kernel(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
+               mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
+        T, K, L, I = self.batch, self.top_k, self.latent, self.inter
+        Rh = self.half_rows
+        NH = self.row_tiles // 2
+        W = self.warps
+        RB = self.row_blocks
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        g = lane // 4
+        q = lane % 4
+
+        smem = cutlass.utils.SmemAllocator()
+        sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
+        gX = vector_view(mZ)
+        n_items = mNGroups[0] * RB
+        for item in cutlass.range(bidx, n_items, gdim, unroll=1):
+            u = item // RB
+            rb = item % RB
+            e = mGroupExpert[u]
+            start = mGroupStart[u]
+            cnt = mGroupStart[u + 1] - start
+            gW = vector_view(expert_view(mW, e, 2 * I, L))
+            w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
+                       + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)])
+
+            def token_of(i, start=start, cnt=cnt):
+                return mSorted[start + cutlass.min(i, cnt - 1)] // K
+
+            if cutlass.const_expr(len(self.plans) == 1):
+                plan = self.plans[T]
+                acc = new_accumulators(plan)
+                accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
+                store_partials(plan, sP, acc, warp, g, q, T)
+            else:
+                if cnt <= BATCH_PER_TILE:
+                    plan = self.plans[BATCH_PER_TILE]
+                    acc = new_accumulators(plan)
+                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, token_of),
+                               warp, g, q)
+                    store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
+                else:
+                    plan = self.plans[T]
+                    acc = new_accumulators(plan)
+                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
+                    store_partials(plan, sP, acc, warp, g, q, T)
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(ceil_div(Rh * T, self.threads)):
+                idx = tidx + j * self.threads
+                b = idx // Rh
+                r = idx % Rh
+                if b < cnt:
+                    gv = sum_partials(sP, r, b, W)
+                    uv = sum_partials(sP, Rh + r, b, W)
+                    mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
+            cute.arch.sync_threads()
+
+
+class ExpertsDownOp(_GroupedBase):
+    """moe_w2: o[slot] = act[pos] @ W2_e.T (fp32 scratch), then c[t] = bf16(sum_k w[t,k] o[t*k + k])."""
+
+    kernel_name = "moe_w2"
+
+    def __init__(self, shape: dict, **tunables):
+        super().__init__(shape, **tunables)
+        self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
+        if self.latent % self.rows_per_cta:
+            raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta}")
+        self.row_blocks = self.latent // self.rows_per_cta
+        self.plans = make_plans(self.batch, self.inter, self.warps, self.row_tiles,
+                                int(self.tunables["k_unroll"]))
+        self.ctas = self._grid(self.row_blocks)
+        self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
+        return {
+            "act": TensorSpec((self.slots, I), "bfloat16"),
+            "w2": TensorSpec((E, L, I), "bfloat16"),
+            "weights": TensorSpec((T, K), "float32"),
+            "n_groups": TensorSpec((1,), "int32"),
+            "group_expert": TensorSpec((self.groups,), "int32"),
+            "group_start": TensorSpec((self.groups + 1,), "int32"),
+            "sorted_slots": TensorSpec((self.slots,), "int32"),
+            "o": TensorSpec((self.slots, L), "float32"),
+            "counters": TensorSpec((self.row_blocks,), "int32"),
+            "c": TensorSpec((T, L), "bfloat16"),
+        }
+
+    def launch_config(self) -> LaunchConfig:
+        return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
+
+    def reference(self, *, act, w2, weights, sorted_slots, compute_dtype=None, **_rest):
+        """c [T, latent] from act in sorted-position order (see ExpertsUpOp.reference)."""
+        import torch
+
+        cd = compute_dtype or torch.float32
+        ids_flat = _rest["ids"].reshape(-1).long()
+        slots = sorted_slots.long()
+        o = torch.empty(self.slots, self.latent, dtype=cd, device=act.device)
+        exp = ids_flat[slots]
+        for e in torch.unique(exp).tolist():
+            m = exp == e
+            o[slots[m]] = act[m].to(cd) @ w2[e].to(cd).T
+        c = reference.combine(o.view(self.batch, self.top_k, -1), weights, out_dtype=torch.bfloat16,
+                              compute_dtype=cd)
+        return {"c": c}
+
+    @cute.jit
+    def __call__(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
+                 mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
+                 mCounters: cute.Tensor, mC: cute.Tensor):
+        lc = self.launch_config()
+        self.kernel(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC).launch(
+            grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+
+    @cute.kernel
+    def kernel(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
+               mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
+               mCounters: cute.Tensor, mC: cute.Tensor):
+        T, K, L, I = self.batch, self.top_k, self.latent, self.inter
+        R = self.rows_per_cta
+        NT = self.row_tiles
+        W = self.warps
+        RB = self.row_blocks
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        g = lane // 4
+        q = lane % 4
+
+        smem = cutlass.utils.SmemAllocator()
+        sP = smem.allocate_tensor(f32, partials_layout(R, self.pb, W), byte_alignment=16)
+        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
+        gX = vector_view(mAct)
+        n_groups = mNGroups[0]
+        n_items = n_groups * RB
+        for item in cutlass.range(bidx, n_items, gdim, unroll=1):
+            u = item // RB
+            rb = item % RB
+            e = mGroupExpert[u]
+            start = mGroupStart[u]
+            cnt = mGroupStart[u + 1] - start
+            gW = vector_view(expert_view(mW, e, L, I))
+            w_tiles = [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(NT)]
+
+            def pos_of(i, start=start, cnt=cnt):
+                return start + cutlass.min(i, cnt - 1)
+
+            if cutlass.const_expr(len(self.plans) == 1):
+                plan = self.plans[T]
+                acc = new_accumulators(plan)
+                accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
+                store_partials(plan, sP, acc, warp, g, q, T)
+            else:
+                if cnt <= BATCH_PER_TILE:
+                    plan = self.plans[BATCH_PER_TILE]
+                    acc = new_accumulators(plan)
+                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, pos_of),
+                               warp, g, q)
+                    store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
+                else:
+                    plan = self.plans[T]
+                    acc = new_accumulators(plan)
+                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
+                    store_partials(plan, sP, acc, warp, g, q, T)
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
+                idx = tidx + j * self.threads
+                b = idx // R
+                r = idx % R
+                if b < cnt:
+                    mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
+
+            # Arrival on the row block; the CTA that completes it combines it.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
+                last = i32(0)
+                if old == n_groups - 1:
+                    last = i32(1)
+                    cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
+                sLast[0] = last
+            cute.arch.sync_threads()
+            if sLast[0] == 1:
+                for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
+                    idx = tidx + j * self.threads
+                    if idx < R * T:
+                        t = idx // R
+                        col = rb * R + idx % R
+                        s = mWeights[t, 0] * mO[t * K, col]
+                        for k in cutlass.range_constexpr(1, K):
+                            s = s + mWeights[t, k] * mO[t * K + k, col]
+                        mC[t, col] = s.to(bf16)
