@@ -330,7 +330,12 @@ def speed(blk, cfg, T, calls: int, read_tbps: float, baseline_ok: bool, per_op: 
     for _ in range(2):  # interleaved A/B/A/B
         rounds["kernel"].append(graph_time(ours))
         if baseline_ok:
-            rounds["torch"].append(graph_time(theirs))
+            try:
+                rounds["torch"].append(graph_time(theirs))
+            except Exception as e:  # the baseline failing must not lose the kernel's figures
+                res["baseline_error"] = f"{type(e).__name__}: {e}"
+                baseline_ok = False
+                torch.cuda.synchronize()
     us = min(r["median_us"] for r in rounds["kernel"]) / calls
     res["block"] = {"rounds": rounds, "us": us, "tbps": res["bytes_per_step"] / us / 1e6,
                     "fraction_of_read": res["bytes_per_step"] / us / 1e6 / read_tbps}
@@ -464,8 +469,11 @@ def run(args) -> int:
             row["traceback"] = traceback.format_exc()[-2000:]
         out_path.write_text(json.dumps(doc, indent=1))
         print(summary_line(T, row), f"({time.time() - t0:.0f} s)", flush=True)
-        if "error" in row and "CUDA" in row["error"]:
-            break  # a sticky device error: nothing after it can be trusted
+        if "error" in row:
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                break  # a sticky device error: nothing after it can be trusted
     doc["passed_numerics"] = all(r.get("numerics", {}).get("passed") for r in doc["batches"].values())
     out_path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out_path}")
