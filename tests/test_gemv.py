@@ -28,9 +28,17 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
     for shape in SPEC.shapes:
         op = G.GemvOp(shape)
         lc = op.launch_config()
-        assert lc.grid[0] * op.rows_per_cta == shape["n"]
         assert lc.block == (32 * op.warps, 1, 1)
-        assert lc.smem_bytes <= G.SMEM_LIMIT
+        if op.tiled:  # grid (splits, row blocks); the splits cover k exactly
+            assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
+            assert op.splits * op.k_chunk == shape["k"] and op.k_chunk % (32 * op.k_unroll) == 0
+            assert lc.grid[0] * lc.grid[1] >= G.DEFAULT_TUNABLES["tile_min_ctas"] or op.splits == op.k // (32 * op.k_unroll)
+            assert lc.smem_bytes <= G.TILED_SMEM_LIMIT + 16
+        else:
+            assert lc.grid[0] * op.rows_per_cta == shape["n"]
+            assert lc.smem_bytes <= G.SMEM_LIMIT
+        assert op.tensor_specs()["partials"].shape == (op.splits, shape["batch"], shape["n"])
+        assert op.tensor_specs()["counters"].shape == (shape["n"] // op.rows_per_cta,)
 
 
 def test_tensor_specs_follow_the_manifest_parameters():
@@ -40,6 +48,7 @@ def test_tensor_specs_follow_the_manifest_parameters():
     assert specs["x"].shape == (4, 7168) and specs["x"].dtype == "bfloat16"
     assert specs["w"].shape == (896, 7168) and specs["w"].dtype == "bfloat16"
     assert specs["y"].shape == (4, 896) and specs["y"].dtype == "float32"
+    assert specs["partials"].dtype == "float32" and specs["counters"].dtype == "int32"
 
 
 @pytest.mark.parametrize("shape, tunables, fragment", [
@@ -63,9 +72,29 @@ def test_tunables_adapt_to_the_batch():
     assert (b1.warps, b1.row_tiles, b1.k_unroll) == (8, 2, 5)  # 3 vectors per step, 16 per group
     router = G.GemvOp({"batch": 1, "n": 896, "k": 7168})
     assert router.row_tiles == 1 and router.launch_config().grid[0] == 112
-    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
+    b16 = G.GemvOp({"batch": 16, "n": 7168, "k": 3584})
+    assert not b16.tiled and (b16.row_tiles, b16.k_unroll, b16.warps) == (2, 4, 8)
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, tiled_from_batch=65)  # the small-batch design
     assert (b64.row_tiles, b64.k_unroll, b64.warps) == (4, 1, 4)  # 8 warps' partials: 64 KB > 48 KB
     assert b64.smem_bytes == 4 * 64 * 32 * 4
+
+
+def test_tiled_design_from_batch_32():
+    """From batch 32: 4 warps x 2 row tiles = 64 rows per CTA, x in a two-slot shared ring,
+    k split over the fewest CTAs that reach 264 (a divisor of the k groups)."""
+    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168})
+    assert b64.tiled and (b64.warps, b64.row_tiles, b64.rows_per_cta, b64.k_unroll) == (4, 2, 64, 4)
+    assert b64.splits == 7 and b64.launch_config().grid == (7, 56, 1)  # 56 x 5 = 280 would not divide 56 groups
+    assert b64.smem_bytes == 2 * 64 * (128 + 32) * 2 + 16  # rows padded to an odd multiple of 64 B
+    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"})
+    assert router.splits == 28 and router.k_chunk == 256  # 14 row blocks x 28 = 392 >= 264
+    wide = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
+    assert wide.splits == 2 and wide.launch_config().grid == (2, 192, 1)
+    whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, tile_min_ctas=132)
+    assert whole.splits == 1  # 192 row blocks already fill the GPU: no partials at all
+    assert G.GemvOp({"batch": 32, "n": 8, "k": 256}).rows_per_cta == 8  # rows shrink to divide n
+    with pytest.raises(ValueError, match="multiple of 128"):
+        G.GemvOp({"batch": 32, "n": 64, "k": 96})
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
@@ -92,6 +121,29 @@ def test_op_module_imports_without_the_dsl():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["224", "(3584,", "7168)"]
+
+
+@pytest.mark.slow
+def test_ptx_of_the_tiled_design(tmp_path):
+    """Batch 20 (a partly filled second batch tile), 2 splits: mma, 16-byte global loads only
+    (nc for W alone), x through shared memory, the acq_rel arrival and the release reset of the
+    counter, no local memory."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    op = G.GemvOp({"batch": 20, "n": 128, "k": 512}, tiled_from_batch=16, tile_min_ctas=4)
+    assert (op.tiled, op.splits, op.rows_per_cta, op.groups) == (True, 2, 64, 2)
+    cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
+    ptx = next(tmp_path.glob("*.ptx")).read_text()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
+    assert loads and all(l.endswith(".v4.b32") or l.endswith(".v4.f32") for l in loads), set(loads)
+    # W: 2 groups x 4 steps x 2 row tiles per lane; x: 20 rows x 16 vectors / 128 threads = 3 per group.
+    assert sum(l.startswith("ld.global.nc") for l in loads) == 16
+    assert "ld.shared.v4" in ptx and "st.shared.v4" in ptx
+    assert "atom.global.acq_rel.add" in ptx  # no scope suffix: gpu scope, PTX's default
+    assert "st.release.gpu.global" in ptx
+    assert ".local" not in ptx
 
 
 @pytest.mark.slow

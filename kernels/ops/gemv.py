@@ -14,17 +14,27 @@ Layout of one warp's work, per 32-wide k step:
     summed, so k is permuted freely as long as A and B use the same permutation: the mma's k slots
     {2q, 2q+1, 2q+8, 2q+9} (which the m16n8k16 fragments give lane q for both A and B) hold
     k = base + 8q + {0,1,2,3} in the first mma and base + 8q + {4,5,6,7} in the second. So both
-    operands come straight from coalesced 16-byte global loads, with no shuffles and no shared
-    memory; W goes through the read-only path (`ld.global.nc`), x through plain loads.
-  * A CTA owns `8 * row_tiles` weight rows (doubled past batch 16); its warps split k
-    (interleaved 32-wide steps); each warp issues its loads in groups of up to `k_unroll` steps
-    and, with `prefetch`, issues the next group before the current group's mmas, so two groups
-    are in flight; the partial sums meet in shared memory, summed in warp order (deterministic:
-    the same bits on every run). How the tunables adapt to the batch: see `GemvOp.__init__`.
+    operands come straight from coalesced 16-byte global loads (the tiled design reads x from
+    shared memory in the same permutation); W goes through the read-only path (`ld.global.nc`),
+    x through plain loads.
 
-Measured on an H200 (evidence_reports/foundation/): at batch 1 the kernel streams W at about the
-rate of the read-only ceiling minus a fixed per-launch cost; from batch 32 on, re-reading x per
-CTA makes it slower than cuBLAS (a smem/wgmma design is the next step).
+Two designs, chosen at build time from the batch (`tiled_from_batch`, default 32):
+  * small batches: a CTA owns `8 * row_tiles` weight rows (doubled past batch 16); its warps
+    split k (interleaved 32-wide steps); each warp issues its loads in groups of up to
+    `k_unroll` steps and, with `prefetch`, issues the next group before the current group's mmas,
+    so two groups are in flight; x comes straight from global memory (a few KB, L1/L2 hits);
+    the partial sums meet in shared memory, summed in warp order. See `_plan_warp_k`.
+  * larger batches ("tiled"): every CTA re-reading all of x is what made the first design slower
+    than cuBLAS from batch 16 on, so here x is staged once per CTA in a two-slot shared-memory
+    ring and read by all warps, which split the rows (64 per CTA by default) instead of k; k is
+    split across CTAs to keep >= `tile_min_ctas` of them, the fp32 partials go to global scratch
+    and the last CTA of a row block (gpu-scope acq_rel counter, reset by that CTA for the next
+    launch) sums them in split order. See `_plan_tiled`.
+Both are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
+
+Measured on an H200 (evidence_reports/foundation/): at batch 1 the small-batch design streams W
+at about 76-78% of the read-only ceiling on the 51 MB shapes; from batch 32 the tiled design is
+faster than the first design but still slower than cuBLAS (the README there has the figures).
 """
 
 from kernels import reference
@@ -43,12 +53,16 @@ K_STEP = 32  # k covered by one pair of m16n8k16 mmas (two halves of a 16-byte v
 ROWS_PER_TILE = 8  # mma N: weight rows per tile
 BATCH_PER_TILE = 16  # mma M: batch rows per tile
 MAX_BATCH = 64
-SMEM_LIMIT = 48 * 1024  # static-launch limit; more would need an opt-in attribute
+SMEM_LIMIT = 48 * 1024  # the small-batch design's partials stay under the no-opt-in limit
+TILED_SMEM_LIMIT = 96 * 1024  # the tiled design's x ring (the launcher opts in past 48 KB)
+MAX_SPLITS = 32
 FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1}
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1,
+                    "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
+                    "tile_min_ctas": 264}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -80,14 +94,24 @@ class GemvOp(OpBase):
         if min(warps, row_tiles, k_unroll) < 1:
             raise ValueError("gemv: tunables must be positive")
 
-        # The tunables are one setting for every batch; what they mean adapts to the batch:
-        #  * row tiles per CTA double past one 16-row batch tile: each activation fragment then
-        #    feeds twice the weight rows (the L1/L2 traffic of x per CTA is batch/rows times W's),
-        #    and halve while the grid would have fewer CTAs than FILL_CTAS (the router's 896 rows);
-        #  * a load group holds at most k_unroll steps and at most LOAD_GROUP_VECTORS 16-byte
-        #    vectors per lane (registers: prefetch keeps two groups live);
-        #  * warps halve until their fp32 partials fit the static shared-memory limit.
+        self.tiled = self.batch >= int(self.tunables["tiled_from_batch"])
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
+        if self.tiled:
+            self._plan_tiled()
+        else:
+            self._plan_warp_k(warps, row_tiles, k_unroll)
+
+    def _plan_warp_k(self, warps: int, row_tiles: int, k_unroll: int) -> None:
+        """Small batches: one CTA per `rows_per_cta` rows, its warps split k, x straight from
+        global memory (a few KB, cached). The tunables are one setting for every batch; what
+        they mean adapts to the batch:
+          * row tiles per CTA double past one 16-row batch tile: each activation fragment then
+            feeds twice the weight rows, and halve while the grid would have fewer CTAs than
+            FILL_CTAS (the router's 896 rows);
+          * a load group holds at most k_unroll steps and at most LOAD_GROUP_VECTORS 16-byte
+            vectors per lane (registers: prefetch keeps two groups live);
+          * warps halve until their fp32 partials fit the static shared-memory limit."""
+        self.splits = 1
         self.row_tiles = row_tiles * (1 if self.batch_tiles == 1 else 2)
         while self.row_tiles > 1 and self.n // (ROWS_PER_TILE * self.row_tiles) < FILL_CTAS:
             self.row_tiles //= 2  # fewer rows per CTA rather than idle SMs
@@ -114,22 +138,73 @@ class GemvOp(OpBase):
                 f"{self.smem_bytes} B of shared memory (limit {SMEM_LIMIT})"
             )
 
+    def _plan_tiled(self) -> None:
+        """Larger batches: CTA (split s, row block) owns `rows_per_cta` rows, its warps split
+        the rows (`tile_row_tiles` tiles of 8 each) and all walk the CTA's k chunk; x is staged
+        once per CTA in shared memory (a two-slot ring of `tile_k_unroll` k steps) and read by
+        every warp, so x crosses L2 once per row block instead of once per 8-32 rows. k is split
+        over `splits` CTAs, the smallest count that gives at least `tile_min_ctas` CTAs; the
+        splits' fp32 partials meet in global scratch and the last CTA of a row block sums them
+        in split order (a gpu-scope acq_rel counter elects it)."""
+        t = self.tunables
+        self.warps = int(t["tile_warps"])
+        self.row_tiles = int(t["tile_row_tiles"])  # per warp here
+        self.k_unroll = int(t["tile_k_unroll"])
+        min_ctas = int(t["tile_min_ctas"])
+        if min(self.warps, self.row_tiles, self.k_unroll, min_ctas) < 1:
+            raise ValueError("gemv: tunables must be positive")
+        # Fewer rows per CTA while n does not divide (warps first: they also hold the x ring).
+        while self.n % (ROWS_PER_TILE * self.row_tiles * self.warps) and self.warps > 1:
+            self.warps //= 2
+        while self.n % (ROWS_PER_TILE * self.row_tiles * self.warps) and self.row_tiles > 1:
+            self.row_tiles //= 2
+        self.rows_per_cta = ROWS_PER_TILE * self.row_tiles * self.warps
+        if self.n % self.rows_per_cta:
+            raise ValueError(f"gemv: n={self.n} is not a multiple of {self.rows_per_cta} rows per CTA")
+        while self.k_unroll > 1 and self._ring_bytes() > TILED_SMEM_LIMIT:
+            self.k_unroll //= 2
+        group_k = K_STEP * self.k_unroll
+        if self.k % group_k:
+            raise ValueError(f"gemv: k={self.k} is not a multiple of {group_k} ({K_STEP} x tile_k_unroll)")
+        groups = self.k // group_k
+        blocks = self.n // self.rows_per_cta
+        fits = [s for s in range(1, min(groups, MAX_SPLITS) + 1) if groups % s == 0]
+        self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
+        self.k_chunk = self.k // self.splits
+        self.groups = self.k_chunk // group_k
+        self.threads = WARP * self.warps
+        self.smem_bytes = self._ring_bytes() + 16  # + the last-CTA verdict
+
+    def _ring_bytes(self) -> int:
+        return 2 * self.batch * self._ring_row_elems() * 2
+
+    def _ring_row_elems(self) -> int:
+        """bf16 per x row in a ring slot: the group's k plus padding to an odd multiple of 64 B,
+        so the 16-byte fragment loads of rows g and g+1 (one 8-lane phase) hit distinct banks."""
+        k = K_STEP * self.k_unroll
+        return k if (k * 2) % 128 == 64 else k + 32
+
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
         return {
             "x": TensorSpec((self.batch, self.k), "bfloat16"),
             "w": TensorSpec((self.n, self.k), "bfloat16"),
             "y": TensorSpec((self.batch, self.n), self.out_dtype),
+            "partials": TensorSpec((self.splits, self.batch, self.n), "float32"),
+            "counters": TensorSpec((self.n // self.rows_per_cta,), "int32"),
         }
 
     def launch_config(self) -> LaunchConfig:
+        # Tiled: the splits of one row block are neighbours in launch order (x fastest), so
+        # they run together and the last one reduces partials that are still in L2.
         return LaunchConfig(
-            grid=(self.n // self.rows_per_cta, 1, 1),
+            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled
+            else (self.n // self.rows_per_cta, 1, 1),
             block=(self.threads, 1, 1),
             smem_bytes=self.smem_bytes,
         )
 
-    def reference(self, *, x, w, y=None, compute_dtype=None):
+    def reference(self, *, x, w, y=None, partials=None, counters=None, compute_dtype=None):
         """Expected y from the pure-torch reference (fp32 accumulation; float64 for the oracle)."""
         import torch
 
@@ -139,12 +214,23 @@ class GemvOp(OpBase):
 
     # -- device code ------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor):
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
+                 mC: cute.Tensor):
         lc = self.launch_config()
-        self.kernel(mX, mW, mY).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+        self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
+                                               smem=lc.smem_bytes)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
+               mC: cute.Tensor):
+        if cutlass.const_expr(self.tiled):
+            self._tiled_body(mX, mW, mY, mP, mC)
+        else:
+            self._warp_k_body(mX, mW, mY)
+
+    @cute.jit
+    def _warp_k_body(self, mX, mW, mY):
+        """Trace-time body of the small-batch design (see `_plan_warp_k`)."""
         B = self.batch
         R = self.rows_per_cta
         NT = self.row_tiles
@@ -300,6 +386,234 @@ class GemvOp(OpBase):
                         b32[0] = w32[nt][2 * half]
                         b32[1] = w32[nt][2 * half + 1]
                         cute.gemm(mma, acc[mb][nt], a, bfrag, acc[mb][nt])
+
+    # -- tiled design (batch >= tiled_from_batch) --------------------------------------------
+    @cute.jit
+    def _tiled_body(self, mX, mW, mY, mP, mC):
+        """Trace-time body of the tiled split-K design (see `_plan_tiled`)."""
+        B = self.batch
+        NT = self.row_tiles
+        MB = self.batch_tiles
+        U = self.k_unroll
+        S = self.splits
+        R = self.rows_per_cta
+        T = self.threads
+        G = self.groups
+        SKP = self._ring_row_elems()
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        split, block, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        g = lane // 4
+        q = lane % 4
+        row0 = block * R
+        wrow0 = row0 + warp * (ROWS_PER_TILE * NT)
+        kv0 = split * (self.k_chunk // BF16_PER_VECTOR)  # first 16-byte vector of this k chunk
+
+        smem = cutlass.memory.SmemAllocator()
+        sRing = smem.allocate_tensor(bf16, cute.make_layout((2 * B * SKP,)), byte_alignment=16)
+        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+        vRing = cute.zipped_divide(sRing, (BF16_PER_VECTOR,))  # ((8), vectors)
+        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+        gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
+        w_atom = weight_load_atom(bf16)
+        v_atom = coherent_copy_atom(bf16)
+        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
+
+        acc = [[cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), f32) for _ in range(NT)]
+               for _ in range(MB)]
+        for mb in cutlass.range_constexpr(MB):
+            for nt in cutlass.range_constexpr(NT):
+                acc[mb][nt].fill(0.0)
+        c = _TiledContext(gW=gW, gX=gX, vRing=vRing, w_atom=w_atom, v_atom=v_atom, mma=mma, acc=acc,
+                          tidx=tidx, g=g, q=q, wrow0=wrow0, kv0=kv0, x_rows=self._x_rows(g))
+
+        # --- main loop: a two-slot x ring, one CTA barrier per group -------------------------
+        # Group i+1's W and x loads are issued before group i's mmas; x lands in the other slot
+        # after them. The barrier at the top of iteration i orders (a) the stores of group i
+        # before its reads and (b) every warp's reads of group i-1 before that slot is
+        # overwritten with group i+1.
+        wcur = self._t_load_w(c, 0)
+        self._t_store_x(c, self._t_load_x(c, 0), 0)
+        for it in cutlass.range(G - 1, unroll=1):
+            cute.arch.sync_threads()
+            wnxt = self._t_load_w(c, it + 1)
+            xnxt = self._t_load_x(c, it + 1)
+            self._t_mma_group(c, wcur, it % 2)
+            self._t_store_x(c, xnxt, (it + 1) % 2)
+            _copy_regs(wcur, wnxt)
+        cute.arch.sync_threads()
+        self._t_mma_group(c, wcur, (G - 1) % 2)
+
+        # --- epilogue -------------------------------------------------------------------------
+        # acc[mb][nt][i]: batch row mb*16 + (i // 2)*8 + g, weight row wrow0 + nt*8 + 2q + i % 2.
+        for mb in cutlass.range_constexpr(MB):
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    b_off = mb * BATCH_PER_TILE + (i // 2) * 8
+                    if cutlass.const_expr(b_off < B):
+                        r = wrow0 + nt * ROWS_PER_TILE + 2 * q + (i % 2)
+                        v = acc[mb][nt][i]
+                        if cutlass.const_expr(b_off + 8 <= B):
+                            self._tiled_out(mY, mP, split, b_off + g, r, v)
+                        else:
+                            if g < B - b_off:
+                                self._tiled_out(mY, mP, split, b_off + g, r, v)
+        if cutlass.const_expr(S > 1):
+            # Arrival: this CTA's partials are written (barrier), then one acq_rel add that
+            # releases them and acquires the other splits'. The last arrival resets the counter
+            # for the next launch (nothing reads it again in this one) and reduces.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+                last = cutlass.Int32(0)
+                if old == S - 1:
+                    last = cutlass.Int32(1)
+                    cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
+                sLast[0] = last
+            cute.arch.sync_threads()
+            if sLast[0] == 1:
+                # Each thread sums 4 consecutive rows of one batch row over the splits, in split
+                # order 0..S-1: the same bits whichever CTA arrives last.
+                gP = cute.zipped_divide(mP, (1, 1, 4))
+                gY = cute.zipped_divide(mY, (1, 4))
+                p_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
+                y_bits = 4 * mY.element_type.width
+                y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
+                                             num_bits_per_copy=y_bits)
+                quads = B * R // 4
+                for j in cutlass.range_constexpr(ceil_div(quads, T)):
+                    idx = tidx + j * T
+                    if idx < quads:
+                        b = idx // (R // 4)
+                        rq = block * (R // 4) + idx % (R // 4)
+                        tot = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
+                        cute.copy(p_atom, gP[(None, (0, b, rq))], tot)
+                        for s in cutlass.range_constexpr(1, S):
+                            part = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
+                            cute.copy(p_atom, gP[(None, (s, b, rq))], part)
+                            tot.store(tot.load() + part.load())
+                        out = cute.make_rmem_tensor(cute.make_layout(((1, 4),)), mY.element_type)
+                        out.store(tot.load().to(mY.element_type))
+                        cute.copy(y_atom, out, gY[(None, (b, rq))])
+
+    # Trace-time helpers of the tiled design: plain Python, every branch decided at trace time.
+    def _x_rows(self, g):
+        """The ring row this lane reads per (batch tile, half); as in the small-batch design, a
+        partly valid half repeats a valid row and a wholly invalid half is None (zeros)."""
+        rows = []
+        for mb in range(self.batch_tiles):
+            for h in range(2):
+                b_off = mb * BATCH_PER_TILE + h * 8
+                if b_off >= self.batch:
+                    rows.append(None)
+                elif b_off + 8 <= self.batch:
+                    rows.append(b_off + g)
+                else:
+                    rows.append(b_off + g % (self.batch - b_off))
+        return rows
+
+    def _t_load_w(self, c, group):
+        """This lane's W vectors of one group: U steps x NT row tiles, through the nc path."""
+        out = []
+        for u in range(self.k_unroll):
+            kv = c.kv0 + (group * self.k_unroll + u) * (K_STEP // BF16_PER_VECTOR) + c.q
+            for nt in range(self.row_tiles):
+                t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
+                cute.copy(c.w_atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))], t)
+                out.append(t)
+        return out
+
+    def _stage_vector(self, c, i):
+        """(x row, vector in the group) that this thread moves in its i-th staging copy. Where
+        the group's block is not a multiple of the thread count, surplus threads repeat the
+        last vector (the same bytes to the same address: no branch, no race)."""
+        row_vecs = self.k_unroll * (K_STEP // BF16_PER_VECTOR)
+        n_stage = self.batch * row_vecs
+        v = c.tidx + i * self.threads
+        if (i + 1) * self.threads > n_stage:
+            v = cutlass.min(v, n_stage - 1)
+        return v // row_vecs, v % row_vecs
+
+    def _stage_count(self):
+        return ceil_div(self.batch * self.k_unroll * (K_STEP // BF16_PER_VECTOR), self.threads)
+
+    def _t_load_x(self, c, group):
+        """This thread's share of one group's x block, global -> registers (plain loads)."""
+        row_vecs = self.k_unroll * (K_STEP // BF16_PER_VECTOR)
+        out = []
+        for i in range(self._stage_count()):
+            b, j = self._stage_vector(c, i)
+            t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
+            cute.copy(c.v_atom, c.gX[(None, (b, c.kv0 + group * row_vecs + j))], t)
+            out.append(t)
+        return out
+
+    def _t_store_x(self, c, regs, slot):
+        """Registers from `_t_load_x` -> ring slot `slot`."""
+        skp = self._ring_row_elems()
+        for i in range(self._stage_count()):
+            b, j = self._stage_vector(c, i)
+            dst = c.vRing[(None, (slot * self.batch * skp + b * skp) // BF16_PER_VECTOR + j)]
+            cute.copy(c.v_atom, cute.make_tensor(regs[i].iterator, cute.make_layout((BF16_PER_VECTOR,))), dst)
+
+    def _t_mma_group(self, c, wregs, slot):
+        """The mmas of one group: per step, the A fragments from ring slot `slot` (16-byte
+        shared loads in the global layout's permutation, see the module docstring), B from
+        `wregs`."""
+        bf16 = cutlass.BFloat16
+        u32 = cutlass.Uint32
+        NT = self.row_tiles
+        skp = self._ring_row_elems()
+        for u in range(self.k_unroll):
+            w32 = [cute.recast_tensor(wregs[u * NT + nt], u32) for nt in range(NT)]
+            xs = []
+            for row in c.x_rows:
+                if row is None:
+                    xs.append(None)
+                else:
+                    t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
+                    cute.copy(c.v_atom, c.vRing[(None, (slot * self.batch * skp + row * skp) // BF16_PER_VECTOR
+                                                 + u * (K_STEP // BF16_PER_VECTOR) + c.q)], t)
+                    xs.append(cute.recast_tensor(t, u32))
+            for mb in range(self.batch_tiles):
+                lo32, hi32 = xs[2 * mb], xs[2 * mb + 1]
+                for half in range(2):
+                    a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
+                    a32 = cute.recast_tensor(a, u32)
+                    a32[0] = lo32[2 * half]
+                    a32[2] = lo32[2 * half + 1]
+                    a32[1] = u32(0) if hi32 is None else hi32[2 * half]
+                    a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
+                    for nt in range(NT):
+                        bfrag = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
+                        b32 = cute.recast_tensor(bfrag, u32)
+                        b32[0] = w32[nt][2 * half]
+                        b32[1] = w32[nt][2 * half + 1]
+                        cute.gemm(c.mma, c.acc[mb][nt], a, bfrag, c.acc[mb][nt])
+
+    def _tiled_out(self, mY, mP, split, b, r, v):
+        """One accumulator value: straight to y without a split, else to this split's partials."""
+        if cutlass.const_expr(self.splits == 1):
+            mY[b, r] = v.to(mY.element_type)
+        else:
+            mP[split, b, r] = v
+
+
+
+class _TiledContext:
+    """What the tiled design's trace-time helpers share (tensors, atoms, this lane's indices)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _copy_regs(dst, src):
+    for a, b in zip(dst, src):
+        a.store(b.load())
 
 
 def _flat(frags):
