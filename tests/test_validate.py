@@ -118,7 +118,6 @@ def test_validate_require_gpu_without_gpu_exits_3(no_gpu_fake_builds, tmp_path, 
 @pytest.mark.parametrize("argv, msg", [
     (["validate", "nokernel"], "unknown kernel"),
     (["validate", "gemv", "--batch", "3"], "declares no variant with batch [3]"),
-    (["validate", "gemv", "--base", "HEAD~1"], "only 'torch'"),
 ])
 def test_validate_bad_input_exits_2(tmp_path, capsys, argv, msg):
     assert main(argv + ["--out", str(tmp_path)]) == 2
@@ -215,3 +214,230 @@ def test_numerics_stage_catches_unwritten_rows_and_survives_a_crashing_variant(t
                          quick=True, device="cpu")
     assert res["variants"][0]["passed"] and not res["variants"][1]["passed"]
     assert "ILLEGAL_ADDRESS" in " ".join(c["reasons"][0] for c in res["variants"][1]["cases"] if c["reasons"])
+
+
+# -- --base REV: prepare on the CPU host (a real temporary git repository), load on the GPU host --
+
+SCALE_MANIFEST = """\
+[kernels.scale]
+op = "kernels.ops.scale:ScaleOp"
+reference = "kernels.reference:scale"
+sources = ["kernels/ops/scale.py"]
+params = [
+  { name = "x", role = "activation" },
+  { name = "alpha", role = "scalar" },
+  { name = "n", role = "scalar" },
+  { name = "y", role = "activation", direction = "out" },
+]
+[kernels.scale.tunables]
+threads = { choices = [32, 64], default = 64 }
+[kernels.scale.shapes]
+rows = [4]
+cols = [64]
+"""
+
+# The build code the base worktree runs (its own copy, committed in the temporary repository).
+BUILD_CODE = ("kernels/__init__.py", "kernels/build.py", "kernels/compile_worker.py", "kernels/manifest.py",
+              "kernels/ptx.py", "kernels/ops/__init__.py", "kernels/ops/base.py")
+
+
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def base_head_repo(tmp_path_factory):
+    """A repository with the fixture scale kernel: base, then head (n subtracted instead of added,
+    so the sources and the cubins differ). Both sides prepared once."""
+    pytest.importorskip("cutlass")
+    root = tmp_path_factory.mktemp("vrepo") / "repo"
+    root.mkdir()
+    _git(root, "init", "-q", "-b", "main")
+    _git(root, "config", "user.email", "v@test")
+    _git(root, "config", "user.name", "validate test")
+    for rel in BUILD_CODE:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text((REPO / rel).read_text())
+    (root / "kernels/manifest.toml").write_text(SCALE_MANIFEST)
+    src = (REPO / "tests/fixtures/scale_op.py").read_text()
+    (root / "kernels/ops/scale.py").write_text(src)
+    (root / ".gitignore").write_text("build/\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "base")
+    base = _git(root, "rev-parse", "HEAD")
+    (root / "kernels/ops/scale.py").write_text(src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
+                                                           "mX[r, c] * alpha - n.to(cutlass.Float32)"))
+    _git(root, "commit", "-q", "-am", "head: subtract n")
+    head = _git(root, "rev-parse", "HEAD")
+    build = root / "build"
+    plan = V.prepare_base_plan("scale", base, build_root=build, repo_root=root, log=lambda m: None)
+    return {"root": root, "base": base, "head": head, "build": build, "plan": plan,
+            "plan_path": V.default_plan_path("scale", build), "src": src}
+
+
+@pytest.mark.slow
+def test_prepare_builds_head_here_and_base_from_its_own_worktree(base_head_repo):
+    r = base_head_repo
+    plan = json.loads(r["plan_path"].read_text())
+    assert plan == r["plan"] and plan["schema"] == V.PLAN_SCHEMA
+    assert plan["base"] == {"ref": r["base"], "sha": r["base"], "sources_sha256": plan["base"]["sources_sha256"]}
+    assert plan["head"]["sha"] == r["head"] and plan["head"]["dirty"] is False
+    want = hashlib.sha256(r["src"].encode()).hexdigest()
+    assert plan["base"]["sources_sha256"]["kernels/ops/scale.py"] == want  # the base's bytes, not head's
+    (entry,) = plan["variants"]
+    assert entry["variant"] == {"rows": 4, "cols": 64}
+    assert entry["head"]["cubin_sha256"] != entry["base"]["cubin_sha256"]
+    for side in ("head", "base"):
+        d = r["build"] / entry[side]["dir"]
+        assert not Path(entry[side]["dir"]).is_absolute()  # the plan travels with build/
+        assert hashlib.sha256((d / "kernel.cubin").read_bytes()).hexdigest() == entry[side]["cubin_sha256"]
+    assert _git(r["root"], "worktree", "list").count("\n") == 0  # the temporary worktree is gone
+
+
+@pytest.mark.slow
+def test_identical_sources_share_one_build(base_head_repo, tmp_path):
+    """A base whose kernel equals head's (a docs-only commit in between) builds nothing new: the
+    content-addressed folder is shared, and both sides name the same cubin."""
+    r = base_head_repo
+    (r["root"] / "README.md").write_text("docs\n")
+    _git(r["root"], "add", "README.md")
+    _git(r["root"], "commit", "-q", "-m", "docs")
+    try:
+        plan = V.prepare_base_plan("scale", "HEAD~1", build_root=r["build"], repo_root=r["root"],
+                                   plan_path=tmp_path / "p.json", log=lambda m: None)
+    finally:
+        _git(r["root"], "reset", "-q", "--hard", r["head"])
+    (entry,) = plan["variants"]
+    assert plan["base"]["ref"] == "HEAD~1" and plan["base"]["sha"] == r["head"]
+    assert entry["head"]["dir"] == entry["base"]["dir"]
+
+
+@pytest.mark.slow
+def test_plan_run_without_gpu_records_both_sides(base_head_repo, tmp_path, monkeypatch):
+    """The GPU host's half, here on CPU: the plan's builds are used (no git, no build), and the
+    bundle names base and head binaries, the base commit and its kernel source hashes."""
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    r = base_head_repo
+    b = V.validate_kernel("scale", plan_path=r["plan_path"], build_root=r["build"], repo_root=r["root"],
+                          out_dir=tmp_path, log=lambda m: None)
+    sides = {x["side"]: x["cubin_sha256"] for x in b["binaries"]}
+    (entry,) = r["plan"]["variants"]
+    assert sides == {"head": entry["head"]["cubin_sha256"], "base": entry["base"]["cubin_sha256"]}
+    assert b["change"]["base"] == r["base"] and b["change"]["head"] == r["head"]
+    assert b["change"]["base_sources_sha256"] == r["plan"]["base"]["sources_sha256"]
+    assert b["race"]["static"]["passed"]
+    assert (tmp_path / "bundle.json").is_file()
+
+
+@pytest.mark.slow
+def test_plan_refuses_a_changed_cubin_and_another_kernel(base_head_repo, tmp_path):
+    r = base_head_repo
+    with pytest.raises(V.ValidateError, match="is for kernel 'scale', not 'gemv'"):
+        V.load_base_plan(r["plan_path"], "gemv", r["build"])
+    # A carried build folder whose cubin is not the one prepared (stale or swapped) is refused.
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(r["build"], build)
+    (entry,) = r["plan"]["variants"]
+    cubin = build / entry["base"]["dir"] / "kernel.cubin"
+    cubin.write_bytes(cubin.read_bytes() + b"\0")
+    with pytest.raises(V.ValidateError, match="no longer hashes to the plan's"):
+        V.load_base_plan(r["plan_path"], "scale", build)
+    with pytest.raises(V.ValidateError, match="cannot read it"):
+        V.load_base_plan(r["plan_path"], "scale", tmp_path / "nothing")
+
+
+@pytest.mark.slow
+def test_prepare_a_kernel_missing_at_the_base_says_so(base_head_repo, tmp_path):
+    r = base_head_repo
+    (r["root"] / "kernels/manifest.toml").write_text(SCALE_MANIFEST.replace("[kernels.scale", "[kernels.other"))
+    _git(r["root"], "commit", "-q", "-am", "the kernel is called other here")
+    without = _git(r["root"], "rev-parse", "HEAD")
+    (r["root"] / "kernels/manifest.toml").write_text(SCALE_MANIFEST)
+    _git(r["root"], "commit", "-q", "-am", "and scale again")
+    try:
+        with pytest.raises(V.ValidateError, match=f"kernel scale at base {without[:12]}: unknown kernel 'scale'"):
+            V.prepare_base_plan("scale", without, build_root=r["build"], repo_root=r["root"],
+                                plan_path=tmp_path / "p.json", log=lambda m: None)
+    finally:
+        _git(r["root"], "reset", "-q", "--hard", r["head"])
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["validate", "gemv", "--prepare"], "--prepare needs --base REV"),
+    (["validate", "rmsnorm", "--base", "no-such-revision", "--prepare"], "does not name a commit"),
+    (["validate", "rmsnorm", "--plan", "no/such/plan.json"], "cannot read plan"),
+])
+def test_base_revision_bad_input_exits_2(tmp_path, capsys, argv, msg):
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "bundle.json").exists()
+
+
+def test_a_plan_for_another_base_is_refused(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema": V.PLAN_SCHEMA, "kernel": "rmsnorm", "variants": [],
+                                "base": {"ref": "main", "sha": "a" * 40}, "head": {"sha": "b" * 40}}))
+    assert main(["validate", "rmsnorm", "--plan", str(plan), "--out", str(tmp_path)]) == 2
+    assert "holds no variant" in capsys.readouterr().err
+
+
+def test_bench_stage_times_the_base_revisions_cubin_beside_heads(tmp_path, fake_launcher, monkeypatch):
+    """The bench stage's --base revision path, on CPU with stand-ins for the launcher and the
+    timer: each head variant is paired with its base build, both launch into their own outputs
+    on the same inputs, the verdict compares the two sample sets, and the base binary is named."""
+    import benchmarks.common as common
+    from validation import bench, gpu_stages
+
+    (tmp_path / "h").mkdir()
+    (tmp_path / "b").mkdir()
+    head_dirs = _rmsnorm_build_dirs(tmp_path / "h", (1, 2))
+    base_dirs = _rmsnorm_build_dirs(tmp_path / "b", (1, 2))
+    launched = []
+
+    class Cubin(_FakeCubin):
+        def __init__(self, meta, d):
+            super().__init__(meta)
+            self.sha256 = hashlib.sha256(str(d).encode()).hexdigest()
+            self.side = "base" if "/b/" in str(d) else "head"
+
+        def __call__(self, x, gamma, y):
+            launched.append((self.side, y.data_ptr()))
+            super().__call__(x, gamma, y)
+
+    from kernels import launch
+
+    monkeypatch.setattr(launch.CubinKernel, "from_dir", classmethod(
+        lambda cls, d: Cubin(json.loads((Path(d) / "meta.json").read_text()), d)))
+    real_adapter = gpu_stages.KernelAdapter
+    monkeypatch.setattr(gpu_stages, "KernelAdapter", lambda d, device="cpu": real_adapter(d, "cpu"))
+    monkeypatch.setattr(bench, "rotation_copies", lambda nbytes: (2, True))
+
+    def fake_measure(base_fn, head_fn):
+        for i in range(2):
+            base_fn(i), head_fn(i)
+        return {"base": [10.0 + 0.01 * i for i in range(12)], "head": [8.0 + 0.01 * i for i in range(12)],
+                "graph": True}
+
+    monkeypatch.setattr(bench, "measure_interleaved", fake_measure)
+    monkeypatch.setattr(common, "gpu_environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(common, "read_bandwidth", lambda: {"tbps": 4.5, "kernel": "r", "readers": {
+        "r": {"p90_us": 1.0, "p10_us": 1.0, "median_us": 1.0}}})
+    monkeypatch.setattr(common, "copy_bandwidth", lambda: {"tbps": 4.2, "kernel": "c", "p90_us": 1.0,
+                                                           "p10_us": 1.0, "median_us": 1.0})
+    res = gpu_stages.bench_stage(head_dirs, base="revision", base_dirs=base_dirs)
+    assert [c["verdict"] for c in res["cases"]] == ["FAST", "FAST"], res["cases"]
+    for c, hd, bd in zip(res["cases"], head_dirs, base_dirs):
+        assert c["base_binary"]["side"] == "base"
+        assert c["base_binary"]["cubin_sha256"] == hashlib.sha256(bd.encode()).hexdigest()
+        assert c["binary"]["cubin_sha256"] == hashlib.sha256(hd.encode()).hexdigest()
+    base_ptrs = {p for s, p in launched if s == "base"}
+    head_ptrs = {p for s, p in launched if s == "head"}
+    assert base_ptrs and head_ptrs and not base_ptrs & head_ptrs  # separate output buffers
+    with pytest.raises(gpu_stages.StageError, match="one --base-build-dir per --build-dir"):
+        gpu_stages.bench_stage(head_dirs, base="revision", base_dirs=base_dirs[:1])

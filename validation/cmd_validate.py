@@ -1,6 +1,15 @@
-"""`fasttrack validate KERNEL [--base torch] [--batch N ...]`: build or find the kernel's cubins,
+"""`fasttrack validate KERNEL [--base torch|REV] [--batch N ...]`: build or find the kernel's cubins,
 audit them, run numerics + defences + stress and benchmarks on the local GPU (each stage in a
 child process with a timeout), and write the evidence bundle and its HTML report.
+
+Against a base revision, across hosts (the CPU host has git and the DSL, the GPU host neither):
+
+    fasttrack validate KERNEL --base REV --prepare          # CPU host: build head + base, write the plan
+    PYTHONPATH=. python3 -m validation.cli validate KERNEL --plan build/validate/KERNEL/plan.json --out DIR
+                                                            # GPU host, build/KERNEL and the plan carried
+    fasttrack sign DIR/bundle.json                          # the runner signs
+
+On one host with git, the DSL and a GPU, `fasttrack validate KERNEL --base REV` does both steps.
 
 Without a GPU it says so, runs what needs none (build, hashes, static audit), writes a bundle whose
 `not_covered` says what was not run, and exits 0, unless --require-gpu asks for GPU evidence (exit
@@ -24,7 +33,14 @@ def add_parser(subparsers) -> None:
         "report.html.",
     )
     p.add_argument("kernel", metavar="KERNEL")
-    p.add_argument("--base", default=None, help="what to compare against: 'torch' (the torch/cuBLAS path)")
+    p.add_argument("--base", default=None, metavar="torch|REV",
+                   help="what to compare against: 'torch' (the torch/cuBLAS path) or a git revision (the "
+                        "kernel as it was there, timed interleaved with head: the gate's no-regression evidence)")
+    p.add_argument("--prepare", action="store_true",
+                   help="with --base REV, on a host with git and the DSL: build head and base and write the "
+                        "plan (default build/validate/KERNEL/plan.json) for a GPU host; runs nothing else")
+    p.add_argument("--plan", type=Path, default=None,
+                   help="run from a plan written by --prepare (GPU host; needs neither git nor the DSL)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="only these batch sizes")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for bundle.json and report.html (default: evidence_reports/<kernel>/)")
@@ -38,14 +54,34 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from kernels.manifest import REPO_ROOT
 
-    from validation.validate import DEFAULT_BUILD_ROOT, ValidateError, validate_kernel
+    from validation.validate import (DEFAULT_BUILD_ROOT, ValidateError, default_plan_path, is_revision,
+                                     prepare_base_plan, validate_kernel)
 
+    build_root = args.build_root or DEFAULT_BUILD_ROOT
+    if args.prepare:
+        if not is_revision(args.base):
+            raise UserError("--prepare needs --base REV (a git revision to build the baseline from)")
+        if args.plan is not None:
+            raise UserError("--prepare writes a plan; --plan runs one: give one of them")
+        plan_path = default_plan_path(args.kernel, build_root)
+        try:
+            plan = prepare_base_plan(args.kernel, args.base, batches=args.batch, build_root=build_root,
+                                     plan_path=plan_path)
+        except ValidateError as e:
+            raise UserError(str(e), 2) from None
+        rel = _repo_rel(plan_path, REPO_ROOT)
+        print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}, "
+              f"head {str(plan['head']['sha'])[:12]}")
+        print(f"next, on the GPU host (carry {_repo_rel(build_root, REPO_ROOT)}/{args.kernel} and {rel}):\n"
+              f"  PYTHONPATH=. python3 -m validation.cli validate {args.kernel} --plan {rel} --out OUT_DIR\n"
+              f"then here: fasttrack sign OUT_DIR/bundle.json")
+        return 0
     out = args.out or (REPO_ROOT / "evidence_reports" / args.kernel)
     try:
         bundle = validate_kernel(args.kernel, base=args.base, batches=args.batch,
-                                 build_root=args.build_root or DEFAULT_BUILD_ROOT, out_dir=out,
+                                 build_root=build_root, out_dir=out,
                                  require_gpu=args.require_gpu, quick=args.quick, commit=args.commit,
-                                 title=args.title)
+                                 title=args.title, plan_path=args.plan)
     except ValidateError as e:
         raise UserError(str(e), 3 if "no CUDA device" in str(e) else 2) from None
     print(f"wrote {out / 'bundle.json'} and {out / 'report.html'}: verdict {bundle['verdict']}")
@@ -56,3 +92,11 @@ def run(args) -> int:
         print("no GPU: GPU stages not covered (see not_covered in the bundle)", file=sys.stderr)
         return 0
     return 0 if bundle["verdict"] == "pass" else 1
+
+
+def _repo_rel(path: Path, root: Path) -> str:
+    """`path` relative to the repository when it lies inside it (commands to copy stay portable)."""
+    try:
+        return Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return str(path)

@@ -3,6 +3,7 @@ benchmarks. Each runs in a child process (`validation.isolate`), started as
 
     python -m validation.gpu_stages numerics --kernel K --build-dir D [--build-dir D ...] --out R.json
     python -m validation.gpu_stages bench    --kernel K --build-dir D ... [--base torch] --out R.json
+    python -m validation.gpu_stages bench    --build-dir D ... --base revision --base-build-dir B ... --out R.json
 
 Runs on the GPU host, which has torch, cuda-bindings and triton but no nvidia-cutlass-dsl,
 gitpython or cryptography: nothing here imports those. A cubin is judged through a
@@ -190,8 +191,14 @@ def _noise(summary: dict) -> float:
     return (summary["p90_us"] - summary["p10_us"]) / (2 * summary["median_us"]) if summary["median_us"] else 0.0
 
 
-def bench_stage(build_dirs: list[str], *, base: str | None) -> dict:
-    """Ceilings, then per variant head (and base) interleaved, verdicts and bandwidth fractions."""
+def bench_stage(build_dirs: list[str], *, base: str | None, base_dirs: list[str] | None = None) -> dict:
+    """Ceilings, then per variant head (and base) interleaved, verdicts and bandwidth fractions.
+
+    `base`: None, "torch" (the torch path) or "revision": then `base_dirs[i]` is the base
+    revision's build of the same variant as `build_dirs[i]`, timed interleaved with it."""
+    if base == "revision" and len(base_dirs or []) != len(build_dirs):
+        raise StageError(f"--base revision needs one --base-build-dir per --build-dir "
+                         f"({len(base_dirs or [])} for {len(build_dirs)})")
     from benchmarks.common import copy_bandwidth, gpu_environment, read_bandwidth
 
     env = gpu_environment()
@@ -205,9 +212,9 @@ def bench_stage(build_dirs: list[str], *, base: str | None) -> dict:
     cfg = get_config(BASE_CONFIG)
     cases = []
     base_name = None
-    for d in build_dirs:
+    for i, d in enumerate(build_dirs):
         try:
-            cases.append(_bench_variant(d, cfg, ceilings, base))
+            cases.append(_bench_variant(d, cfg, ceilings, base, base_dirs[i] if base == "revision" else None))
             base_name = cases[-1].pop("base_name", None) or base_name
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest still run
             import traceback
@@ -226,7 +233,17 @@ def bench_stage(build_dirs: list[str], *, base: str | None) -> dict:
             "base_name": base_name}
 
 
-def _bench_variant(d, cfg, ceilings: dict, base: str | None) -> dict:
+def _same_signature(a: KernelAdapter, b: KernelAdapter) -> str | None:
+    """Why base `b` cannot be launched on head `a`'s inputs, or None when it can."""
+    sig = lambda k: [(p["name"], p["direction"], p["spec"]) for p in k.params]  # noqa: E731
+    if a.meta["kernel"] != b.meta["kernel"] or a.variant != b.variant:
+        return f"base is {b.meta['kernel']} {b.variant}, head {a.meta['kernel']} {a.variant}"
+    if sig(a) != sig(b):
+        return "base and head take different parameters (names, directions or tensor specs)"
+    return None
+
+
+def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | None = None) -> dict:
     """One variant: head (and base) interleaved, the verdict and both bandwidth fractions."""
     from .bench import (bandwidth_check, case_verdict, compare_samples, measure_interleaved,
                         rotation_copies, summarize)
@@ -248,7 +265,20 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None) -> dict:
         k(*argsets[i % len(argsets)])
 
     base_fn = None
-    if base == "torch":
+    base_binary = None
+    if base == "revision":
+        b = KernelAdapter(base_dir)
+        why = _same_signature(a, b)
+        if why:
+            raise StageError(why)
+        base_outs = [torch.empty(shape, dtype=dtype, device=a.device) for _ in range(copies)]
+        base_argsets = [b.args(s, o) for s, o in zip(sets, base_outs)]
+        base_name = "the kernel at the base revision"
+        base_binary = b.binary("base")
+
+        def base_fn(i, argsets=base_argsets, k=b.kernel):
+            k(*argsets[i % len(argsets)])
+    elif base == "torch":
         fn, base_name = torch_baseline(a.op)
 
         def base_fn(i, sets=sets, fn=fn):
@@ -271,7 +301,8 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None) -> dict:
         "speedup": comp.speedup if comp else None, "p_value": comp.p_value if comp else None,
         "noise": comp.noise if comp else hs["rel_iqr"], "head_bandwidth": head_bw,
         "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2, "copies": copies,
-        "verdict": verdict, "reason": reason, "binary": a.binary(), "base_name": base_name,
+        "verdict": verdict, "reason": reason, "binary": a.binary(), "base_binary": base_binary,
+        "base_name": base_name,
     })
     print(f"bench {a.label}: head {hs['median']:.2f} us"
           + (f", base {bs['median']:.2f} us" if bs else "")
@@ -283,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m validation.gpu_stages")
     p.add_argument("stage", choices=("numerics", "bench"))
     p.add_argument("--build-dir", action="append", required=True)
-    p.add_argument("--base", choices=("torch", "none"), default="none")
+    p.add_argument("--base", choices=("torch", "revision", "none"), default="none")
+    p.add_argument("--base-build-dir", action="append", default=[],
+                   help="with --base revision: the base's build of each --build-dir's variant, same order")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -293,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "numerics":
         res = numerics_stage(args.build_dir, quick=args.quick)
     else:
-        res = bench_stage(args.build_dir, base=None if args.base == "none" else args.base)
+        res = bench_stage(args.build_dir, base=None if args.base == "none" else args.base,
+                          base_dirs=args.base_build_dir)
     Path(args.out).write_text(json.dumps(res, default=str, allow_nan=True))
     return 0
 

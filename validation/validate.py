@@ -6,6 +6,15 @@ free), runs the static race audit and records the hashes; without a GPU it says 
 GPU stages as not covered. On the GPU host (no DSL, no gitpython, no cryptography): finds the
 prebuilt folders under `build/` whose recorded source hashes match the checkout, and runs the
 numerics and benchmark stages, each in a child process with a timeout.
+
+Base revision (`--base REV`): the benchmark's baseline is the kernel as it was at REV. The CPU host
+prepares (`prepare_base_plan`): it builds head (this checkout) and base (a temporary git worktree
+at REV, built by that worktree's own `kernels/build.py` into the same content-addressed build
+root) and writes a plan, `build/validate/<kernel>/plan.json`, naming both sides' build folders and
+cubin hashes. The GPU host runs from the carried plan (`load_base_plan`: every folder's cubin must
+still hash to what the plan recorded) and times base and head interleaved in one process; the
+bundle lists both sides' `binaries` and the base's source hashes, so the gate can tell whether it
+was measured against the base it judges.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from .isolate import run_stage
 DEFAULT_BUILD_ROOT = REPO_ROOT / "build"
 NUMERICS_TIMEOUT_S = 420
 BENCH_TIMEOUT_S = 420
+PLAN_SCHEMA = "fasttrack.validate-plan/1"
+NON_REVISION_BASES = (None, "torch")
 DEFENCE_ORDER = ("poisoned_outputs", "input_mutation", "output_aliasing", "both_orders",
                  "reshuffled_inputs", "unseen_shapes", "precision_vs_oracle", "determinism",
                  "work_after_return")
@@ -131,6 +142,191 @@ def _git(args: list[str], repo_root: Path) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+# -- base revision: prepare on the CPU host, load on the GPU host ----------------------------------
+
+def is_revision(base: str | None) -> bool:
+    """True when `base` names a git revision (not None, not the torch path)."""
+    return base not in NON_REVISION_BASES
+
+
+def default_plan_path(kernel: str, build_root: Path = DEFAULT_BUILD_ROOT) -> Path:
+    return Path(build_root) / "validate" / kernel / "plan.json"
+
+
+# Runs inside the base worktree with that revision's own code first on sys.path.
+_BASE_BUILD_SCRIPT = """
+import json, sys
+from pathlib import Path
+wt, kernel, root, shapes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+sys.path.insert(0, wt)
+import kernels
+if Path(kernels.__file__).resolve().parent != Path(wt, "kernels").resolve():
+    raise SystemExit(f"imported kernels from {kernels.__file__}, not from the base worktree")
+from kernels.build import build_kernel
+arts = build_kernel(kernel, shapes=shapes, root=Path(root), repo_root=Path(wt))
+print("@@ARTIFACTS@@" + json.dumps([{"variant": a.shape, "tunables": a.tunables, "key": a.key,
+      "dir": str(a.dir), "cubin_sha256": a.cubin_sha256, "sources": a.meta.get("sources")} for a in arts]))
+"""
+
+
+def _build_at_revision(kernel: str, sha: str, variants: list[dict], build_root: Path, repo_root: Path,
+                       log: Callable[[str], None]) -> list[dict]:
+    """Build `variants` of `kernel` as it was at commit `sha`: a temporary detached worktree, built by
+    that revision's own kernels/build.py (its manifest defaults, its sources) into `build_root`."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fasttrack-base-") as tmp:
+        wt = Path(tmp) / "wt"
+        r = subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(wt), sha], cwd=repo_root,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ValidateError(f"cannot check out base {sha[:12]} in a worktree: {r.stderr.strip()[-300:]}")
+        try:
+            if _git(["cat-file", "-e", f"{sha}:kernels/manifest.toml"], repo_root) is None:
+                raise ValidateError(f"base {sha[:12]} has no kernels/manifest.toml")
+            from kernels.manifest import parse_manifest
+
+            try:
+                parse_manifest((wt / "kernels" / "manifest.toml").read_text()).kernel(kernel)
+            except ManifestError as e:
+                raise ValidateError(f"kernel {kernel} at base {sha[:12]}: {e}") from None
+            log(f"building {len(variants)} variant(s) of {kernel} at base {sha[:12]} (its own kernels/build.py)")
+            proc = subprocess.run([sys.executable, "-c", _BASE_BUILD_SCRIPT, str(wt), kernel,
+                                   str(Path(build_root).resolve()), json.dumps(variants)],
+                                  cwd=wt, capture_output=True, text=True)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("@@ARTIFACTS@@")), None)
+            if proc.returncode != 0 or line is None:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise ValidateError(f"the base revision {sha[:12]} does not build {kernel}: {tail[0][:400]}")
+            return json.loads(line[len("@@ARTIFACTS@@"):])
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=repo_root, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=repo_root, capture_output=True)
+
+
+def _rel(path: Path, root: Path) -> str:
+    return Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
+
+
+def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = None,
+                      build_root: Path = DEFAULT_BUILD_ROOT, repo_root: Path = REPO_ROOT,
+                      plan_path: Path | None = None,
+                      log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    """CPU host (git + the DSL): build head (the checkout) and base (revision `base`) of every
+    requested variant into `build_root`, and write the plan the GPU host runs from.
+
+    The plan names, per variant, both sides' build folders (relative to `build_root`), build keys
+    and cubin hashes, plus the base commit, its kernel source hashes and the head commit. Raises
+    ValidateError for an unknown kernel, batch or revision, a kernel absent at the base, a build
+    that fails on either side, or no DSL here.
+    """
+    repo_root, build_root = Path(repo_root), Path(build_root)
+    spec, variants = _kernel_variants(kernel, batches, repo_root)
+    sha = _git(["rev-parse", "--verify", "--quiet", f"{base}^{{commit}}"], repo_root)
+    if not sha:
+        raise ValidateError(f"--base {base!r} does not name a commit in this repository")
+    try:
+        from kernels import build as kbuild
+    except ImportError as e:  # pragma: no cover - kernels.build imports no DSL
+        raise ValidateError(f"cannot build: {e}") from None
+    try:
+        kbuild.dsl_version()
+    except kbuild.BuildError as e:
+        raise ValidateError(f"--base {base}: the base and head cubins are built here, and {e}") from None
+    log(f"building {len(variants)} variant(s) of {kernel} at head (this checkout)")
+    try:
+        head = kbuild.build_kernel(kernel, shapes=variants, root=build_root, repo_root=repo_root,
+                                   manifest=load_manifest(repo_root / "kernels" / "manifest.toml"))
+    except kbuild.BuildError as e:
+        raise ValidateError(f"head does not build: {e}") from None
+    based = _build_at_revision(kernel, sha, variants, build_root, repo_root, log)
+    base_sources = based[0]["sources"] if based else {}
+    head_sha = _git(["rev-parse", "HEAD"], repo_root)
+    closure = sorted((head[0].meta.get("sources") or {}) if head else [])
+    dirty = _git(["status", "--porcelain", "--", *closure], repo_root) if closure else ""
+    plan = {
+        "schema": PLAN_SCHEMA, "kernel": kernel, "created": B.utc_now(),
+        "base": {"ref": base, "sha": sha, "sources_sha256": base_sources},
+        "head": {"sha": head_sha, "dirty": bool(dirty) if dirty is not None else None,
+                 "sources_sha256": head[0].meta.get("sources") if head else {}},
+        "variants": [{
+            "variant": dict(h.shape),
+            "head": {"dir": _rel(h.dir, build_root), "tunables": h.tunables, "build_key": h.key,
+                     "cubin_sha256": h.cubin_sha256},
+            "base": {"dir": _rel(b["dir"], build_root), "tunables": b["tunables"], "build_key": b["key"],
+                     "cubin_sha256": b["cubin_sha256"]},
+        } for h, b in zip(head, based)],
+    }
+    path = Path(plan_path) if plan_path else default_plan_path(kernel, build_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    same = sum(1 for v in plan["variants"] if v["head"]["cubin_sha256"] == v["base"]["cubin_sha256"])
+    log(f"plan: {path.name} in {path.parent.name}/ ({len(plan['variants'])} variant(s), base {sha[:12]}, head {str(head_sha)[:12]}"
+        + (f"; {same} with identical base and head cubins" if same else "") + ")")
+    return plan
+
+
+def _plan_build(side: str, entry: dict, build_root: Path, kernel: str) -> Prebuilt:
+    """One side of a plan entry as a Prebuilt, after checking its folder still holds that cubin."""
+    d = Path(build_root) / entry[side]["dir"]
+    what = f"plan {side} build {entry[side]['dir']} ({entry['variant']})"
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        digest = _sha256(d / "kernel.cubin")
+    except (OSError, ValueError) as e:
+        raise ValidateError(f"{what}: cannot read it ({e}); carry {Path(build_root).name}/{kernel} with the plan") from None
+    if digest != entry[side]["cubin_sha256"] or meta.get("hashes", {}).get("cubin_sha256") != digest:
+        raise ValidateError(f"{what}: its cubin no longer hashes to the plan's {entry[side]['cubin_sha256'][:16]}; "
+                            "prepare again")
+    if meta.get("kernel") != kernel or meta.get("variant") != entry["variant"]:
+        raise ValidateError(f"{what}: the folder holds {meta.get('kernel')} {meta.get('variant')}")
+    return Prebuilt(dict(entry["variant"]), d, meta, "planned")
+
+
+def load_base_plan(path: Path, kernel: str, build_root: Path = DEFAULT_BUILD_ROOT,
+                   batches: list[int] | None = None) -> tuple[dict, list[Prebuilt], list[Prebuilt]]:
+    """GPU host: read a plan written by `prepare_base_plan` and return (plan, head builds, base
+    builds), each build checked against the cubin hash the plan recorded. Needs neither git nor
+    the DSL. Raises ValidateError for a missing or malformed plan, another kernel, or a folder
+    whose cubin changed."""
+    try:
+        plan = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValidateError(f"cannot read plan {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ValidateError(f"plan {path} is not valid JSON ({e})") from None
+    if not isinstance(plan, dict) or plan.get("schema") != PLAN_SCHEMA:
+        raise ValidateError(f"{path} is not a validate plan ({PLAN_SCHEMA})")
+    if plan.get("kernel") != kernel:
+        raise ValidateError(f"plan {path} is for kernel {plan.get('kernel')!r}, not {kernel!r}")
+    entries = plan.get("variants") or []
+    if batches:
+        entries = [e for e in entries if e["variant"].get("batch") in batches]
+    if not entries:
+        raise ValidateError(f"plan {path} holds no variant" + (f" with batch {batches}" if batches else ""))
+    head = [_plan_build("head", e, build_root, kernel) for e in entries]
+    base = [_plan_build("base", e, build_root, kernel) for e in entries]
+    return plan, head, base
+
+
+def _kernel_variants(kernel: str, batches: list[int] | None,
+                     repo_root: Path = REPO_ROOT) -> tuple[KernelSpec, list[dict]]:
+    """The kernel's manifest entry (the manifest of the checkout at `repo_root`) and its variants,
+    only those of `batches` when given."""
+    try:
+        spec = load_manifest(Path(repo_root) / "kernels" / "manifest.toml").kernel(kernel)
+    except ManifestError as e:
+        raise ValidateError(str(e)) from None
+    variants = [dict(v) for v in spec.shapes]
+    if batches:
+        unknown = sorted(set(batches) - {v.get("batch") for v in variants})
+        if unknown:
+            raise ValidateError(f"kernel {kernel} declares no variant with batch {unknown} "
+                                f"(declared: {sorted({v.get('batch') for v in variants})})")
+        variants = [v for v in variants if v.get("batch") in batches]
+    return spec, variants
+
+
 def merge_checks(variants: list[dict]) -> list[dict]:
     """One entry per defence over all variants: passed only if it passed on every variant."""
     merged = []
@@ -153,40 +349,52 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
                     build_root: Path = DEFAULT_BUILD_ROOT, repo_root: Path = REPO_ROOT,
                     out_dir: Path | None = None, require_gpu: bool = False, quick: bool = False,
                     commit: str | None = None, title: str = "", summary: str = "",
+                    plan_path: Path | None = None,
                     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
                     numerics_timeout_s: float = NUMERICS_TIMEOUT_S,
                     bench_timeout_s: float = BENCH_TIMEOUT_S) -> dict:
     """Validate manifest kernel `kernel` and return its (unsigned) evidence bundle.
 
-    `base`: None (no comparison), "torch" (the torch/cuBLAS path on the same GPU). Writes
-    bundle.json (atomically) and report.html into `out_dir` when given. Raises ValidateError for
-    an unknown kernel, a batch it does not declare, no cubin and no way to build one, or (with
-    `require_gpu`) no GPU.
+    `base`: None (no comparison), "torch" (the torch/cuBLAS path on the same GPU), or a git
+    revision: the kernel as it was there, timed interleaved with head. A revision needs a plan:
+    `plan_path` (written by `prepare_base_plan` on a CPU host and carried here), else one is
+    prepared here (git and the DSL needed). Writes bundle.json (atomically) and report.html into
+    `out_dir` when given. Raises ValidateError for an unknown kernel, a batch it does not declare,
+    no cubin and no way to build one, a plan that does not hold, or (with `require_gpu`) no GPU.
     """
-    try:
-        spec = load_manifest().kernel(kernel)
-    except ManifestError as e:
-        raise ValidateError(str(e)) from None
-    if base not in (None, "torch"):
-        raise ValidateError(f"--base {base!r}: only 'torch' (the torch/cuBLAS path on the same GPU) is "
-                            "supported; comparing against another revision's cubins is not implemented yet")
-    variants = [dict(v) for v in spec.shapes]
-    if batches:
-        unknown = sorted(set(batches) - {v.get("batch") for v in variants})
-        if unknown:
-            raise ValidateError(f"kernel {kernel} declares no variant with batch {unknown} "
-                                f"(declared: {sorted({v.get('batch') for v in variants})})")
-        variants = [v for v in variants if v.get("batch") in batches]
+    spec, variants = _kernel_variants(kernel, batches, Path(repo_root))
+    plan = None
+    if plan_path is not None and base == "torch":
+        raise ValidateError("--plan times head against the plan's base revision; --base torch contradicts it")
+    if plan_path is not None or is_revision(base):
+        if plan_path is None:
+            plan_path = default_plan_path(kernel, build_root)
+            prepare_base_plan(kernel, base, batches=batches, build_root=Path(build_root),
+                              repo_root=Path(repo_root), plan_path=plan_path, log=log)
+        plan, plan_head, plan_base = load_base_plan(Path(plan_path), kernel, Path(build_root), batches)
+        if is_revision(base) and base not in (plan["base"]["ref"], plan["base"]["sha"]) \
+                and not plan["base"]["sha"].startswith(base):
+            raise ValidateError(f"--base {base} but plan {plan_path} was prepared against "
+                                f"{plan['base']['ref']} ({plan['base']['sha'][:12]})")
+        base = plan["base"]["sha"]
+        commit = plan["head"]["sha"]
 
     import torch  # after the cheap checks: bad input answers fast
 
     has_gpu = torch.cuda.is_available()
     if require_gpu and not has_gpu:
         raise ValidateError("no CUDA device on this host, and GPU evidence was required (--require-gpu)")
-    builds = resolve_builds(spec, variants, Path(build_root), Path(repo_root), log)
-    binaries = [{"kernel": kernel, "side": "head", "variant": b.variant, "tunables": b.meta.get("tunables", {}),
-                 "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"]}
-                for b in builds]
+    if plan is not None:
+        builds, base_builds = plan_head, plan_base
+        log(f"using the plan's {len(builds)} head and base variant(s) of {kernel} (base {base[:12]})")
+    else:
+        builds, base_builds = resolve_builds(spec, variants, Path(build_root), Path(repo_root), log), []
+
+    def binary(b: Prebuilt, side: str) -> dict:
+        return {"kernel": kernel, "side": side, "variant": b.variant, "tunables": b.meta.get("tunables", {}),
+                "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"]}
+
+    binaries = [binary(b, "head") for b in builds] + [binary(b, "base") for b in base_builds]
     not_covered: list[str] = []
     extra_reasons: list[str] = []
     static = static_race_audit(spec, builds)
@@ -228,7 +436,8 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
             correctness = {"passed": False, "policy": None, "cases": [], "stage_failure": st.to_dict()}
             defences = {"passed": False, "checks": [], "stage_failure": st.reason}
         bargv = ["-m", "validation.gpu_stages", "bench", *sum((["--build-dir", d] for d in dirs), []),
-                 "--base", base or "none"]
+                 "--base", "revision" if plan is not None else (base or "none"),
+                 *sum((["--base-build-dir", str(b.dir)] for b in base_builds), [])]
         log(f"benchmarks on {len(dirs)} variant(s), base {base or 'none'} (child process, timeout {bench_timeout_s:.0f} s)")
         st = run_stage("bench", bargv + ["--out", str(work / "bench.json")], result_path=work / "bench.json",
                        log_path=work / "bench.log", timeout_s=bench_timeout_s, cwd=repo_root)
@@ -241,14 +450,21 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
             # (another implementation) it is information for the reviewer, shown as a risk.
             slow_fails = base != "torch"
             ok, why = benchmark_passed(cases, allow_slow=not slow_fails)
+            baseline = ({"kind": "revision", "sha": base, "ref": plan["base"]["ref"]} if plan is not None
+                        else {"kind": base or "none"})
             benchmark = {"ceilings": st.result["ceilings"], "cases": cases, "passed": ok and bool(cases),
-                         "base_name": st.result.get("base_name"),
+                         "base_name": (f"{kernel} at base revision {base[:12]} ({plan['base']['ref']})"
+                                       if plan is not None else st.result.get("base_name")),
+                         "baseline": baseline,
                          "policy": {"min_effect": MIN_EFFECT, "alpha": ALPHA, "max_noise": MAX_NOISE,
                                     "test": "two-sided Mann-Whitney U", "slow_fails": slow_fails}}
             extra_reasons += why
             env.update(st.result["environment"])
             if base is None:
                 not_covered.append("benchmark verdicts: no base given, every case is AMBIGUOUS by construction")
+            elif base == "torch":
+                not_covered.append("no regression against a previous revision: the benchmark baseline is the "
+                                   "torch path, so SLOW cases are risks, not regressions (validate --base REV)")
             if not all(c["l2_rotated"] for c in cases):
                 small = [c["name"] for c in cases if not c["l2_rotated"]]
                 not_covered.append(f"L2 rotation capped at {cases[0]['copies'] if cases else 0}+ copies for "
@@ -270,13 +486,20 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     # With --commit (a GPU host's copy of the tree) git's view of the copy is not the checkout's:
     # dirtiness is unknown there; the sources the cubins were built from are recorded instead.
     dirty_out = None if commit else _git(["status", "--porcelain", "--", *spec.sources], Path(repo_root))
+    dirty = bool(dirty_out) if dirty_out is not None else None
+    if plan is not None:  # git's view from the host that prepared the plan, not this copy's
+        dirty = plan["head"].get("dirty")
     env.update({"dsl_version": meta0.get("dsl_version"), "commit": head,
-                "dirty": bool(dirty_out) if dirty_out is not None else None,
+                "dirty": dirty,
                 "build_sources_sha256": meta0.get("sources"),
                 "hostname_hash": env.get("hostname_hash") or hashlib.sha256(platform.node().encode()).hexdigest()[:16],
                 "stages": stages})
     change = {"kernel": kernel, "base": base, "head": head, "files": list(spec.sources),
               "title": title or f"validate {kernel}", "summary": summary or spec.description}
+    if plan is not None:
+        # What the gate compares with its own base: the kernel's source closure at this base.
+        change["base_ref"] = plan["base"]["ref"]
+        change["base_sources_sha256"] = plan["base"]["sources_sha256"]
     bundle = B.new_bundle(change=change, environment=env, binaries=binaries, correctness=correctness,
                           defences=defences, race=race, benchmark=benchmark, not_covered=not_covered,
                           reasons_extra=extra_reasons)
