@@ -148,32 +148,51 @@ def sign(bundle: dict, priv) -> dict:
     return b
 
 
-def make_bundle(kernel: str, built: list[BuiltVariant], *, verdicts=None, race=True) -> dict:
-    """A passing bundle for `built` (every case SAME unless `verdicts` maps batch -> verdict)."""
+def make_bundle(kernel: str, built: list[BuiltVariant], *, base: str | None, verdicts=None, race=True,
+                base_sources: dict[str, str] | None = None) -> dict:
+    """A passing bundle for `built`, timed against `base`: a commit sha (the kernel at that
+    revision, with base binaries recorded), "torch" or None. Every case is SAME unless `verdicts`
+    maps batch -> verdict. `base_sources`: the base kernel's source hashes the bundle records."""
     verdicts = verdicts or {}
+    kind = "none" if base is None else "torch" if base == "torch" else "revision"
     cases = []
     for v in built:
         batch = v.variant.get("batch")
         cases.append({"variant": v.variant, "batch": batch, "base_us": 10.0, "head_us": 9.9,
                       "diff_pct": -1.0, "noise_pct": 2.0, "verdict": verdicts.get(batch, "SAME")})
+    slow_fails = kind != "torch"
+    binaries = [{"kernel": v.kernel, "side": "head", "variant": v.variant, "tunables": v.tunables,
+                 "build_key": None, "cubin_sha256": v.cubin_sha256} for v in built]
+    if kind == "revision":
+        binaries += [{"kernel": v.kernel, "side": "base", "variant": v.variant, "tunables": v.tunables,
+                      "build_key": None, "cubin_sha256": hashlib.sha256(b"base" + v.cubin_sha256.encode()).hexdigest()}
+                     for v in built]
+    change = {"kernel": kernel, "base": base, "head": None, "files": [], "title": "t", "summary": "s"}
+    if base_sources is not None:
+        change["base_sources_sha256"] = base_sources
     return {
         "schema": "fasttrack.evidence/1",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tool_version": "0.1.0",
-        "change": {"kernel": kernel, "base": None, "head": None, "files": [], "title": "t", "summary": "s"},
+        "change": change,
         "environment": {"gpu": "NVIDIA H200", "gpu_count": 1},
-        "binaries": [{"kernel": v.kernel, "side": "head", "variant": v.variant, "tunables": v.tunables,
-                      "build_key": None, "cubin_sha256": v.cubin_sha256} for v in built],
-        "correctness": {"passed": True, "policy": "validation/tolerances.toml", "cases": []},
+        "binaries": binaries,
+        "correctness": {"passed": True, "policy": {"source": "validation/tolerances.toml"}, "cases": []},
         "defences": {"passed": True, "checks": []},
         "race": {"passed": True, "static": {}, "dynamic": {}, "stress": {}} if race else None,
-        "benchmark": {"ceilings": {"read_tbps": 4.6}, "cases": cases,
-                      "passed": not any(c["verdict"] in ("SLOW", "IMPOSSIBLE") for c in cases)},
+        "benchmark": {"ceilings": {"read_tbps": 4.6}, "cases": cases, "baseline": {"kind": kind},
+                      "passed": not any(c["verdict"] == "IMPOSSIBLE" or (c["verdict"] == "SLOW" and slow_fails)
+                                        for c in cases)},
         "not_covered": [],
         "verdict": "pass",
         "reasons": [],
         "signature": None,
     }
+
+
+def sources_sha256(root: Path, paths: list[str]) -> dict[str, str]:
+    """sha256 of each repo-relative file under `root`: what a bundle records for its base build."""
+    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in paths}
 
 
 def commit_bundle(root: Path, bundle: dict, name: str = "change") -> str:

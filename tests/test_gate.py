@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gate_fixtures import (REPO, commit, commit_bundle, edit_lines, fake_builder, make_bundle,
-                           make_repo, new_keypair, shallow_clone, sign, write)
+                           make_repo, new_keypair, shallow_clone, sign, sources_sha256, write)
 from validation import cli
 from validation.gate import (EXIT_ERROR, EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome, BuiltVariant,
                              run_gate, write_outputs)
@@ -42,7 +42,7 @@ def test_clean_one_kernel_change_with_bound_evidence_passes(signed_repo, tmp_pat
     root, base, priv = signed_repo
     change_alpha(root)
     built = fake_builder(root)("alpha")
-    path = commit_bundle(root, sign(make_bundle("alpha", built), priv))
+    path = commit_bundle(root, sign(make_bundle("alpha", built, base=base), priv))
     write(root, "rfc.toml", 'title = "faster alpha"\n[claim]\nspeedup = false\n')
     head = commit(root, "alpha: faster")
     v = gate(root, base, head)
@@ -122,7 +122,7 @@ def test_evidence_for_another_binary_fails_naming_the_kernel(signed_repo):
     root, base, priv = signed_repo
     stale = fake_builder(root)("alpha")  # evidence measured before the last edit
     change_alpha(root)
-    commit_bundle(root, sign(make_bundle("alpha", stale), priv))
+    commit_bundle(root, sign(make_bundle("alpha", stale, base=base), priv))
     head = commit(root, "edited after measuring")
     v = gate(root, base, head)
     assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
@@ -138,9 +138,9 @@ def test_evidence_for_another_binary_fails_naming_the_kernel(signed_repo):
 def test_bundle_must_carry_a_trusted_signature(signed_repo, how, message):
     root, base, priv = signed_repo
     change_alpha(root)
-    bundle = make_bundle("alpha", fake_builder(root)("alpha"))
+    bundle = make_bundle("alpha", fake_builder(root)("alpha"), base=base)
     if how == "tampered":
-        bundle = sign(make_bundle("alpha", fake_builder(root)("alpha"), verdicts={8: "SLOW"}), priv)
+        bundle = sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base, verdicts={8: "SLOW"}), priv)
         bundle["benchmark"]["cases"][1]["verdict"] = "SAME"  # hide the regression after signing
         bundle["benchmark"]["passed"] = True
     elif how == "untrusted":
@@ -163,7 +163,7 @@ def test_no_evidence_fails(signed_repo):
 
 
 @pytest.mark.parametrize("verdicts, claim, message", [
-    ({8: "SLOW"}, None, "SLOW (slower beyond noise) at: batch 8"),
+    ({8: "SLOW"}, None, "SLOW (slower beyond noise than the base revision) at: batch 8"),
     ({1: "IMPOSSIBLE"}, None, "IMPOSSIBLE"),
     ({}, "speedup = true\nbatches = [1]", "a speedup is claimed (batches 1) but no claimed case is FAST"),
     ({1: "FAST", 8: "AMBIGUOUS"}, "speedup = true", "the claimed speedup is AMBIGUOUS at: batch 8"),
@@ -171,7 +171,7 @@ def test_no_evidence_fails(signed_repo):
 def test_benchmark_results_must_hold(signed_repo, verdicts, claim, message):
     root, base, priv = signed_repo
     change_alpha(root)
-    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), verdicts=verdicts), priv))
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base, verdicts=verdicts), priv))
     if claim:
         write(root, "kernels/ops/rfc.toml", f'title = "x"\n[claim]\n{claim}\n')
     head = commit(root, "bench")
@@ -182,7 +182,7 @@ def test_benchmark_results_must_hold(signed_repo, verdicts, claim, message):
 def test_claimed_speedup_with_fast_case_passes_and_ambiguous_elsewhere_is_allowed(signed_repo):
     root, base, priv = signed_repo
     change_alpha(root)
-    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"),
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base,
                                          verdicts={1: "FAST", 8: "AMBIGUOUS"}), priv))
     write(root, "rfc.toml", 'title = "x"\n[claim]\nspeedup = true\nbatches = [1]\n')
     head = commit(root, "claim")
@@ -190,10 +190,99 @@ def test_claimed_speedup_with_fast_case_passes_and_ambiguous_elsewhere_is_allowe
     assert v.exit_code == EXIT_PASS, reasons(v)
 
 
+# -- the benchmark's baseline must be the change's base revision ------------------------------
+
+def test_torch_baseline_cannot_show_no_regression(signed_repo):
+    """A bundle timed against the torch path fails with that reason; its SLOW cases are risks
+    (another implementation), not regressions."""
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base="torch",
+                                         verdicts={8: "SLOW"}), priv))
+    head = commit(root, "measured against torch")
+    v = gate(root, base, head)
+    text = reasons(v)
+    assert v.exit_code == EXIT_FAIL
+    assert f"benchmark baseline is torch (the torch path), not the base revision {base[:12]}" in text
+    assert "SLOW" not in text
+    assert v.risks == ["SLOW against torch (another implementation, not a regression) at: batch 8"]
+    assert v.baseline["kind"] == "torch" and v.baseline["holds"] is False
+
+
+def test_no_baseline_fails(signed_repo):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=None), priv))
+    head = commit(root, "no base")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL and "benchmark baseline is none" in reasons(v)
+
+
+def test_bundle_measured_against_an_older_kernel_is_not_replayed(signed_repo):
+    """Evidence timed against base0 cannot pass a change based on base1 when the kernel differs
+    between the two: head might be slower than base1 and still faster than base0."""
+    root, base0, priv = signed_repo
+    at_base0 = sources_sha256(root, ["kernels/ops/alpha.py"])
+    change_alpha(root, lines=1)
+    base1 = commit(root, "a faster alpha, merged")
+    edit_lines(root, "kernels/ops/alpha.py", 3)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base0,
+                                         base_sources=at_base0), priv))
+    head = commit(root, "alpha again, measured against the old base")
+    v = gate(root, base1, head)
+    text = reasons(v)
+    assert v.exit_code == EXIT_FAIL
+    assert (f"benchmarked against base {base0[:12]}, not the gate's base {base1[:12]}, and the kernel "
+            "differs between them (kernels/ops/alpha.py)") in text
+    # Without recorded base sources the equivalence cannot be shown either.
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base0), priv))
+    head = commit(root, "same, no base sources")
+    assert "records no base source hashes" in reasons(gate(root, base1, head))
+
+
+def test_bundle_against_an_equivalent_base_passes(signed_repo):
+    """A base whose kernel sources hash the same as the gate's base (only docs changed since) is
+    an equivalent baseline."""
+    root, base0, priv = signed_repo
+    at_base0 = sources_sha256(root, ["kernels/ops/alpha.py", "kernels/reference.py"])
+    write(root, "README.md", "# demo\n\ndocs only\n")
+    base1 = commit(root, "docs")
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base0,
+                                         base_sources=at_base0), priv))
+    head = commit(root, "alpha")
+    v = gate(root, base1, head)
+    assert v.exit_code == EXIT_PASS, reasons(v)
+    assert v.baseline["equivalence"] == f"same kernel sources as {base1[:12]} (2 files)"
+    assert f"timed against base {base1[:12]}" in reasons(v)
+
+
+def test_revision_baseline_needs_base_binaries(signed_repo):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    b = make_bundle("alpha", fake_builder(root)("alpha"), base=base)
+    b["binaries"] = [x for x in b["binaries"] if x["side"] == "head"]
+    commit_bundle(root, sign(b, priv))
+    head = commit(root, "no base binaries")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL and "records no base binaries of alpha" in reasons(v)
+
+
+def test_ambiguous_cases_against_the_base_are_reported_as_risks(signed_repo):
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base,
+                                         verdicts={8: "AMBIGUOUS"}), priv))
+    head = commit(root, "x")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_PASS, reasons(v)
+    assert v.risks == ["AMBIGUOUS (no difference shown either way) at: batch 8"]
+
+
 def test_missing_race_results_and_failing_audit_fail(signed_repo):
     root, base, priv = signed_repo
     change_alpha(root)
-    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), race=False), priv))
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base, race=False), priv))
     head = commit(root, "no race")
     v = gate(root, base, head, auditor=lambda k, built: AuditOutcome("fail", "static audit found errors",
                                                                      ["R1 nc load of activation x"]))
@@ -232,11 +321,13 @@ def test_run_gpu_binds_the_validators_own_bundle(signed_repo):
     change_alpha(root)
     head = commit(root, "x")
     built = fake_builder(root)("alpha")
+    asked = []
     v = gate(root, base, head, run_gpu=True, cuda_available=lambda: True,
-             validator=lambda k: make_bundle(k, built))
+             validator=lambda k, b: asked.append((k, b)) or make_bundle(k, built, base=b))
     assert v.exit_code == EXIT_PASS, reasons(v)
+    assert asked == [("alpha", base)]  # timed against the merge base
     v = gate(root, base, head, run_gpu=True, cuda_available=lambda: True,
-             validator=lambda k: make_bundle(k, built, verdicts={1: "SLOW"}))
+             validator=lambda k, b: make_bundle(k, built, base=b, verdicts={1: "SLOW"}))
     assert v.exit_code == EXIT_FAIL
 
 
@@ -357,7 +448,7 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
     write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha", "alpha * mX[r, c]"))
     arts = build_kernel("scale", root=root / "build", repo_root=root, manifest=parse_manifest(SCALE_MANIFEST))
     built = [BuiltVariant(a.kernel, dict(a.shape), dict(a.tunables), a.cubin_sha256) for a in arts]
-    commit_bundle(root, sign(make_bundle("scale", built), priv))
+    commit_bundle(root, sign(make_bundle("scale", built, base=base), priv))
     head = commit(root, "scale: commute the product")
 
     out = tmp_path / "out"

@@ -46,7 +46,7 @@ def rfc(capsys, *args) -> tuple[int, str, str]:
 def test_full_front_matter_and_evidence(repo, capsys):
     root, base, priv = repo
     edit_lines(root, "kernels/ops/alpha.py", 2)
-    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), verdicts={1: "FAST"}), priv))
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base, verdicts={1: "FAST"}), priv))
     write(root, "kernels/ops/rfc.toml", FULL)
     head = commit(root, "alpha")
     rc, out, _ = rfc(capsys, "--base", base, "--head", head, "--repo", str(root))

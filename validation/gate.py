@@ -11,8 +11,13 @@
   4. evidence: a committed bundle under evidence_reports/ (read at head) whose signature verifies
      against the trusted keys (read at the merge base) and whose head cubin hashes equal the
      rebuilt ones for every variant; its correctness, defences, race and benchmark results must
-     pass (no SLOW or IMPOSSIBLE case; a claimed speedup needs a FAST and no AMBIGUOUS case among
-     the claimed batches). With `run_gpu` and a CUDA device, the validator produces the evidence.
+     pass. "No regression beyond noise at any batch size" is a statement about the base revision
+     against head, so the benchmark's baseline must be the kernel at the gate's merge base (the
+     bundle's `change.base` is that commit, or the kernel's source hashes recorded for its base
+     equal the merge base's): a bundle timed against torch (or nothing) fails, its SLOW cases
+     kept as risks. Against the base revision no case may be SLOW; none may be IMPOSSIBLE; a
+     claimed speedup needs a FAST and no AMBIGUOUS case among the claimed batches. With `run_gpu`
+     and a CUDA device, the validator produces the evidence, timed against the merge base.
 
 Exit codes: 0 pass (or no kernel change), 1 fail, 2 bad input or infrastructure error,
 3 not eligible for fast track. Build, audit, validator and clock are seams (arguments) so that
@@ -100,6 +105,8 @@ class GateVerdict:
     audit: dict | None = None
     evidence: dict | None = None
     claim: dict | None = None
+    baseline: dict | None = None  # what the bound bundle was timed against, and why it is (not) the base
+    risks: list[str] = field(default_factory=list)  # reported to the reviewer, not failures
     not_covered: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     bundle: dict | None = field(default=None, repr=False)  # the bound bundle (not in verdict.json)
@@ -212,10 +219,85 @@ def bind_bundle(bundle: dict, built: list[BuiltVariant], defaults: dict[str, dic
     return problems
 
 
-def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[str]]:
-    """(failures, not_covered) of a bound bundle's results."""
+@dataclass
+class BundleJudgement:
+    """What the gate concludes from a bound bundle's results."""
+
+    failures: list[str] = field(default_factory=list)
+    risks: list[str] = field(default_factory=list)
+    not_covered: list[str] = field(default_factory=list)
+    baseline: dict = field(default_factory=dict)
+
+
+def _short(sha) -> str:
+    return str(sha)[:12]
+
+
+def bundle_baseline(bundle: dict) -> dict:
+    """{kind, sha, ref}: what the bundle's benchmark timed head against. `kind` is "revision" (a
+    previous revision of the kernel), "torch" (the torch/cuBLAS path) or "none"."""
+    bench = bundle.get("benchmark") if isinstance(bundle.get("benchmark"), dict) else {}
+    declared = bench.get("baseline") if isinstance(bench.get("baseline"), dict) else {}
+    change = bundle.get("change") if isinstance(bundle.get("change"), dict) else {}
+    base = change.get("base")
+    kind = declared.get("kind")
+    if kind is None:  # bundles written before `baseline` existed: read change.base
+        kind = "none" if base in (None, "", "none") else "torch" if base == "torch" else "revision"
+    return {"kind": kind, "sha": base if kind == "revision" else None, "ref": change.get("base_ref")}
+
+
+def baseline_problems(bundle: dict, kernel: str, merge_base: str,
+                      read_base_file: Callable[[str], bytes | None]) -> tuple[list[str], dict]:
+    """(failures, baseline) for the bundle's benchmark baseline against the gate's merge base.
+
+    The baseline holds when it is a revision of the kernel equal to `merge_base`, or one whose
+    kernel sources (the hashes the bundle recorded for its base build) are byte-identical at
+    `merge_base` (`read_base_file(path)` reads a file there): an ancestor-equivalent base. A
+    torch or missing baseline, another base, or base binaries not recorded fail.
+    """
+    bl = bundle_baseline(bundle)
+    if bl["kind"] != "revision":
+        what = "the torch path" if bl["kind"] == "torch" else "nothing (no base was timed)"
+        return ([f"benchmark baseline is {bl['kind']} ({what}), not the base revision {_short(merge_base)}: "
+                 "the bundle cannot show no regression against the base; validate with "
+                 f"`fasttrack validate {kernel} --base {_short(merge_base)}`"], {**bl, "holds": False})
     fails: list[str] = []
-    not_covered: list[str] = [str(x) for x in bundle.get("not_covered") or []]
+    sha = str(bl["sha"])
+    if not [b for b in bundle.get("binaries") or [] if isinstance(b, dict) and b.get("side") == "base"
+            and b.get("kernel") == kernel]:
+        fails.append(f"the bundle names base {_short(sha)} but records no base binaries of {kernel}")
+    if sha == merge_base:
+        return fails, {**bl, "holds": not fails, "equivalence": "same commit"}
+    recorded = (bundle.get("change") or {}).get("base_sources_sha256")
+    if not isinstance(recorded, dict) or not recorded:
+        fails.append(f"benchmarked against base {_short(sha)}, not the gate's base {_short(merge_base)}, and "
+                     "the bundle records no base source hashes to show the two kernels are the same")
+        return fails, {**bl, "holds": False}
+    differ = []
+    for path, digest in sorted(recorded.items()):
+        data = read_base_file(path)
+        if data is None or hashlib.sha256(data).hexdigest() != digest:
+            differ.append(path)
+    if differ:
+        fails.append(f"benchmarked against base {_short(sha)}, not the gate's base {_short(merge_base)}, and "
+                     f"the kernel differs between them ({', '.join(differ[:4])}"
+                     f"{' ...' if len(differ) > 4 else ''}): the evidence does not compare with this base")
+        return fails, {**bl, "holds": False, "differing_sources": differ}
+    return fails, {**bl, "holds": not fails,
+                   "equivalence": f"same kernel sources as {_short(merge_base)} ({len(recorded)} files)"}
+
+
+def judge_results(bundle: dict, claim: SpeedupClaim, *, kernel: str | None = None,
+                  merge_base: str | None = None,
+                  read_base_file: Callable[[str], bytes | None] | None = None) -> BundleJudgement:
+    """Failures, risks and what was not covered, from a bound bundle's results.
+
+    With `merge_base` (the gate always gives it), the benchmark must be timed against that base
+    (`baseline_problems`); SLOW fails only against a base revision (a regression) and is a risk
+    against anything else (another implementation says nothing about regression).
+    """
+    j = BundleJudgement(not_covered=[str(x) for x in bundle.get("not_covered") or []])
+    fails, risks = j.failures, j.risks
     if bundle.get("verdict") != "pass":
         why = "; ".join(str(r) for r in bundle.get("reasons") or []) or "no reason given"
         fails.append(f"the bundle's own verdict is {bundle.get('verdict')!r}: {why}")
@@ -224,7 +306,7 @@ def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[st
         fails.append("correctness did not pass" if isinstance(corr, dict) else "no correctness results")
     defences = bundle.get("defences")
     if defences is None:
-        not_covered.append("benchmark-hack defences: not run")
+        j.not_covered.append("benchmark-hack defences: not run")
     elif not isinstance(defences, dict) or defences.get("passed") is not True:
         fails.append("the defences against benchmark hacks did not pass")
     race = bundle.get("race")
@@ -235,7 +317,12 @@ def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[st
     bench = bundle.get("benchmark")
     if not isinstance(bench, dict):
         fails.append("no benchmark results")
-        return fails, not_covered
+        return j
+    if merge_base is not None:
+        f, j.baseline = baseline_problems(bundle, kernel or str((bundle.get("change") or {}).get("kernel")),
+                                          merge_base, read_base_file or (lambda _p: None))
+        fails += f
+    against_base = j.baseline.get("kind", bundle_baseline(bundle)["kind"]) == "revision"
     if bench.get("passed") is not True:
         fails.append("the benchmark did not pass")
     cases = [c for c in bench.get("cases") or [] if isinstance(c, dict)]
@@ -246,11 +333,18 @@ def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[st
         b = case_batch(c)
         return c.get("name") or (f"batch {b}" if b is not None else _canon(c.get("variant")))
 
-    for verdict, why in (("SLOW", "slower beyond noise"),
-                         ("IMPOSSIBLE", "faster than the measured bandwidth ceiling allows")):
-        bad = [label(c) for c in cases if c.get("verdict") == verdict]
-        if bad:
-            fails.append(f"{verdict} ({why}) at: {', '.join(bad)}")
+    slow = [label(c) for c in cases if c.get("verdict") == "SLOW"]
+    if slow and against_base:
+        fails.append(f"SLOW (slower beyond noise than the base revision) at: {', '.join(slow)}")
+    elif slow:
+        risks.append(f"SLOW against {j.baseline.get('kind') or bundle_baseline(bundle)['kind']} (another "
+                     f"implementation, not a regression) at: {', '.join(slow)}")
+    impossible = [label(c) for c in cases if c.get("verdict") == "IMPOSSIBLE"]
+    if impossible:
+        fails.append(f"IMPOSSIBLE (faster than the measured bandwidth ceiling allows) at: {', '.join(impossible)}")
+    amb = [label(c) for c in cases if c.get("verdict") == "AMBIGUOUS"]
+    if amb and against_base:
+        risks.append(f"AMBIGUOUS (no difference shown either way) at: {', '.join(amb)}")
     if claim.speedup:
         claimed = [c for c in cases if claim.batches is None or case_batch(c) in claim.batches]
         where = "all cases" if claim.batches is None else "batches " + ", ".join(map(str, claim.batches))
@@ -262,7 +356,7 @@ def judge_results(bundle: dict, claim: SpeedupClaim) -> tuple[list[str], list[st
                 fails.append(f"the claimed speedup is AMBIGUOUS at: {', '.join(amb)}")
             if not any(c.get("verdict") == "FAST" for c in claimed):
                 fails.append(f"a speedup is claimed ({where}) but no claimed case is FAST")
-    return fails, not_covered
+    return j
 
 
 # -- seams: build, audit, validator ------------------------------------------------------------
@@ -327,8 +421,9 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def default_validator(kernel: str) -> dict:
-    """Run the validator on this GPU host and return its (unsigned) evidence bundle."""
+def default_validator(kernel: str, base: str) -> dict:
+    """Run the validator on this GPU host against base revision `base` and return its (unsigned)
+    evidence bundle."""
     try:
         from . import validate as vmod  # type: ignore[attr-defined]
     except ImportError:
@@ -336,7 +431,10 @@ def default_validator(kernel: str) -> dict:
     fn = getattr(vmod, "validate_kernel", None)
     if fn is None:
         raise GateError("--run-gpu: validation.validate has no validate_kernel(kernel)")
-    return fn(kernel)
+    try:
+        return fn(kernel, base=base)
+    except vmod.ValidateError as e:
+        raise GateError(f"--run-gpu: {e}") from None
 
 
 # -- the gate ----------------------------------------------------------------------------------
@@ -405,7 +503,7 @@ def _check_checkout(repo, head: str | None) -> None:
 def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".",
              run_gpu: bool = False, scope_only: bool = False, front_matter: str | None = None,
              builder: Builder | None = None, auditor: Auditor | None = None,
-             validator: Callable[[str], dict] | None = None,
+             validator: Callable[[str, str], dict] | None = None,
              cuda_available: Callable[[], bool] = _cuda_available) -> GateVerdict:
     """Judge the change from `base` to `head` (the working tree when None). Never raises for a
     user's error: those become a verdict with status "error" and exit code 2."""
@@ -474,17 +572,24 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     # 4. evidence
     manifest = scope.head_manifest or scope.base_manifest
     defaults = {k: manifest.kernel(k).tunable_defaults() for k in decision.kernels} if manifest else {}
+
+    def judge(bundle: dict, kernel: str, prefix: str = "") -> None:
+        j = judge_results(bundle, front.claim, kernel=kernel, merge_base=scope.merge_base,
+                          read_base_file=lambda path: read_at(r, scope.merge_base, path))
+        fails.extend(prefix + x for x in j.failures)
+        v.risks += j.risks
+        v.not_covered += j.not_covered
+        v.baseline = j.baseline
+
     if run_gpu:
         if not cuda_available():
             raise GateError("--run-gpu needs a CUDA device, and none is visible")
         bundle = None
         for k in decision.kernels:
-            bundle = (validator or default_validator)(k)
+            bundle = (validator or default_validator)(k, scope.merge_base)
             problems = bind_bundle(bundle, [b for b in built if b.kernel == k], defaults)
             fails += [f"the validator's own bundle: {p}" for p in problems]
-            f, nc = judge_results(bundle, front.claim)
-            fails += f
-            v.not_covered += nc
+            judge(bundle, k)
         v.bundle = bundle
         v.evidence = {"source": "validator run by this gate (--run-gpu)", "bundle": None, "candidates": []}
     else:
@@ -517,9 +622,7 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
                 continue
             v.evidence["bundle"] = bound[0]
             v.bundle = bound[1]
-            f, nc = judge_results(bound[1], front.claim)
-            fails += [f"{bound[0]}: {x}" for x in f]
-            v.not_covered += nc
+            judge(bound[1], k, f"{bound[0]}: ")
 
     if fails:
         v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
@@ -527,7 +630,8 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         v.status, v.exit_code = "pass", EXIT_PASS
         where = v.evidence.get("bundle") or v.evidence["source"]
         v.reasons = [f"kernel {', '.join(decision.kernels)}: {len(built)} variants rebuilt, bound to "
-                     f"{where}; correctness, race and benchmark results pass"]
+                     f"{where}; correctness, race and benchmark results pass, timed against base "
+                     f"{_short(scope.merge_base)} ({(v.baseline or {}).get('equivalence', 'the base')})"]
     return v
 
 

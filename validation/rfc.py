@@ -135,8 +135,19 @@ def template_env():
     return env
 
 
+def _median_us(x):
+    """A side's time: a bundle's summary dict ({median, ...}) or a bare number of µs."""
+    x = x.get("median") if isinstance(x, dict) else x
+    return x if isinstance(x, (int, float)) else None
+
+
+def _fmt_or(x, fmt: str, fallback):
+    return format(x, fmt) if isinstance(x, (int, float)) else fallback
+
+
 def benchmark_rows(bundle: dict | None) -> list[dict]:
-    """The benchmark cases of a bundle as rows with the columns a reviewer compares."""
+    """The benchmark cases of a bundle as rows with the columns a reviewer compares: base and head
+    median µs, the change and the noise in percent (bundles store fractions and summary dicts)."""
     if not bundle or not isinstance(bundle.get("benchmark"), dict):
         return []
     rows = []
@@ -144,14 +155,22 @@ def benchmark_rows(bundle: dict | None) -> list[dict]:
         if not isinstance(case, dict):
             continue
         variant = case.get("variant") or case.get("shape") or {}
+        base = _median_us(case.get("base_us", case.get("base")))
+        head = _median_us(case.get("head_us", case.get("head")))
+        diff = case.get("diff_pct", case.get("diff"))
+        if diff is None and isinstance(case.get("change"), (int, float)):
+            diff = 100 * case["change"]
+        noise = case.get("noise_pct")
+        if noise is None and isinstance(case.get("noise"), (int, float)):
+            noise = 100 * case["noise"]
         rows.append({
             "case": case.get("name") or ", ".join(f"{k}={v}" for k, v in sorted(variant.items()))
                     or str(case.get("batch", "")),
             "batch": case_batch(case),
-            "base": case.get("base_us", case.get("base")),
-            "head": case.get("head_us", case.get("head")),
-            "diff": case.get("diff_pct", case.get("diff")),
-            "noise": case.get("noise_pct", case.get("noise")),
+            "base": _fmt_or(base, ".2f", "–"),
+            "head": _fmt_or(head, ".2f", "–"),
+            "diff": _fmt_or(diff, "+.1f", "–") + ("%" if isinstance(diff, (int, float)) else ""),
+            "noise": _fmt_or(noise, ".1f", "–") + ("%" if isinstance(noise, (int, float)) else ""),
             "verdict": case.get("verdict", "?"),
         })
     return rows
