@@ -192,7 +192,7 @@ def test_claimed_speedup_with_fast_case_passes_and_ambiguous_elsewhere_is_allowe
 
 # -- the benchmark's baseline must be the change's base revision ------------------------------
 
-def test_torch_baseline_cannot_show_no_regression(signed_repo):
+def test_torch_baseline_cannot_show_no_regression(signed_repo, tmp_path):
     """A bundle timed against the torch path fails with that reason; its SLOW cases are risks
     (another implementation), not regressions."""
     root, base, priv = signed_repo
@@ -207,6 +207,12 @@ def test_torch_baseline_cannot_show_no_regression(signed_repo):
     assert "SLOW" not in text
     assert v.risks == ["SLOW against torch (another implementation, not a regression) at: batch 8"]
     assert v.baseline["kind"] == "torch" and v.baseline["holds"] is False
+    written = write_outputs(v, tmp_path / "out")
+    comment = written["pr_comment.md"].read_text()
+    assert "Risks (reported to the reviewer, not failures):\n- SLOW against torch" in comment
+    assert "| 10.00 | 9.90 | -1.0% | 2.0% | **SLOW** |" in comment
+    assert "<h2>Risks</h2>" in written["report.html"].read_text()
+    assert json.loads(written["verdict.json"].read_text())["baseline"]["kind"] == "torch"
 
 
 def test_no_baseline_fails(signed_repo):
