@@ -48,9 +48,9 @@ class Backends(Protocol):
 
     def audit(self, root: Path, kernel: str) -> CheckResult: ...
 
-    def validate(self, root: Path, kernel: str, out_dir: Path) -> CheckResult: ...
+    def validate(self, root: Path, kernel: str, out_dir: Path, base: str | None = None) -> CheckResult: ...
 
-    def benchmark(self, root: Path, kernel: str, out_dir: Path) -> CheckResult: ...
+    def benchmark(self, root: Path, kernel: str, out_dir: Path, base: str | None = None) -> CheckResult: ...
 
 
 # Runs inside the worktree: builds the requested variants with the worktree's kernels/build.py and
@@ -171,19 +171,30 @@ class RepoBackends:
         return CheckResult(check, status, format_bundle(bundle, benchmark=check == "benchmark"),
                            {"bundle": str(bundle_path), "verdict": bundle.get("verdict")})
 
-    def validate(self, root, kernel, out_dir) -> CheckResult:
+    def validate(self, root, kernel, out_dir, base=None) -> CheckResult:
+        """`fasttrack validate` of the worktree's kernel; timed against `base` (the session's base
+        commit) when given, which is the only baseline the gate takes as no-regression evidence."""
         if not self.gpu_available():
             return CheckResult("validate", NO_GPU,
                                "no CUDA device on this host: numerics, sanitizers and benchmarks were "
                                "NOT run; evidence must come from a GPU host (`fasttrack validate`)")
-        return self._validate(root, kernel, out_dir, "validate", ["--require-gpu"])
+        return self._validate(root, kernel, out_dir, "validate", ["--require-gpu", *_base_args(base)])
 
-    def benchmark(self, root, kernel, out_dir) -> CheckResult:
+    def benchmark(self, root, kernel, out_dir, base=None) -> CheckResult:
+        """A quick validation (one seed per variant) timed against `base` when given, else torch."""
         if not self.gpu_available():
             return CheckResult("benchmark", NO_GPU,
                                "no CUDA device on this host: no benchmark was run, so there is no "
                                "timing to report")
-        return self._validate(root, kernel, out_dir, "benchmark", ["--require-gpu", "--base", "torch", "--quick"])
+        return self._validate(root, kernel, out_dir, "benchmark",
+                              ["--require-gpu", *_base_args(base, fallback="torch"), "--quick"])
+
+
+def _base_args(base: str | None, fallback: str | None = None) -> list[str]:
+    """`--base REV` for `fasttrack validate`: the gate rejects bundles not timed against the
+    change's base revision, so the agent passes the commit its worktree started from."""
+    chosen = base or fallback
+    return ["--base", chosen] if chosen else []
 
 
 def format_audit(data: dict) -> str:

@@ -397,12 +397,14 @@ class Toolbox:
 
     def _validate(self, inp: dict) -> ToolOutcome:
         self.s.stage("validate")
-        r = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "validate"))
+        r = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "validate",
+                                                  base=self.s.base_sha or None))
         return ToolOutcome(f"validate {r.status}:\n{r.summary}", is_error=r.status != OK)
 
     def _benchmark(self, inp: dict) -> ToolOutcome:
         self.s.stage("benchmark")
-        r = self._record(self.s.backends.benchmark(self.s.worktree, self.s.kernel, self.s.run_dir / "benchmark"))
+        r = self._record(self.s.backends.benchmark(self.s.worktree, self.s.kernel, self.s.run_dir / "benchmark",
+                                                   base=self.s.base_sha or None))
         return ToolOutcome(f"benchmark {r.status}:\n{r.summary}", is_error=r.status != OK)
 
     # -- ending ------------------------------------------------------------------------------
@@ -464,7 +466,8 @@ class Toolbox:
         if reasons:
             return reasons, notes, evidence
         self.s.stage("validate")
-        v = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "evidence"))
+        v = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "evidence",
+                                                  base=self.s.base_sha or None))
         if v.status == FAILED:
             reasons.append(f"validation failed: {v.summary[:1500]}")
         elif v.status in (NO_GPU, UNAVAILABLE):

@@ -104,8 +104,8 @@ class FakeBackends:
             return CheckResult("audit", FAILED, "NC_ON_ACTIVATION: non-coherent load of activation x")
         return CheckResult("audit", OK, "clean")
 
-    def validate(self, root, kernel, out_dir) -> CheckResult:
-        self.calls.append(("validate", kernel))
+    def validate(self, root, kernel, out_dir, base=None) -> CheckResult:
+        self.calls.append(("validate", kernel, base))
         if not self.gpu:
             return CheckResult("validate", NO_GPU, "no CUDA device on this host: not run")
         if self.validate_status == FAILED:
@@ -116,8 +116,8 @@ class FakeBackends:
         (out / "report.html").write_text("<html>report</html>")
         return CheckResult("validate", OK, "pass", {"bundle": str(out / "bundle.json")})
 
-    def benchmark(self, root, kernel, out_dir) -> CheckResult:
-        self.calls.append(("benchmark", kernel))
+    def benchmark(self, root, kernel, out_dir, base=None) -> CheckResult:
+        self.calls.append(("benchmark", kernel, base))
         if not self.gpu:
             return CheckResult("benchmark", NO_GPU, "no CUDA device on this host: no benchmark was run")
         return CheckResult("benchmark", UNAVAILABLE, "not wired")

@@ -111,6 +111,23 @@ def test_successful_proposal_ends_in_one_commit(repo, capsys):
     assert wt.is_dir()
 
 
+def test_validate_and_benchmark_are_timed_against_the_session_base(repo):
+    # The gate takes only bundles timed against the change's base revision, so every GPU check the
+    # agent runs names the commit its worktree started from.
+    base_sha = git(repo, "rev-parse", "HEAD")
+    backends = FakeBackends(gpu=True)
+    api = ScriptedAPI([
+        message([tool_use("edit_file", EDIT, "t1")], n=1),
+        message([tool_use("benchmark", {}, "t2")], n=2),
+        message([tool_use("validate", {}, "t3")], n=3),
+        message([tool_use("submit_proposal", SUBMIT, "t4")], n=4),
+    ])
+    assert run(repo, api, backends=backends) == 0
+    gpu_calls = [c for c in backends.calls if c[0] in ("validate", "benchmark")]
+    assert [c[0] for c in gpu_calls] == ["benchmark", "validate", "validate"]  # the last: the submission's
+    assert {c[2] for c in gpu_calls} == {base_sha}
+
+
 def test_edit_outside_scope_is_refused_and_the_model_told_why(repo, tmp_path):
     outside = tmp_path / "outside.py"
     outside.write_text("secret = 1\n")

@@ -160,6 +160,32 @@ def test_repo_backends_without_gpu_say_so(tmp_path):
     assert b.benchmark(REPO_ROOT, "gemv", tmp_path).status == NO_GPU
 
 
+def test_repo_backends_time_against_the_base_revision(tmp_path, monkeypatch):
+    # What the child `fasttrack validate` is asked: --base <the session's base> for both checks;
+    # the benchmark falls back to the torch path only when no base is known.
+    import subprocess
+
+    seen: list[list[str]] = []
+
+    def fake_run(root, args):
+        seen.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bundle.json").write_text('{"verdict": "pass"}')
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    b = RepoBackends()
+    b._gpu = True
+    monkeypatch.setattr(b, "_run", fake_run)
+    assert b.validate(REPO_ROOT, "rmsnorm", tmp_path / "v", base="abc123").ok
+    assert b.benchmark(REPO_ROOT, "rmsnorm", tmp_path / "b", base="abc123").ok
+    assert b.benchmark(REPO_ROOT, "rmsnorm", tmp_path / "t").ok
+    v, bench, torch_bench = seen
+    assert v[v.index("--base") + 1] == "abc123" and "--require-gpu" in v
+    assert bench[bench.index("--base") + 1] == "abc123" and "--quick" in bench
+    assert torch_bench[torch_bench.index("--base") + 1] == "torch"
+
+
 def test_unregistered_subcommand_is_unavailable(tmp_path):
     # A repository whose validation CLI lacks `audit` reports the stage as unavailable, not failed.
     root = tmp_path / "r"
