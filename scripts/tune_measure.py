@@ -13,8 +13,11 @@ Two steps, on two hosts:
   measure (the GPU host: PYTHONPATH=., torch with CUDA, cuda-bindings; no DSL, no anthropic, no
   gitpython): find each planned build (verified against today's sources by kernels.build's
   find_artifact), launch it with kernels.launch on fresh random inputs, check its outputs are fully
-  written and agree with the current defaults' outputs, time it with benchmarks.common (CUDA events,
-  rotated inputs past the L2, medians), and write one JSON:
+  written and agree with the current defaults' outputs (and its sync counters are back to zero),
+  time it as CUDA-graph replays with benchmarks.common.time_graph (the way a decode step runs, so
+  the gaps between stream launches do not dilute the differences; inputs rotated past the L2;
+  the settings of one shape timed interleaved over several rounds, so drift hits them alike;
+  medians), and write one JSON:
 
       PYTHONPATH=. python scripts/tune_measure.py measure --plan build/tune/gemv.plan.json \\
           --out $OUT/tune_gemv.json
@@ -47,6 +50,7 @@ MEASUREMENTS_SCHEMA = "fasttrack.tune-measurements/1"
 MAX_ROTATION_COPIES = 64
 ROTATION_BYTES_CAP = 16 << 30  # never allocate more than this for rotated input copies
 AGREEMENT_RTOL = 2e-2  # outputs vs the defaults', relative to the defaults' largest magnitude
+MIN_GRAPH_LAUNCHES = 20  # launches captured per graph (at least one per rotated input copy)
 
 
 def _repo_root() -> Path:
@@ -155,10 +159,19 @@ def _outputs(params, values) -> dict:
             if p["spec"]["kind"] == "tensor" and p.get("direction", "in") != "in"}
 
 
-def _compare(out: dict, ref: dict | None) -> str | None:
-    """A reason the outputs are wrong (not fully written, or far from the defaults'), else None."""
+def _sync_buffers(params, values) -> dict:
+    return {p.get("name"): values[p.get("name")] for p in params
+            if p["spec"]["kind"] == "tensor" and p.get("role") == "sync"}
+
+
+def _compare(out: dict, ref: dict | None, sync: dict | None = None) -> str | None:
+    """A reason the outputs are wrong (not fully written, far from the defaults', or a sync counter
+    left non-zero, which would break the next launch, e.g. of a graph replay), else None."""
     import torch
 
+    for name, t in (sync or {}).items():
+        if bool((t != 0).any()):
+            return f"sync buffer {name} left non-zero after a launch (the kernel must reset its counters)"
     for name, t in out.items():
         if t.dtype.is_floating_point and torch.isnan(t.float()).any():
             return f"output {name} not fully written (NaN poison left)"
@@ -171,12 +184,34 @@ def _compare(out: dict, ref: dict | None) -> str | None:
     return None
 
 
-def measure(plan: dict, *, reps: int, warmup: int, root: Path | None) -> dict:
+def time_interleaved(launchers: dict, *, rounds: int, timer) -> dict:
+    """Samples (us per launch) per key of `launchers` ({key: (launch(i), launches per graph)}):
+    `rounds` rounds, each timing every setting once with `timer(launch, launches=n)` (a
+    benchmarks.common.Timing), the order rotated and reversed between rounds so that drift and
+    position effects hit every setting alike. A setting whose timing raises gets the exception."""
+    keys = list(launchers)
+    samples: dict = {k: [] for k in keys}
+    for r in range(rounds):
+        order = keys[r % len(keys):] + keys[:r % len(keys)] if keys else []
+        if r % 2:
+            order.reverse()
+        for key in order:
+            if isinstance(samples[key], Exception):
+                continue
+            launch, n = launchers[key]
+            try:
+                samples[key] += list(timer(launch, launches=n).samples_us)
+            except Exception as ex:  # a failed capture or launch eliminates this setting, not the run
+                samples[key] = ex
+    return samples
+
+
+def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict:
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("tune_measure measure: no CUDA device on this host")
-    from benchmarks.common import gpu_environment, l2_bytes, rotation_count, time_launches
+    from benchmarks.common import Timing, gpu_environment, l2_bytes, rotation_count, time_graph
     from kernels.build import BuildError, find_artifact
     from kernels.launch import CubinKernel, LaunchError
     kernel = plan["kernel"]
@@ -190,51 +225,62 @@ def measure(plan: dict, *, reps: int, warmup: int, root: Path | None) -> dict:
         by_shape.setdefault(json.dumps(e["variant"], sort_keys=True), []).append(e)
     results = []
     l2 = l2_bytes()
+
+    def timer(launch, launches):
+        return time_graph(launch, launches=launches, replays=replays)
+
     for si, (skey, entries) in enumerate(sorted(by_shape.items())):
         entries.sort(key=lambda e: e["tunables"] != default)  # the defaults first: the others agree with them
         ref_out = None
-        base_values = None
+        rows, launchers, held = [], {}, []
         for e in entries:
             row = {"tunables": e["tunables"], "variant": e["variant"], "cubin_sha256": e.get("cubin_sha256"),
                    "error": e.get("error")}
+            rows.append(row)
             if row["error"]:  # did not build: recorded, so the tuner eliminates it with the reason
-                results.append(row)
                 continue
             try:
                 art = find_artifact(kernel, e["variant"], e["tunables"], root=build_root)
                 row["cubin_sha256"] = art.cubin_sha256
                 k = CubinKernel.from_dir(art.dir)
-                if base_values is None:
-                    base_values = _make_inputs(k.params, seed=1000 + si)
-                values = {n: (v.clone() if hasattr(v, "clone") else v) for n, v in base_values.items()}
+                k.load()  # before any graph capture
+                # Same seed for every setting: the same inputs; its own outputs, scratch and counters.
+                values = _make_inputs(k.params, seed=1000 + si)
                 k(**values)
                 torch.cuda.synchronize()
                 out = _outputs(k.params, values)
-                wrong = _compare(out, ref_out)
+                wrong = _compare(out, ref_out, _sync_buffers(k.params, values))
                 if e["tunables"] == default and wrong is None:
                     ref_out = {n: t.clone() for n, t in out.items()}
                 if wrong:
                     row["error"] = wrong
-                    results.append(row)
                     continue
                 rotated = [p for p in k.params if _is_rotated(p)]
                 bytes_in = sum(values[p["name"]].numel() * values[p["name"]].element_size() for p in rotated)
-                copies = min(MAX_ROTATION_COPIES, rotation_count(bytes_in, l2),
-                             max(1, ROTATION_BYTES_CAP // max(1, bytes_in)))
+                budget = ROTATION_BYTES_CAP // max(1, len(entries))  # every setting of the shape is held at once
+                copies = min(MAX_ROTATION_COPIES, rotation_count(bytes_in, l2), max(1, budget // max(1, bytes_in)))
                 sets = [values] + [{**values, **{p["name"]: values[p["name"]].clone() for p in rotated}}
                                    for _ in range(copies - 1)]
                 arg_lists = [k.bind(**s) for s in sets]
-                timing = time_launches(lambda i: k(*arg_lists[i % len(arg_lists)]), reps=reps, warmup=warmup)
-                row.update(timing.summary())
-                row["rotation_copies"] = copies
-                del sets, arg_lists
+                held.append((k, sets, arg_lists))
+                n = max(MIN_GRAPH_LAUNCHES, copies)
+                launchers[len(rows) - 1] = ((lambda i, k=k, a=arg_lists: k(*a[i % len(a)])), n)
+                row.update({"rotation_copies": copies, "timing": "cuda_graph", "launches_per_graph": n})
             except (BuildError, LaunchError) as ex:
                 row["error"] = f"{type(ex).__name__}: {ex}"
             except torch.cuda.OutOfMemoryError as ex:
                 row["error"] = f"out of memory: {ex}"
                 torch.cuda.empty_cache()
+        for i, samples in time_interleaved(launchers, rounds=rounds, timer=timer).items():
+            if isinstance(samples, Exception):
+                rows[i]["error"] = f"timing failed: {type(samples).__name__}: {samples}"[:500]
+            else:
+                rows[i].update(Timing(tuple(samples)).summary())
+        del held, launchers
+        torch.cuda.empty_cache()
+        for row in rows:
             results.append(row)
-            print(f"{kernel} {e['variant']} {e['tunables']}: "
+            print(f"{kernel} {row['variant']} {row['tunables']}: "
                   + (f"{row['median_us']:.2f} us" if row.get("median_us") else row["error"]), file=sys.stderr)
     return {
         "schema": MEASUREMENTS_SCHEMA, "kernel": kernel,
@@ -242,8 +288,8 @@ def measure(plan: dict, *, reps: int, warmup: int, root: Path | None) -> dict:
         "command": " ".join(sys.argv), "commit": git_commit(_repo_root()), "plan_commit": plan.get("commit"),
         "sources_sha256": sources_sha256(_repo_root(), spec.sources),
         "plan_sources_sha256": plan.get("sources_sha256"),
-        "environment": gpu_environment(), "reps": reps, "warmup": warmup, "default": default,
-        "results": results,
+        "environment": gpu_environment(), "timing": "cuda_graph", "replays": replays, "rounds": rounds,
+        "default": default, "results": results,
     }
 
 
@@ -275,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--plan", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--root", type=Path, help="build root (default: the plan's)")
-    m.add_argument("--reps", type=int, default=100)
-    m.add_argument("--warmup", type=int, default=10)
+    m.add_argument("--replays", type=int, default=30, help="timed graph replays per setting and round")
+    m.add_argument("--rounds", type=int, default=3, help="interleaved rounds over a shape's settings")
     args = ap.parse_args(argv)
     # The repository's own packages (kernels, benchmarks), whether or not PYTHONPATH names it.
     sys.path.insert(0, str(_repo_root()))
@@ -296,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.get("schema") != PLAN_SCHEMA:
         print(f"tune_measure: {args.plan} is not a tune plan ({PLAN_SCHEMA})", file=sys.stderr)
         return 2
-    doc = measure(plan, reps=args.reps, warmup=args.warmup, root=args.root)
+    doc = measure(plan, replays=args.replays, rounds=args.rounds, root=args.root)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     print(format_table(doc))
