@@ -121,3 +121,15 @@ def test_report_cli_rerenders_and_rejects_bad_bundles(bundle, tmp_path, capsys):
     bad.write_text("{")
     assert main(["report", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_report_renders_policies_written_as_plain_strings(bundle):
+    # A bundle from another writer may name its policy instead of embedding it: render, don't crash.
+    import copy
+
+    b = copy.deepcopy(bundle)
+    b["correctness"]["policy"] = "validation/tolerances.toml"
+    if b.get("benchmark"):
+        b["benchmark"]["policy"] = "default"
+    html = render_report(b)
+    assert "validation/tolerances.toml" in html
