@@ -216,6 +216,106 @@ def test_numerics_stage_catches_unwritten_rows_and_survives_a_crashing_variant(t
     assert "ILLEGAL_ADDRESS" in " ".join(c["reasons"][0] for c in res["variants"][1]["cases"] if c["reasons"])
 
 
+class _FakeSplitK:
+    """Stands in for a split-K GEMV cubin with scratch partials and a sync counter, honest or not:
+    'stale' reduces partials it never wrote, 'leak' leaves its counter set (no last-CTA reset)."""
+
+    behaviour = "honest"
+    scratch_poisoned_at_entry: list[bool] = []
+
+    def __init__(self, meta):
+        self.meta = meta
+        self.sha256 = "f" * 64
+
+    def __call__(self, x, w, y, partials, counters):
+        type(self).scratch_poisoned_at_entry.append(bool(torch.isnan(partials).all()))
+        half = x.shape[1] // 2
+        if self.behaviour != "stale":
+            partials[0] = x[:, :half].float() @ w[:, :half].float().T
+            partials[1] = x[:, half:].float() @ w[:, half:].float().T
+        counters[0] += 2  # both splits arrive
+        y.copy_(partials.sum(0).to(y.dtype))
+        if self.behaviour != "leak":
+            counters[0] = 0  # the last arrival resets the counter for the next launch
+
+
+def _splitk_build_dirs(tmp_path, batches=(1, 3)):
+    dirs = []
+    for b in batches:
+        d = tmp_path / f"g{b}"
+        d.mkdir(parents=True)
+        t = lambda shape, dtype: {"kind": "tensor", "shape": shape, "dtype": dtype}  # noqa: E731
+        params = [{"name": "x", "role": "activation", "direction": "in", "spec": t([b, 32], "bfloat16")},
+                  {"name": "w", "role": "static", "direction": "in", "spec": t([16, 32], "bfloat16")},
+                  {"name": "y", "role": "activation", "direction": "out", "spec": t([b, 16], "bfloat16")},
+                  {"name": "partials", "role": "scratch", "direction": "inout", "spec": t([2, b, 16], "float32")},
+                  {"name": "counters", "role": "sync", "direction": "inout", "spec": t([4], "int32")}]
+        (d / "meta.json").write_text(json.dumps({"kernel": "gemv", "params": params, "tunables": {}, "key": "k",
+                                                 "variant": {"batch": b, "n": 16, "k": 32,
+                                                             "out_dtype": "bfloat16"}}))
+        dirs.append(str(d))
+    return dirs
+
+
+@pytest.fixture
+def fake_splitk(monkeypatch):
+    from kernels import launch
+
+    monkeypatch.setattr(launch.CubinKernel, "from_dir",
+                        classmethod(lambda cls, d: _FakeSplitK(json.loads((Path(d) / "meta.json").read_text()))))
+    _FakeSplitK.scratch_poisoned_at_entry = []
+    yield _FakeSplitK
+    _FakeSplitK.behaviour = "honest"
+
+
+def test_scratch_and_sync_parameters_are_allocated_by_role(tmp_path, fake_splitk):
+    """A kernel with parameters the reference op lacks (gemv's partials and counters) is judged:
+    scratch poisoned before every launch, counters zeroed once and found back at zero."""
+    from validation.gpu_stages import numerics_stage
+
+    res = numerics_stage(_splitk_build_dirs(tmp_path), quick=True, device="cpu")
+    assert [v["passed"] for v in res["variants"]] == [True, True], res["variants"][0].get("error")
+    assert len(fake_splitk.scratch_poisoned_at_entry) > 10 and all(fake_splitk.scratch_poisoned_at_entry)
+
+
+def test_a_counter_left_set_or_stale_scratch_fails_with_the_reason(tmp_path, fake_splitk):
+    from validation.gpu_stages import KernelAdapter, StageError, numerics_stage
+
+    fake_splitk.behaviour = "leak"
+    res = numerics_stage(_splitk_build_dirs(tmp_path / "leak", (2,)), quick=True, device="cpu")
+    (v,) = res["variants"]
+    reasons = " ".join(r for c in v["cases"] for r in c["reasons"])
+    assert not v["passed"] and "'counters': 1 of 4 counter(s) left non-zero" in reasons
+
+    fake_splitk.behaviour = "stale"
+    res = numerics_stage(_splitk_build_dirs(tmp_path / "stale", (2,)), quick=True, device="cpu")
+    assert not res["variants"][0]["passed"]  # the poisoned partials reach the output
+
+    a = KernelAdapter(_splitk_build_dirs(tmp_path / "direct", (1,))[0], "cpu")
+    assert a.owned["counters"].dtype == torch.int32 and not a.owned["counters"].any()
+    a.owned["counters"][3] = 7
+    with pytest.raises(StageError, match="left non-zero"):
+        a.check_sync()
+    assert not a.owned["counters"].any()  # re-zeroed: the next case is judged on its own
+    a.check_sync()
+
+
+def test_a_parameter_without_an_input_or_an_owned_role_is_refused(tmp_path, fake_splitk):
+    from validation.gpu_stages import KernelAdapter, StageError
+
+    (d,) = _splitk_build_dirs(tmp_path, (1,))
+    meta = json.loads((Path(d) / "meta.json").read_text())
+    meta["params"][3]["role"] = "activation"  # partials, no longer the kernel's own scratch
+    (Path(d) / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StageError, match="exactly one 'out' parameter"):
+        KernelAdapter(d, "cpu")
+    meta["params"][3]["direction"] = "in"
+    (Path(d) / "meta.json").write_text(json.dumps(meta))
+    a = KernelAdapter(d, "cpu")
+    with pytest.raises(StageError, match="'partials' has no input of that name"):
+        a.args({"x": torch.zeros(1, 32), "w": torch.zeros(16, 32)}, torch.zeros(1, 16))
+
+
 # -- --base REV: prepare on the CPU host (a real temporary git repository), load on the GPU host --
 
 SCALE_MANIFEST = """\
@@ -441,3 +541,32 @@ def test_bench_stage_times_the_base_revisions_cubin_beside_heads(tmp_path, fake_
     assert base_ptrs and head_ptrs and not base_ptrs & head_ptrs  # separate output buffers
     with pytest.raises(gpu_stages.StageError, match="one --base-build-dir per --build-dir"):
         gpu_stages.bench_stage(head_dirs, base="revision", base_dirs=base_dirs[:1])
+
+
+def test_bench_stage_times_a_kernel_with_scratch_and_checks_its_counters(tmp_path, fake_splitk, monkeypatch):
+    """gemv-like parameters through the bench stage (stand-in timer): the op's bytes exclude the
+    scratch, the timing runs, and a counter left set by the timed launches fails the case."""
+    import benchmarks.common as common
+    from validation import bench, gpu_stages
+
+    real_adapter = gpu_stages.KernelAdapter
+    monkeypatch.setattr(gpu_stages, "KernelAdapter", lambda d, device="cpu": real_adapter(d, "cpu"))
+    monkeypatch.setattr(bench, "rotation_copies", lambda nbytes: (2, True))
+
+    def fake_measure(base_fn, head_fn):
+        for i in range(4):
+            head_fn(i)
+        return {"base": None, "head": [8.0 + 0.01 * i for i in range(12)], "graph": True}
+
+    monkeypatch.setattr(bench, "measure_interleaved", fake_measure)
+    monkeypatch.setattr(common, "gpu_environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(common, "read_bandwidth", lambda: {"tbps": 4.5, "kernel": "r", "readers": {
+        "r": {"p90_us": 1.0, "p10_us": 1.0, "median_us": 1.0}}})
+    monkeypatch.setattr(common, "copy_bandwidth", lambda: {"tbps": 4.2, "kernel": "c", "p90_us": 1.0,
+                                                           "p10_us": 1.0, "median_us": 1.0})
+    (case,) = gpu_stages.bench_stage(_splitk_build_dirs(tmp_path / "ok", (2,)), base=None)["cases"]
+    assert "error" not in case and case["head"]["median"] > 0
+    assert case["bytes"] == (2 * 32 + 16 * 32 + 2 * 16) * 2  # x, w and y in bf16; no scratch, no counters
+    fake_splitk.behaviour = "leak"
+    (case,) = gpu_stages.bench_stage(_splitk_build_dirs(tmp_path / "leak", (2,)), base=None)["cases"]
+    assert "left non-zero" in case["error"] and case["verdict"] == "AMBIGUOUS"

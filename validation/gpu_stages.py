@@ -9,7 +9,11 @@ Runs on the GPU host, which has torch, cuda-bindings and triton but no nvidia-cu
 gitpython or cryptography: nothing here imports those. A cubin is judged through a
 `DestinationSubject` whose launch maps the reference op's tensors to the kernel's parameters by
 name (the manifest's params are named like the reference function's arguments), so it meets
-exactly the defences a Python callable meets in `fasttrack check`.
+exactly the defences a Python callable meets in `fasttrack check`. Parameters the reference lacks
+are allocated by their manifest role: `scratch` once per variant, NaN-poisoned before every judged
+launch (a kernel that reads scratch it did not write shows it); `sync` counters zeroed once, as
+the kernels' contract says (the last CTA resets its counter), and checked back at zero after
+every launch: a counter left set is a failed case with that reason.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .opinputs import OpDef, build_inputs, map_tensors, op_def
 
 BASE_CONFIG = "k3"  # eps and widths of the model the kernels serve
 STRESS_RUNS = 32
+KERNEL_OWNED_ROLES = ("scratch", "sync")  # buffers the kernel needs that the reference op has no name for
 
 
 class StageError(RuntimeError):
@@ -64,12 +69,16 @@ class KernelAdapter:
         self.batch = int(self.variant["batch"])
         self.problem = {k: v for k, v in self.variant.items() if k != "batch"}
         self.params = self.meta["params"]
-        outs = [p for p in self.params if p.get("direction") in ("out", "inout")]
+        self.owned_params = [p for p in self.params
+                             if p.get("role") in KERNEL_OWNED_ROLES and p["spec"]["kind"] == "tensor"]
+        outs = [p for p in self.params if p.get("direction") in ("out", "inout")
+                and not any(p is q for q in self.owned_params)]
         if len(outs) != 1 or outs[0]["direction"] != "out":
             raise StageError(f"kernel {spec.name}: exactly one 'out' parameter is supported, found "
                              f"{[p['name'] for p in outs]}")
         self.out_param = outs[0]
         self.device = torch.device(device)
+        self.owned = self._allocate_owned()
         self.subject = D.DestinationSubject(self.launch, self.output_specs,
                                             f"{spec.name} {self.dir.name}", self.device)
 
@@ -81,12 +90,57 @@ class KernelAdapter:
         s = self.out_param["spec"]
         return {"out": (tuple(s["shape"]), getattr(torch, s["dtype"]))}
 
+    def _allocate_owned(self) -> dict[str, torch.Tensor]:
+        """This variant's scratch (poisoned) and sync (zeroed) buffers, shaped as meta.json says."""
+        owned = {}
+        for p in self.owned_params:
+            spec = p["spec"]
+            try:
+                shape, dtype = tuple(int(n) for n in spec["shape"]), getattr(torch, spec["dtype"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise StageError(f"{self.dir}: parameter {p['name']!r} ({p['role']}) has no usable tensor spec "
+                                 f"in meta.json ({e!r})") from None
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            owned[p["name"]] = t.zero_() if p["role"] == "sync" else D._poison_fill(t, D.NAN_POISON)
+        return owned
+
+    def poison_scratch(self) -> None:
+        """Refill every scratch buffer with the poison (before a judged launch)."""
+        for p in self.owned_params:
+            if p["role"] == "scratch":
+                D._poison_fill(self.owned[p["name"]], D.NAN_POISON)
+
+    def check_sync(self) -> None:
+        """Raise StageError when a sync counter is not back at zero after the launches so far.
+
+        The kernels' contract is that counters start at zero and the last CTA resets its own, so
+        the next launch (a graph replay, the next decode step) starts clean. A counter left set
+        is the kernel's failure; the counters are re-zeroed so later cases are judged on their own.
+        """
+        syncs = [(p["name"], self.owned[p["name"]]) for p in self.owned_params if p["role"] == "sync"]
+        if not syncs:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the launch's stream only
+        left = [(n, int(torch.count_nonzero(t)), t.numel()) for n, t in syncs]
+        left = [x for x in left if x[1]]
+        if left:
+            for _, t in syncs:
+                t.zero_()
+            raise StageError("sync " + "; ".join(f"buffer {n!r}: {k} of {total} counter(s) left non-zero"
+                                                 for n, k, total in left)
+                             + " after the launch (the contract: counters start at zero and the last CTA "
+                               "resets its own)")
+
     def args(self, inputs: dict, out: torch.Tensor) -> list:
-        """Launch arguments in parameter order: inputs by name, the output, scalars from the spec."""
+        """Launch arguments in parameter order: inputs by name, the output, the kernel's own
+        scratch and sync buffers, scalars from the spec."""
         args = []
         for p in self.params:
             if p is self.out_param:
                 args.append(out)
+            elif p["name"] in self.owned and any(p is q for q in self.owned_params):
+                args.append(self.owned[p["name"]])
             elif p["spec"]["kind"] == "scalar":
                 args.append(p["spec"]["value"])
             elif p["name"] in inputs:
@@ -97,7 +151,10 @@ class KernelAdapter:
         return args
 
     def launch(self, inputs: dict, outs: dict) -> None:
+        """One judged launch: scratch poisoned first, sync counters checked back at zero after."""
+        self.poison_scratch()
         self.kernel(*self.args(inputs, outs["out"]))
+        self.check_sync()
 
     def cases(self, seeds=DEFAULT_SEEDS, distributions=DISTRIBUTIONS) -> list[Case]:
         gpu = gpu_configuration(self.device)
@@ -235,7 +292,9 @@ def bench_stage(build_dirs: list[str], *, base: str | None, base_dirs: list[str]
 
 def _same_signature(a: KernelAdapter, b: KernelAdapter) -> str | None:
     """Why base `b` cannot be launched on head `a`'s inputs, or None when it can."""
-    sig = lambda k: [(p["name"], p["direction"], p["spec"]) for p in k.params]  # noqa: E731
+    # Each side brings its own scratch and sync buffers (their sizes may follow the tunables).
+    sig = lambda k: [(p["name"], p["direction"], p["spec"]) for p in k.params  # noqa: E731
+                     if not any(p is q for q in k.owned_params)]
     if a.meta["kernel"] != b.meta["kernel"] or a.variant != b.variant:
         return f"base is {b.meta['kernel']} {b.variant}, head {a.meta['kernel']} {a.variant}"
     if sig(a) != sig(b):
@@ -252,8 +311,9 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | Non
     a = KernelAdapter(d)
     case = a.cases(seeds=(0,), distributions=("normal",))[0]
     inputs = build_inputs(a.op, case, cfg, a.device)
-    nbytes = sum(t.nbytes for t in (inputs[p["name"]] for p in a.params
-                                     if p["spec"]["kind"] == "tensor" and p is not a.out_param))
+    nbytes = sum(t.nbytes for t in (inputs[p["name"]] for p in a.params  # the op's bytes, not scratch
+                                     if p["spec"]["kind"] == "tensor" and p is not a.out_param
+                                     and not any(p is q for q in a.owned_params)))
     shape, dtype = a.output_specs(inputs)["out"]
     nbytes += torch.empty(shape, dtype=dtype, device="meta").nbytes
     copies, past_l2 = rotation_copies(nbytes)
@@ -285,6 +345,9 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | Non
             fn(sets[i % len(sets)])
 
     m = measure_interleaved(base_fn, head)
+    a.check_sync()  # every timed launch must have left the counters as it found them
+    if base == "revision":
+        b.check_sync()
     comp = compare_samples(m["base"], m["head"]) if m["base"] else None
     hs = summarize(m["head"])
     head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
