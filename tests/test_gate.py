@@ -410,6 +410,22 @@ def test_pr_workflow_is_valid():
     assert "fasttrack gate" in text and "[self-hosted, gpu]" in text
 
 
+def test_pr_workflow_gpu_job_validates_against_the_merge_base():
+    """The GPU job follows GATE.md's three commands, timed against the PR's merge base (a bundle
+    timed against torch, or against nothing, cannot pass the gate): prepare, the plan run, sign."""
+    text = (REPO / ".github/workflows/pr.yml").read_text()
+    gpu = text[text.index("\n  gpu:"):]
+    steps = ['MERGE_BASE="$(git merge-base "$BASE_SHA" HEAD)"',
+             'fasttrack validate "$KERNEL" --base "$MERGE_BASE" --prepare',
+             '-m validation.cli validate "$KERNEL" --plan "build/validate/$KERNEL/plan.json"',
+             "fasttrack sign"]
+    at = [gpu.find(s) for s in steps]
+    assert all(i >= 0 for i in at), dict(zip(steps, at))
+    assert at == sorted(at)
+    assert "fetch-depth: 0" in gpu  # the merge base must be in the clone
+    assert "--base torch" not in gpu
+
+
 # -- one real build, end to end ----------------------------------------------------------------
 
 SCALE_MANIFEST = """\
