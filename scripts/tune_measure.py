@@ -155,8 +155,10 @@ def _is_rotated(p: dict) -> bool:
 
 
 def _outputs(params, values) -> dict:
+    """The op's outputs (not the kernel's own scratch and counters, whose shapes follow the tunables)."""
     return {p.get("name"): values[p.get("name")] for p in params
-            if p["spec"]["kind"] == "tensor" and p.get("direction", "in") != "in"}
+            if p["spec"]["kind"] == "tensor" and p.get("direction", "in") != "in"
+            and p.get("role") not in ("scratch", "sync")}
 
 
 def _sync_buffers(params, values) -> dict:
