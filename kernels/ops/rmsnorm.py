@@ -26,7 +26,7 @@ EPS = 1e-5  # baked in at compile time (ARCHITECTURE.md: both RMSNorms use eps 1
 MAX_BATCH = 64
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.rmsnorm]).
-DEFAULT_TUNABLES = {"threads": 224}
+DEFAULT_TUNABLES = {"threads": 448}
 
 
 class RMSNormOp(OpBase):
