@@ -31,11 +31,16 @@ from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
 from kernels.ops.common import WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
+    K_STEP,
     ROWS_PER_TILE,
     MmaPlan,
     accumulate,
     expert_view,
+    largest_unroll,
+    load_group_into,
+    mma_group,
     new_accumulators,
+    new_fragments,
     padded_batch,
     partials_layout,
     situ,
@@ -43,6 +48,7 @@ from kernels.ops.decode_mma import (
     sum_partials,
     vector_view,
     x_row_slots,
+    zero_accumulators,
 )
 from kernels.ops.router import routing_groups_ref
 
@@ -51,7 +57,10 @@ MAX_BATCH = 64
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2}
+PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
+PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
+
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
@@ -67,6 +76,15 @@ def make_plans(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) ->
         u = max(1, min(k_unroll, LOAD_GROUP_VECTORS // (row_tiles + _x_vectors(mb, valid))))
         plans[valid] = MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=mb, k=k, k_unroll=u)
     return plans
+
+
+def make_pipeline_plan(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> MmaPlan:
+    """The plan of the pipelined path (batch <= 16): load groups of equal size (a divisor of the
+    steps per warp) so that the flattened (item, group) loop has no tail, two groups live."""
+    xv = _x_vectors(1, batch)
+    steps = k // (K_STEP * warps)
+    cap = max(1, min(k_unroll, PIPELINE_VECTORS // (2 * (row_tiles + xv))))
+    return MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=1, k=k, k_unroll=largest_unroll(steps, cap))
 
 
 def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
@@ -101,6 +119,10 @@ class _GroupedBase(OpBase):
         self.slots = self.batch * self.top_k
         self.groups = min(self.slots, self.n_experts)
         self.pb = padded_batch(self.batch)
+        # The pipelined path: each CTA takes a contiguous chunk of the work items and streams
+        # them as one flattened loop of load groups, double-buffered across item boundaries, so
+        # the next loads are in flight during an item's epilogue (batch <= 16 only).
+        self.pipelined = bool(int(self.tunables["pipeline"])) and self.batch <= PIPELINE_MAX_BATCH
 
     def _grid(self, row_blocks: int) -> int:
         return max(1, min(int(self.tunables["ctas_per_sm"]) * SMS, self.groups * row_blocks))
@@ -125,6 +147,9 @@ class ExpertsUpOp(_GroupedBase):
         self.row_blocks = self.inter // self.half_rows
         self.plans = make_plans(self.batch, self.latent, self.warps, self.row_tiles,
                                 int(self.tunables["k_unroll"]))
+        if self.pipelined:
+            self.plans = {self.batch: make_pipeline_plan(self.batch, self.latent, self.warps, self.row_tiles,
+                                                         int(self.tunables["k_unroll"]))}
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
 
@@ -193,46 +218,75 @@ class ExpertsUpOp(_GroupedBase):
         sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
         gX = vector_view(mZ)
         n_items = mNGroups[0] * RB
-        for item in cutlass.range(bidx, n_items, gdim, unroll=1):
-            u = item // RB
-            rb = item % RB
-            e = mGroupExpert[u]
-            start = mGroupStart[u]
-            cnt = mGroupStart[u + 1] - start
-            gW = vector_view(expert_view(mW, e, 2 * I, L))
-            w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
-                       + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)])
+        if cutlass.const_expr(self.pipelined):
+            # items u-major (item = group * RB + row block): a chunk streams consecutive rows of
+            # one expert, and the group's metadata stays in L1 across its items.
+            plan = self.plans[T]
+            GPI = plan.steps_per_warp // plan.k_unroll
+            begin = (bidx * n_items) // gdim
+            total = (((bidx + 1) * n_items) // gdim - begin) * GPI
 
-            def token_of(i, start=start, cnt=cnt):
-                return mSorted[start + cutlass.min(i, cnt - 1)] // K
+            present = [r is not None for r in x_row_slots(1, T, 0, lambda i: i)]
+            fa = new_fragments(plan, 2 * NH, present)
+            fb = new_fragments(plan, 2 * NH, present)
+            acc = new_accumulators(plan)
+            ld = (self, plan, begin, mW, mGroupExpert, mGroupStart, mSorted, gX, warp, g, q)
+            if total > 0:
+                _up_load(*ld, fa, 0)
+            for j in cutlass.range(0, total, 2, unroll=1):
+                if j + 1 < total:
+                    _up_load(*ld, fb, j + 1)
+                mma_group(plan, acc, fa)
+                if j % GPI == GPI - 1:
+                    _up_epilogue(self, plan, sP, acc, begin + j // GPI, mGroupStart, mAct, tidx, warp, g, q)
+                if j + 1 < total:
+                    if j + 2 < total:
+                        _up_load(*ld, fa, j + 2)
+                    mma_group(plan, acc, fb)
+                    if (j + 1) % GPI == GPI - 1:
+                        _up_epilogue(self, plan, sP, acc, begin + (j + 1) // GPI, mGroupStart, mAct,
+                                     tidx, warp, g, q)
+        else:
+            for item in cutlass.range(bidx, n_items, gdim, unroll=1):
+                u = item // RB
+                rb = item % RB
+                e = mGroupExpert[u]
+                start = mGroupStart[u]
+                cnt = mGroupStart[u + 1] - start
+                gW = vector_view(expert_view(mW, e, 2 * I, L))
+                w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
+                           + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)])
 
-            if cutlass.const_expr(len(self.plans) == 1):
-                plan = self.plans[T]
-                acc = new_accumulators(plan)
-                accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
-                store_partials(plan, sP, acc, warp, g, q, T)
-            else:
-                if cnt <= BATCH_PER_TILE:
-                    plan = self.plans[BATCH_PER_TILE]
-                    acc = new_accumulators(plan)
-                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, token_of),
-                               warp, g, q)
-                    store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
-                else:
+                def token_of(i, start=start, cnt=cnt):
+                    return mSorted[start + cutlass.min(i, cnt - 1)] // K
+
+                if cutlass.const_expr(len(self.plans) == 1):
                     plan = self.plans[T]
                     acc = new_accumulators(plan)
                     accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
                     store_partials(plan, sP, acc, warp, g, q, T)
-            cute.arch.sync_threads()
-            for j in cutlass.range_constexpr(ceil_div(Rh * T, self.threads)):
-                idx = tidx + j * self.threads
-                b = idx // Rh
-                r = idx % Rh
-                if b < cnt:
-                    gv = sum_partials(sP, r, b, W)
-                    uv = sum_partials(sP, Rh + r, b, W)
-                    mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
-            cute.arch.sync_threads()
+                else:
+                    if cnt <= BATCH_PER_TILE:
+                        plan = self.plans[BATCH_PER_TILE]
+                        acc = new_accumulators(plan)
+                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, token_of),
+                                   warp, g, q)
+                        store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
+                    else:
+                        plan = self.plans[T]
+                        acc = new_accumulators(plan)
+                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
+                        store_partials(plan, sP, acc, warp, g, q, T)
+                cute.arch.sync_threads()
+                for j in cutlass.range_constexpr(ceil_div(Rh * T, self.threads)):
+                    idx = tidx + j * self.threads
+                    b = idx // Rh
+                    r = idx % Rh
+                    if b < cnt:
+                        gv = sum_partials(sP, r, b, W)
+                        uv = sum_partials(sP, Rh + r, b, W)
+                        mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
+                cute.arch.sync_threads()
 
 
 class ExpertsDownOp(_GroupedBase):
@@ -248,6 +302,9 @@ class ExpertsDownOp(_GroupedBase):
         self.row_blocks = self.latent // self.rows_per_cta
         self.plans = make_plans(self.batch, self.inter, self.warps, self.row_tiles,
                                 int(self.tunables["k_unroll"]))
+        if self.pipelined:
+            self.plans = {self.batch: make_pipeline_plan(self.batch, self.inter, self.warps, self.row_tiles,
+                                                         int(self.tunables["k_unroll"]))}
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
 
@@ -320,60 +377,189 @@ class ExpertsDownOp(_GroupedBase):
         gX = vector_view(mAct)
         n_groups = mNGroups[0]
         n_items = n_groups * RB
-        for item in cutlass.range(bidx, n_items, gdim, unroll=1):
-            u = item // RB
-            rb = item % RB
-            e = mGroupExpert[u]
-            start = mGroupStart[u]
-            cnt = mGroupStart[u + 1] - start
-            gW = vector_view(expert_view(mW, e, L, I))
-            w_tiles = [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(NT)]
+        if cutlass.const_expr(self.pipelined):
+            # items u-major (item = group * RB + row block), as moe_w13.
+            plan = self.plans[T]
+            GPI = plan.steps_per_warp // plan.k_unroll
+            begin = (bidx * n_items) // gdim
+            total = (((bidx + 1) * n_items) // gdim - begin) * GPI
 
-            def pos_of(i, start=start, cnt=cnt):
-                return start + cutlass.min(i, cnt - 1)
+            present = [r is not None for r in x_row_slots(1, T, 0, lambda i: i)]
+            fa = new_fragments(plan, NT, present)
+            fb = new_fragments(plan, NT, present)
+            acc = new_accumulators(plan)
+            ld = (self, plan, begin, n_groups, mW, mGroupExpert, mGroupStart, gX, warp, g, q)
+            if total > 0:
+                _down_load(*ld, fa, 0)
+            for j in cutlass.range(0, total, 2, unroll=1):
+                if j + 1 < total:
+                    _down_load(*ld, fb, j + 1)
+                mma_group(plan, acc, fa)
+                if j % GPI == GPI - 1:
+                    _down_epilogue(self, plan, sP, sLast, acc, begin + j // GPI, n_groups, mWeights, mGroupStart,
+                                   mSorted, mO, mCounters, mC, tidx, warp, g, q)
+                if j + 1 < total:
+                    if j + 2 < total:
+                        _down_load(*ld, fa, j + 2)
+                    mma_group(plan, acc, fb)
+                    if (j + 1) % GPI == GPI - 1:
+                        _down_epilogue(self, plan, sP, sLast, acc, begin + (j + 1) // GPI, n_groups, mWeights,
+                                       mGroupStart, mSorted, mO, mCounters, mC, tidx, warp, g, q)
+        else:
+            for item in cutlass.range(bidx, n_items, gdim, unroll=1):
+                u = item // RB
+                rb = item % RB
+                e = mGroupExpert[u]
+                start = mGroupStart[u]
+                cnt = mGroupStart[u + 1] - start
+                gW = vector_view(expert_view(mW, e, L, I))
+                w_tiles = [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(NT)]
 
-            if cutlass.const_expr(len(self.plans) == 1):
-                plan = self.plans[T]
-                acc = new_accumulators(plan)
-                accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
-                store_partials(plan, sP, acc, warp, g, q, T)
-            else:
-                if cnt <= BATCH_PER_TILE:
-                    plan = self.plans[BATCH_PER_TILE]
-                    acc = new_accumulators(plan)
-                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, pos_of),
-                               warp, g, q)
-                    store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
-                else:
+                def pos_of(i, start=start, cnt=cnt):
+                    return start + cutlass.min(i, cnt - 1)
+
+                if cutlass.const_expr(len(self.plans) == 1):
                     plan = self.plans[T]
                     acc = new_accumulators(plan)
                     accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
                     store_partials(plan, sP, acc, warp, g, q, T)
-            cute.arch.sync_threads()
-            for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
-                idx = tidx + j * self.threads
-                b = idx // R
-                r = idx % R
-                if b < cnt:
-                    mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
-
-            # Arrival on the row block; the CTA that completes it combines it.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
-                last = i32(0)
-                if old == n_groups - 1:
-                    last = i32(1)
-                    cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
-                sLast[0] = last
-            cute.arch.sync_threads()
-            if sLast[0] == 1:
+                else:
+                    if cnt <= BATCH_PER_TILE:
+                        plan = self.plans[BATCH_PER_TILE]
+                        acc = new_accumulators(plan)
+                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, pos_of),
+                                   warp, g, q)
+                        store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
+                    else:
+                        plan = self.plans[T]
+                        acc = new_accumulators(plan)
+                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
+                        store_partials(plan, sP, acc, warp, g, q, T)
+                cute.arch.sync_threads()
                 for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
                     idx = tidx + j * self.threads
-                    if idx < R * T:
-                        t = idx // R
-                        col = rb * R + idx % R
-                        s = mWeights[t, 0] * mO[t * K, col]
-                        for k in cutlass.range_constexpr(1, K):
-                            s = s + mWeights[t, k] * mO[t * K + k, col]
-                        mC[t, col] = s.to(bf16)
+                    b = idx // R
+                    r = idx % R
+                    if b < cnt:
+                        mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
+
+                # Arrival on the row block; the CTA that completes it combines it.
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
+                    last = i32(0)
+                    if old == n_groups - 1:
+                        last = i32(1)
+                        cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
+                    sLast[0] = last
+                cute.arch.sync_threads()
+                if sLast[0] == 1:
+                    for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
+                        idx = tidx + j * self.threads
+                        if idx < R * T:
+                            t = idx // R
+                            col = rb * R + idx % R
+                            s = mWeights[t, 0] * mO[t * K, col]
+                            for k in cutlass.range_constexpr(1, K):
+                                s = s + mWeights[t, k] * mO[t * K + k, col]
+                            mC[t, col] = s.to(bf16)
+
+
+def _up_load(op, plan, begin, mW, mGroupExpert, mGroupStart, mSorted, gX, warp, g, q, frags, j):
+    """moe_w13's pipelined path: issue load group `j` of the CTA's chunk (item begin + j // GPI)."""
+    T, K, L, I, Rh, RB = op.batch, op.top_k, op.latent, op.inter, op.half_rows, op.row_blocks
+    gpi = plan.steps_per_warp // plan.k_unroll
+    item = begin + j // gpi
+    u = item // RB
+    rb = item % RB
+    gW = vector_view(expert_view(mW, mGroupExpert[u], 2 * I, L))
+    start = mGroupStart[u]
+    cnt = mGroupStart[u + 1] - start
+    nh = op.row_tiles // 2
+    w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(nh)]
+               + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(nh)])
+    rows = x_row_slots(1, T, g, lambda i: mSorted[start + cutlass.min(i, cnt - 1)] // K)
+    load_group_into(plan, frags, w_tiles, gX, rows, warp, g, q, (j % gpi) * plan.k_unroll)
+
+
+def _down_load(op, plan, begin, n_groups, mW, mGroupExpert, mGroupStart, gX, warp, g, q, frags, j):
+    """moe_w2's pipelined path: issue load group `j` of the CTA's chunk (item begin + j // GPI)."""
+    T, L, I, R = op.batch, op.latent, op.inter, op.rows_per_cta
+    gpi = plan.steps_per_warp // plan.k_unroll
+    item = begin + j // gpi
+    u = item // op.row_blocks
+    rb = item % op.row_blocks
+    gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
+    start = mGroupStart[u]
+    cnt = mGroupStart[u + 1] - start
+    rows = x_row_slots(1, T, g, lambda i: start + cutlass.min(i, cnt - 1))
+    load_group_into(plan, frags, [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(op.row_tiles)], gX, rows,
+                    warp, g, q, (j % gpi) * plan.k_unroll)
+
+
+@cute.jit
+def _up_epilogue(op, plan, sP, acc, item, mGroupStart, mAct, tidx, warp, g, q):
+    """moe_w13's pipelined path: reduce and store one finished item (group, row block), and clear
+    the accumulators for the next."""
+    T, Rh, W, RB = op.batch, op.half_rows, op.warps, op.row_blocks
+    u = item // RB
+    rb = item % RB
+    start = mGroupStart[u]
+    cnt = mGroupStart[u + 1] - start
+    store_partials(plan, sP, acc, warp, g, q, T)
+    zero_accumulators(plan, acc)
+    cute.arch.sync_threads()
+    for j in cutlass.range_constexpr(ceil_div(Rh * T, op.threads)):
+        idx = tidx + j * op.threads
+        b = idx // Rh
+        r = idx % Rh
+        if b < cnt:
+            gv = sum_partials(sP, r, b, W)
+            uv = sum_partials(sP, Rh + r, b, W)
+            mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(cutlass.BFloat16)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def _down_epilogue(op, plan, sP, sLast, acc, item, n_groups, mWeights, mGroupStart, mSorted, mO, mCounters, mC,
+                   tidx, warp, g, q):
+    """moe_w2's pipelined path: store one finished item's o rows, arrive on its row block's counter
+    (acq_rel, after a CTA barrier); the CTA that completes the row block resets the counter and
+    combines it (the per-item path's epilogue)."""
+    T, K, R, W, RB = op.batch, op.top_k, op.rows_per_cta, op.warps, op.row_blocks
+    i32 = cutlass.Int32
+    u = item // RB
+    rb = item % RB
+    start = mGroupStart[u]
+    cnt = mGroupStart[u + 1] - start
+    store_partials(plan, sP, acc, warp, g, q, T)
+    zero_accumulators(plan, acc)
+    cute.arch.sync_threads()
+    for j in cutlass.range_constexpr(ceil_div(R * T, op.threads)):
+        idx = tidx + j * op.threads
+        b = idx // R
+        r = idx % R
+        if b < cnt:
+            mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
+    # Arrival on the row block (one per item: the race audit wants every write of o published in
+    # the iteration that wrote it); the CTA that completes the row block combines it.
+    cute.arch.sync_threads()
+    if tidx == 0:
+        old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
+        last = i32(0)
+        if old == n_groups - 1:
+            last = i32(1)
+            # Every item of the row block has arrived: nothing reads the counter again this launch.
+            cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
+        sLast[0] = last
+    cute.arch.sync_threads()
+    if sLast[0] == 1:
+        for j in cutlass.range_constexpr(ceil_div(R * T, op.threads)):
+            idx = tidx + j * op.threads
+            if idx < R * T:
+                t = idx // R
+                col = rb * R + idx % R
+                s = mWeights[t, 0] * mO[t * K, col]
+                for k in cutlass.range_constexpr(1, K):
+                    s = s + mWeights[t, k] * mO[t * K + k, col]
+                mC[t, col] = s.to(cutlass.BFloat16)

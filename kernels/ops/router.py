@@ -82,6 +82,14 @@ def routing_groups_ref(ids, n_experts: int):
     }
 
 
+def _token_count(sMask, e, E: int, words: int):
+    """How many tokens chose expert e: the population count of its token mask."""
+    c = cute.arch.popc(sMask[e])
+    for w in range(1, words):
+        c = c + cute.arch.popc(sMask[w * E + e])
+    return c
+
+
 class RouterOp(OpBase):
     """One variant of the router: shape {"batch", "n_experts", "hidden", "top_k"} plus tunables;
     `scale` (routed_scale) is baked in (default 1.0)."""
@@ -134,8 +142,11 @@ class RouterOp(OpBase):
         self.groups = min(self.slots, self.n_experts)
         self.per_lane = ceil_div(self.n_experts, WARP)
         self.pb = padded_batch(self.batch)
+        self.mask_words = ceil_div(self.batch, WARP)  # per expert: a bit per token
         self.smem_bytes = (self.partial_rows * self.pb * self.warps * 4 + 16
-                           + 2 * ceil_div(self.slots * 4, 16) * 16 + 64)
+                           + 2 * ceil_div(self.slots * 4, 16) * 16
+                           + ceil_div(self.mask_words * self.n_experts * 4, 16) * 16
+                           + ceil_div(self.n_experts * 4, 16) * 16 + 64)
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -189,6 +200,8 @@ class RouterOp(OpBase):
         NT = self.row_tiles
         TK = self.slots
         V = self.per_lane
+        MW = self.mask_words
+        CH = self.per_lane
         f32 = cutlass.Float32
         i32 = cutlass.Int32
         neg_inf = f32(float("-inf"))
@@ -205,7 +218,9 @@ class RouterOp(OpBase):
         sP = smem.allocate_tensor(f32, partials_layout(self.partial_rows, self.pb, W), byte_alignment=16)
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         sIds = smem.allocate_tensor(i32, cute.make_layout(TK), byte_alignment=16)
-        sLead = smem.allocate_tensor(i32, cute.make_layout(TK), byte_alignment=16)
+        sSel = smem.allocate_tensor(f32, cute.make_layout(TK), byte_alignment=16)
+        sMask = smem.allocate_tensor(i32, cute.make_layout(MW * E), byte_alignment=16)
+        sStart = smem.allocate_tensor(i32, cute.make_layout(E), byte_alignment=16)
 
         if bidx < self.ctas:
             # --- phase 1: this CTA's logits ------------------------------------------------------
@@ -236,88 +251,99 @@ class RouterOp(OpBase):
                 sLast[0] = last
             cute.arch.sync_threads()
             if sLast[0] == 1:
+                for i in cutlass.range(tidx, MW * E, self.threads, unroll=1):
+                    sMask[i] = i32(0)
+                cute.arch.sync_threads()
                 # --- top-k: one warp per token ---------------------------------------------------
                 for t in cutlass.range(warp, T, W, unroll=1):
                     vals = cute.make_rmem_tensor(cute.make_layout(V), f32)
-                    scores = cute.make_rmem_tensor(cute.make_layout(V), f32)
                     for i in cutlass.range_constexpr(V):
                         vals[i] = neg_inf
-                        scores[i] = f32(0.0)
                         if lane + i * WARP < E:
-                            s = sigmoid(mLogits[t, lane + i * WARP])
-                            scores[i] = s
-                            vals[i] = s + mBias[lane + i * WARP]
-                    sel_s = cute.make_rmem_tensor(cute.make_layout(K), f32)
-                    sel_i = cute.make_rmem_tensor(cute.make_layout(K), i32)
+                            vals[i] = sigmoid(mLogits[t, lane + i * WARP]) + mBias[lane + i * WARP]
+                    total = f32(0.0)
                     for j in cutlass.range_constexpr(K):
                         bv = neg_inf
                         bi = i32(E)
-                        bs = f32(0.0)
                         for i in cutlass.range_constexpr(V):  # ascending index: strict > keeps the lowest
                             if vals[i] > bv:
                                 bv = vals[i]
                                 bi = lane + i * WARP
-                                bs = scores[i]
                         for sh in cutlass.range_constexpr(5):
                             ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
                             oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
-                            os_ = cute.arch.shuffle_sync_bfly(bs, offset=16 >> sh)
                             if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
                                 bv = ov
                                 bi = oi
-                                bs = os_
                         for i in cutlass.range_constexpr(V):
                             if lane + i * WARP == bi:
                                 vals[i] = neg_inf
-                        sel_s[j] = bs
-                        sel_i[j] = bi
-                    total = sel_s[0]
-                    for j in cutlass.range_constexpr(1, K):
-                        total = total + sel_s[j]
+                        # the unbiased score again (same input, same function: bitwise the one
+                        # that was ranked), rather than carrying every lane's scores in registers
+                        bs = sigmoid(mLogits[t, bi])
+                        total = total + bs
+                        if lane == 0:
+                            mIds[t, j] = bi
+                            sIds[t * K + j] = bi
+                            sSel[t * K + j] = bs
+                            # token t's bit in expert bi's token mask (a token's experts are distinct)
+                            cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + bi, i32(1) << (t % WARP))
                     total = total + f32(WEIGHT_EPS)
                     if lane == 0:
                         for j in cutlass.range_constexpr(K):
-                            mIds[t, j] = sel_i[j]
-                            mWeights[t, j] = sel_s[j] / total * f32(self.scale)
-                            sIds[t * K + j] = sel_i[j]
+                            mWeights[t, j] = sSel[t * K + j] / total * f32(self.scale)
                 cute.arch.sync_threads()
 
-                # --- grouping by expert, pass 1: sorted position and group leaders ---------------
+                # --- grouping by expert: a counting sort over the token masks --------------------
+                # Warp 0: each lane takes CH consecutive experts; counts and group flags are
+                # scanned across the lanes, so expert e's slots start at sStart[e] and its group
+                # index is the number of lower experts chosen.
+                if warp == 0:
+                    slots_here = i32(0)
+                    groups_here = i32(0)
+                    for i in cutlass.range_constexpr(CH):
+                        e = lane * CH + i
+                        if e < E:
+                            c = _token_count(sMask, e, E, MW)
+                            slots_here = slots_here + c
+                            if c > 0:
+                                groups_here = groups_here + 1
+                    slots_incl = slots_here
+                    groups_incl = groups_here
+                    for sh in cutlass.range_constexpr(5):
+                        os_ = cute.arch.shuffle_sync_up(slots_incl, offset=1 << sh)
+                        og = cute.arch.shuffle_sync_up(groups_incl, offset=1 << sh)
+                        if lane >= (1 << sh):
+                            slots_incl = slots_incl + os_
+                            groups_incl = groups_incl + og
+                    pos = slots_incl - slots_here
+                    u = groups_incl - groups_here
+                    for i in cutlass.range_constexpr(CH):
+                        e = lane * CH + i
+                        if e < E:
+                            c = _token_count(sMask, e, E, MW)
+                            sStart[e] = pos
+                            if c > 0:
+                                mGroupExpert[u] = e
+                                mGroupStart[u] = pos
+                                u = u + 1
+                            pos = pos + c
+                    if lane == WARP - 1:
+                        mNGroups[0] = u
+                        mGroupStart[u] = i32(TK)
+                cute.arch.sync_threads()
+                # each slot's sorted position: its expert's start plus the earlier tokens of it
                 for p in cutlass.range(tidx, TK, self.threads, unroll=1):
                     e = sIds[p]
-                    less = i32(0)
-                    before = i32(0)
-                    for p2 in cutlass.range(TK, unroll=1):
-                        e2 = sIds[p2]
-                        if e2 < e:
-                            less = less + 1
-                        if cutlass.and_(e2 == e, p2 < p):
-                            before = before + 1
-                    mSorted[less + before] = p
-                    lead = i32(0)
-                    if before == 0:
-                        lead = i32(1)
-                    sLead[p] = lead
-                cute.arch.sync_threads()
-                # --- pass 2: each leader's group index, start, and the last group's end ----------
-                for p in cutlass.range(tidx, TK, self.threads, unroll=1):
-                    if sLead[p] == 1:
-                        e = sIds[p]
-                        u = i32(0)
-                        less = i32(0)
-                        count = i32(0)
-                        for p2 in cutlass.range(TK, unroll=1):
-                            e2 = sIds[p2]
-                            if e2 < e:
-                                less = less + 1
-                                u = u + sLead[p2]
-                            if e2 == e:
-                                count = count + 1
-                        mGroupExpert[u] = e
-                        mGroupStart[u] = less
-                        if less + count == TK:
-                            mNGroups[0] = u + 1
-                            mGroupStart[u + 1] = i32(TK)
+                    t = p // K
+                    rank = i32(0)
+                    for w in cutlass.range_constexpr(MW):
+                        m = sMask[w * E + e]
+                        if t >= (w + 1) * WARP:
+                            rank = rank + cute.arch.popc(m)
+                        elif t > w * WARP:
+                            rank = rank + cute.arch.popc(m & ((i32(1) << (t - w * WARP)) - 1))
+                    mSorted[sStart[e] + rank] = p
 
         else:
             # --- down CTAs: z = h @ W_down.T for 16 rows --------------------------------------
