@@ -473,17 +473,6 @@ def gpu(out_dir: Path, batches) -> int:
     res = {"commit": plan_doc["commit"], "env": gpu_environment(), "variants": plan_doc["entries"]}
     path = out_dir / "explore.json"
     t0 = time.time()
-    san = find_sanitizer()
-    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
-                        .stdout.strip().splitlines()[-1:] if san else None}
-    mini = ["mini_router", "mini_moe_w13_p0", "mini_moe_w2_p0", "mini_moe_w13_p1", "mini_moe_w2_p1"]
-    child_cmd = [sys.executable, "scripts/block_explore.py", "child"]
-    res["sanitizers"] = {}
-    for tool in TOOLS:
-        r = run_tool(tool, child_cmd, mini, timeout_s=90, log_path=out_dir / "sanitizers.log", sanitizer=san)
-        res["sanitizers"][tool] = r.to_dict()
-        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
-        path.write_text(json.dumps(res, indent=1, default=str))
     res["ceiling_read"] = read_bandwidth(reps=10)
     read_tbps = res["ceiling_read"]["tbps"]
     print(f"read-only {read_tbps:.3f} TB/s ({time.time() - t0:.0f} s)", flush=True)
@@ -494,6 +483,18 @@ def gpu(out_dir: Path, batches) -> int:
 
         res["error"] = traceback.format_exc()[-3000:]
         print(res["error"], flush=True)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    san = find_sanitizer()
+    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
+                        .stdout.strip().splitlines()[-1:] if san else None}
+    mini = ["mini_router", "mini_moe_w13_p0", "mini_moe_w2_p0", "mini_moe_w13_p1", "mini_moe_w2_p1"]
+    child_cmd = [sys.executable, "scripts/block_explore.py", "child"]
+    res["sanitizers"] = {}
+    for tool in TOOLS:
+        r = run_tool(tool, child_cmd, mini, timeout_s=45, log_path=out_dir / "sanitizers.log", sanitizer=san)
+        res["sanitizers"][tool] = r.to_dict()
+        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+        path.write_text(json.dumps(res, indent=1, default=str))
     path.write_text(json.dumps(res, indent=1, default=str))
     print(f"done ({time.time() - t0:.0f} s) -> {path}")
     return 0
