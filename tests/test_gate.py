@@ -56,6 +56,25 @@ def test_clean_one_kernel_change_with_bound_evidence_passes(signed_repo, tmp_pat
     assert "fasttrack gate: pass" in written["pr_comment.md"].read_text()
 
 
+def test_verdict_names_build_folders_relative_to_the_repository(signed_repo, tmp_path):
+    # A verdict is committed as evidence: it must name no absolute path of the machine that ran it.
+    import dataclasses
+
+    root, base, priv = signed_repo
+    change_alpha(root)
+    built = fake_builder(root)("alpha")
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base), priv))
+    head = commit(root, "alpha: faster")
+    inside = [dataclasses.replace(b, build_dir=str(root / "build" / "alpha" / f"k{i}")) for i, b in enumerate(built)]
+    from validation.gate import AuditOutcome
+
+    v = gate(root, base, head, builder=lambda k: inside, auditor=lambda k, b: AuditOutcome("pass", "clean"))
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert [b["build_dir"] for b in v.build] == ["build/alpha/k0", "build/alpha/k1"]
+    data = json.loads(write_outputs(v, tmp_path / "out")["verdict.json"].read_text())
+    assert str(root) not in json.dumps(data["build"])
+
+
 @pytest.mark.parametrize("what, expect", [
     ("two kernels", ("multiple-kernels", "", "touches 2 kernels (alpha: kernels/ops/alpha.py; beta: kernels/ops/beta.py)")),
     ("reference", ("protected-path", "kernels/reference.py", "reference")),

@@ -365,6 +365,18 @@ Builder = Callable[[str], list[BuiltVariant]]
 Auditor = Callable[[str, list], AuditOutcome]
 
 
+def _repo_relative_build(entry: dict, repo_root: Path) -> dict:
+    """A rebuilt variant as the verdict records it: its build folder relative to the repository
+    when it lies inside it, so a committed verdict names no path of the machine that ran it."""
+    d = entry.get("build_dir")
+    if d:
+        try:
+            entry["build_dir"] = Path(d).resolve().relative_to(repo_root.resolve()).as_posix()
+        except ValueError:
+            pass
+    return entry
+
+
 def default_builder(repo_root: Path, manifest=None) -> Builder:
     """A builder of every manifest variant of a kernel with kernels/build.py (default tunables),
     compiling the sources of the checkout at `repo_root` into its `build/` cache."""
@@ -554,7 +566,7 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
             built.extend(builder(k))
         except KernelBuildFailed as e:
             fails.append(f"kernel {k} does not build: {e}")
-    v.build = [asdict(b) for b in built]
+    v.build = [_repo_relative_build(asdict(b), Path(r.working_tree_dir)) for b in built]
     if fails:
         v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
         return v
