@@ -169,6 +169,7 @@ def test_tuner_commits_the_measured_best_defaults(tmp_path, capsys):
     assert module_defaults(git(repo, "show", f"{branch}:kernels/ops/toy.py")) == {"threads": 256, "unroll": 4}
     rfc = tomllib.loads(git(repo, "show", f"{branch}:evidence_reports/{run_id}/rfc.toml"))
     assert rfc["claim"]["speedup"] is True and "NVIDIA H200" in rfc["summary"]
+    assert "'threads': 256, 'unroll': 4" not in rfc["alternatives"]  # the chosen setting is no alternative
     tuning = json.loads(git(repo, "show", f"{branch}:evidence_reports/{run_id}/tuning.json"))
     assert tuning["decision"]["chosen"] == {"threads": 256, "unroll": 4} and tuning["rounds"]
 

@@ -426,8 +426,10 @@ class TunerProposer:
                       "load can reorder close candidates. A different work split changes the fp32 "
                       "summation order, so outputs may differ in the last bits from the old defaults."),
             "rollback": "Any SLOW verdict at any batch size in the validation benchmark, or a numerics failure.",
-            "alternatives": "; ".join(f"{c['tunables']}: {c['relative_time']:.3f}x"
-                                      for c in self.report["rounds"][-1]["candidates"][:5]),
+            "alternatives": "Other settings of the last round, time relative to the defaults: " + (
+                "; ".join(f"{c['tunables']}: {c['relative_time']:.3f}x" for c in [
+                    c for c in self.report["rounds"][-1]["candidates"] if c["tunables"] != decision["chosen"]][:5])
+                or "none"),
             "questions": "",
         }
 
