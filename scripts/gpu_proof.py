@@ -7,8 +7,10 @@ Two steps, on two hosts:
   PYTHONPATH=. python scripts/gpu_proof.py run --out DIR   # GPU host (no DSL): check and time
 
 `plan` builds every manifest variant of the two kernels (default tunables; `--sweep` adds the
-tunable variants listed in SWEEP) with kernels/build and writes build/proof_plan.json: each
-case's build folder, cubin sha256, build key, and the commit the sources came from. `run` loads
+tunable variants listed in SWEEP; `--include OLD_PLAN` adds an earlier plan's cases whose build
+folders still exist, to time an earlier design side by side) with kernels/build and writes
+build/proof_plan.json: each case's build folder, cubin sha256, build key, and the commit the
+sources came from. `run` loads
 those cubins through kernels/launch and, per case:
   * numerics: fresh random inputs (two draws, normal and uniform, never zeros), the output
     poisoned with NaN first and checked fully written, compared with the float64 oracle
@@ -47,12 +49,24 @@ PLAN_PATH = Path("build") / "proof_plan.json"
 KERNELS = ("rmsnorm", "gemv")
 SCHEMA = "fasttrack.gpu_proof/1"
 
-# Tunable variants `plan --sweep` adds: (kernel, batches, tunable grid).
+# Tunable variants `plan --sweep` adds: (kernel, batches, tunable grid, problems or None for all).
+# This round (decode GEMM round 3): the batch-1 stream's register ping-pong, CTA shapes and
+# evenly filled split-K grids; the tiled design's cp.async x ring depth, grid size and tile shape.
+_GEMV_51MB = [{"n": 3584, "k": 7168}, {"n": 7168, "k": 3584}]
+_ROUTER = [{"n": 896, "k": 7168}]
 SWEEP = [
-    ("gemv", [1], {"warps_per_cta": [8, 16], "row_tiles": [1, 2], "k_unroll": [4, 8], "prefetch": [0, 1]}),
-    ("gemv", [8, 16], {"warps_per_cta": [8], "row_tiles": [1, 2], "k_unroll": [2, 4], "prefetch": [1]}),
-    ("gemv", [64], {"warps_per_cta": [4, 8], "row_tiles": [2, 4], "k_unroll": [1, 2], "prefetch": [1]}),
-    ("rmsnorm", [1, 64], {"threads": [64, 128, 224, 448]}),
+    ("gemv", [1], {"prefetch": [0, 2]}, _GEMV_51MB),
+    ("gemv", [1], {"prefetch": [2], "warps_per_cta": [4, 16]}, _GEMV_51MB),
+    ("gemv", [1], {"prefetch": [2], "row_tiles": [4]}, _GEMV_51MB),
+    ("gemv", [1], {"prefetch": [2], "k_unroll": [4]}, _GEMV_51MB),
+    ("gemv", [1], {"tiled_from_batch": [1], "tile_min_ctas": [132, 264, 396]}, _GEMV_51MB),
+    ("gemv", [16], {"tiled_from_batch": [16], "tile_stages": [3, 4]}, _GEMV_51MB),
+    ("gemv", [32, 64], {"tile_stages": [2, 4]}, _GEMV_51MB),
+    ("gemv", [32, 64], {"tile_min_ctas": [132, 396]}, _GEMV_51MB),
+    ("gemv", [64], {"tile_warps": [8]}, _GEMV_51MB),
+    ("gemv", [64], {"tile_row_tiles": [4]}, _GEMV_51MB),
+    ("gemv", [32, 64], {"tile_min_ctas": [132, 528]}, _ROUTER),
+    ("rmsnorm", [1, 64], {"threads": [64, 128, 224, 448]}, None),
 ]
 
 
@@ -71,14 +85,13 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _sweep_variants(spec, batches, grid):
-    from kernels.manifest import load_manifest  # noqa: F401 (spec already loaded)
-
+def _sweep_variants(spec, batches, grid, problems=None):
     names = list(grid)
     for combo in itertools.product(*(grid[n] for n in names)):
         tun = dict(zip(names, combo))
         for shape in spec.shapes:
-            if shape["batch"] in batches:
+            if shape["batch"] in batches and (problems is None or any(
+                    all(shape.get(k) == v for k, v in prob.items()) for prob in problems)):
                 yield dict(shape), tun
 
 
@@ -93,12 +106,12 @@ def plan(args) -> int:
     for k in args.kernels:
         groups.append((k, [dict(s) for s in man.kernel(k).shapes], {}))
     if args.sweep:
-        for k, batches, grid in SWEEP:
+        for k, batches, grid, problems in SWEEP:
             if k not in args.kernels:
                 continue
             spec = man.kernel(k)
             by_tun: dict[str, tuple[dict, list]] = {}
-            for shape, tun in _sweep_variants(spec, batches, grid):
+            for shape, tun in _sweep_variants(spec, batches, grid, problems):
                 full = resolve_tunables(spec, tun)
                 try:  # skip combinations the op rejects (e.g. shared memory over the limit)
                     resolve_op(spec.op)(shape, **full)
@@ -134,6 +147,8 @@ def plan(args) -> int:
                 "registers": a.meta["resources"]["registers"],
                 "spill_bytes": a.meta["resources"]["spill_store_bytes"] + a.meta["resources"]["spill_load_bytes"],
             })
+    for old_plan in args.include or []:
+        cases += _included_cases(Path(old_plan), args.kernels, seen)
     dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")
     out = {
         "schema": SCHEMA + "#plan",
@@ -148,6 +163,25 @@ def plan(args) -> int:
     print(f"plan: {len(cases)} cases in {time.time() - t0:.0f} s -> {path}"
           f"{' (sources dirty: uncommitted changes)' if dirty else ''}")
     return 0
+
+
+def _included_cases(path: Path, kernels, seen: set) -> list[dict]:
+    """An earlier plan's cases (for side-by-side timing of an earlier design): each keeps its own
+    build folder, hashes and tunables, is marked `from_plan` with that plan's commit and never
+    counts as a default variant. Raises ProofError when the plan or one of its folders is gone."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ProofError(f"cannot read the plan to include, {path}: {e}") from None
+    out = []
+    for c in doc.get("cases", []):
+        if c["kernel"] not in kernels or c["build_key"] in seen:
+            continue
+        if not (REPO / c["dir"]).is_dir():
+            raise ProofError(f"{path}: build folder {c['dir']} is missing (rebuild it at commit {doc.get('commit')})")
+        seen.add(c["build_key"])
+        out.append({**c, "default_tunables": False, "from_plan": doc.get("commit")})
+    return out
 
 
 # -- run (GPU host) --------------------------------------------------------------------------
@@ -210,7 +244,9 @@ def run(args) -> int:
 
     torch_cache: dict[str, dict] = {}
     for i, entry in enumerate(cases):
-        case = case_types[entry["kernel"]](entry["shape"])
+        # The case sizes its scratch (split-K partials, counters) for the variant's tunables.
+        case = (GemvCase(entry["shape"], entry["tunables"]) if entry["kernel"] == "gemv"
+                else case_types[entry["kernel"]](entry["shape"]))
         d = REPO / entry["dir"]
         if not d.is_dir():
             raise ProofError(f"build folder {entry['dir']} is missing: carry `build` with the run")
@@ -219,6 +255,8 @@ def run(args) -> int:
             raise ProofError(f"{entry['dir']}: cubin sha256 differs from the plan's")
         row = {k: entry[k] for k in ("kernel", "shape", "tunables", "default_tunables", "build_key",
                                      "cubin_sha256", "registers", "spill_bytes")}
+        if entry.get("from_plan"):
+            row["from_plan"] = entry["from_plan"]
         try:
             row["numerics"] = check_numerics(kern, case)
             key = json.dumps([entry["kernel"], entry["shape"]], sort_keys=True)
@@ -255,6 +293,7 @@ def summary_table(doc: dict, *, best_only: bool = True) -> str:
     from benchmarks.common import format_table
 
     rows = []
+    defaults = {c["kernel"]: c["tunables"] for c in doc["cases"] if c.get("default_tunables")}
     for c in doc["cases"]:
         if "error" in c:
             rows.append({"case": _label(c), "err": c["error"][:40]})
@@ -262,7 +301,7 @@ def summary_table(doc: dict, *, best_only: bool = True) -> str:
         tr = max(c["numerics"]["trials"], key=lambda t: t["kernel"]["rel_fro"])
         g, st = c["graph"], c["stream"]
         rows.append({
-            "case": _label(c), "tun": "" if c["default_tunables"] else _tun(c["tunables"]),
+            "case": _label(c), "tun": _tun(c, defaults.get(c["kernel"], {})),
             "us": g["us"], "torch_us": g["torch_us"], "tbps": g["tbps"], "read": g["fraction_of_read"],
             "x": g["speedup_vs_torch"], "sus": st["us"], "sx": st["speedup_vs_torch"],
             "rel": tr["kernel"]["rel_fro"], "trel": tr["torch_path"]["rel_fro"],
@@ -286,9 +325,17 @@ def _label(c: dict) -> str:
     return f"rmsnorm b{s['batch']} w{s['width']}"
 
 
-def _tun(t: dict) -> str:
-    short = {"warps_per_cta": "w", "row_tiles": "r", "k_unroll": "u", "prefetch": "p", "threads": "t"}
-    return " ".join(f"{short.get(k, k)}{v}" for k, v in t.items())
+def _tun(case: dict, defaults: dict) -> str:
+    """The tunables that differ from this run's defaults ('' for a default variant); an earlier
+    plan's case is prefixed with its commit."""
+    short = {"warps_per_cta": "w", "row_tiles": "r", "k_unroll": "u", "prefetch": "p", "threads": "t",
+             "tiled_from_batch": "tb", "tile_warps": "tw", "tile_row_tiles": "tr", "tile_k_unroll": "tu",
+             "tile_min_ctas": "mc", "tile_stages": "st"}
+    t = case["tunables"]
+    diff = " ".join(f"{short.get(k, k)}{v}" for k, v in t.items() if defaults.get(k) != v)
+    if case.get("from_plan"):
+        return f"@{case['from_plan'][:7]} {diff}".strip()
+    return "" if case.get("default_tunables") else diff
 
 
 def main(argv=None) -> int:
@@ -299,6 +346,8 @@ def main(argv=None) -> int:
     pp.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     pp.add_argument("--root", default="build", help="build cache root (default: build)")
     pp.add_argument("--out", default=str(PLAN_PATH))
+    pp.add_argument("--include", nargs="*", metavar="OLD_PLAN",
+                    help="also list an earlier plan's cases (their build folders must exist)")
     pr = sub.add_parser("run", help="check and time the plan's cubins (GPU host, no DSL)")
     pr.add_argument("--plan", default=str(PLAN_PATH))
     pr.add_argument("--out", required=True, help="folder for gpu_proof.json")
