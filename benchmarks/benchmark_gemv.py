@@ -149,7 +149,8 @@ def main(argv=None) -> int:
 def _short(t: dict) -> str:
     """Tunables in a few characters: the tiled design's when it applies, else the small-batch one's."""
     keys = {"warps_per_cta": "w", "row_tiles": "r", "k_unroll": "u", "prefetch": "p", "tiled_from_batch": "tb",
-            "tile_warps": "tw", "tile_row_tiles": "tr", "tile_k_unroll": "tu", "tile_min_ctas": "mc"}
+            "tile_warps": "tw", "tile_row_tiles": "tr", "tile_k_unroll": "tu", "tile_min_ctas": "mc",
+            "k_order": "ko"}
     return " ".join(f"{keys.get(k, k)}{v}" for k, v in t.items())
 
 

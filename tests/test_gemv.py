@@ -59,6 +59,7 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 1, "n": 64, "k": 512, "out_dtype": "float16"}, {}, "out_dtype"),
     ({"batch": 1, "n": 64}, {}, "missing"),
     ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
+    ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 3}, "prefetch must be"),
 ])
 def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -80,14 +81,12 @@ def test_tunables_adapt_to_the_batch():
 
 
 def test_tiled_design_from_batch_32():
-    """From batch 32: 4 warps x 2 row tiles = 64 rows per CTA, x in a three-slot shared ring,
+    """From batch 32: 4 warps x 2 row tiles = 64 rows per CTA, x in a two-slot shared ring,
     k split over the fewest CTAs that reach 264 (a divisor of the k groups)."""
     b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168})
     assert b64.tiled and (b64.warps, b64.row_tiles, b64.rows_per_cta, b64.k_unroll) == (4, 2, 64, 4)
     assert b64.splits == 7 and b64.launch_config().grid == (7, 56, 1)  # 56 x 5 = 280 would not divide 56 groups
-    assert b64.stages == 3 and b64.smem_bytes == 3 * 64 * (128 + 32) * 2 + 16  # rows padded to an odd multiple of 64 B
-    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, tile_k_unroll=8, tile_stages=4)
-    assert deep.k_unroll == 4 and deep.smem_bytes <= G.TILED_SMEM_LIMIT + 16  # groups shrink to fit the ring
+    assert b64.smem_bytes == 2 * 64 * (128 + 32) * 2 + 16  # rows padded to an odd multiple of 64 B
     router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"})
     assert router.splits == 28 and router.k_chunk == 256  # 14 row blocks x 28 = 392 >= 264
     wide = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
@@ -97,8 +96,6 @@ def test_tiled_design_from_batch_32():
     assert G.GemvOp({"batch": 32, "n": 8, "k": 256}).rows_per_cta == 8  # rows shrink to divide n
     with pytest.raises(ValueError, match="multiple of 128"):
         G.GemvOp({"batch": 32, "n": 64, "k": 96})
-    with pytest.raises(ValueError, match="tile_stages"):
-        G.GemvOp({"batch": 32, "n": 64, "k": 128}, tile_stages=1)
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
@@ -129,52 +126,52 @@ def test_op_module_imports_without_the_dsl():
 
 @pytest.mark.slow
 def test_ptx_of_the_tiled_design(tmp_path):
-    """Batch 20 (a partly filled second batch tile), 2 splits, 5 groups: mma, 16-byte global
-    loads only, all of them nc for W (x arrives in shared memory by 16-byte cp.async, one commit
-    group per x group, waited for before the barrier that publishes it), the acq_rel arrival and
-    the release reset of the counter, no local memory."""
+    """Batch 20 (a partly filled second batch tile), 2 splits: mma, 16-byte global loads only
+    (nc for W alone), x through shared memory, the acq_rel arrival and the release reset of the
+    counter, no local memory."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
 
-    op = G.GemvOp({"batch": 20, "n": 128, "k": 1280}, tiled_from_batch=16, tile_min_ctas=4)
-    assert (op.tiled, op.splits, op.rows_per_cta, op.groups, op.stages) == (True, 2, 64, 5, 3)
+    op = G.GemvOp({"batch": 20, "n": 128, "k": 512}, tiled_from_batch=16, tile_min_ctas=4)
+    assert (op.tiled, op.splits, op.rows_per_cta, op.groups) == (True, 2, 64, 2)
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
     assert loads and all(l.endswith(".v4.b32") or l.endswith(".v4.f32") for l in loads), set(loads)
-    # W: 4 steps x 2 row tiles per lane and group, loaded for the first group, in the loop's
-    # two unrolled iterations (ping-pong) and not in the peeled last one.
-    assert sum(l.startswith("ld.global.nc") for l in loads) == 3 * 8
-    # x: 20 rows x 16 vectors / 128 threads = 3 cp.async per group: 2 groups in the prologue,
-    # 2 in the loop body, none in the last iteration (past the last group).
-    cp = [l.split()[0].rstrip(";") for l in ptx.splitlines() if l.strip().startswith("cp.async")]
-    assert cp.count("cp.async.cg.shared.global") == 3 * 4
-    assert cp.count("cp.async.commit_group") == 2 + 3 and cp.count("cp.async.wait_group") == 3 + 1
-    assert "ld.shared.v4" in ptx and "st.shared.v4" not in ptx
+    # W: 2 groups x 4 steps x 2 row tiles per lane; x: 20 rows x 16 vectors / 128 threads = 3 per group.
+    assert sum(l.startswith("ld.global.nc") for l in loads) == 16
+    assert "ld.shared.v4" in ptx and "st.shared.v4" in ptx
     assert "atom.global.acq_rel.add" in ptx  # no scope suffix: gpu scope, PTX's default
     assert "st.release.gpu.global" in ptx
     assert ".local" not in ptx
 
 
 @pytest.mark.slow
-def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path):
+@pytest.mark.parametrize("prefetch, k_order", [(1, 0), (2, 1)])
+def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
     """Batch 3 (a partly filled batch tile), two row tiles, a k-step tail: the PTX must hold the
     bf16 m16n8k16 mma, 16-byte loads only, read-only (nc) loads for W and plain loads for x,
-    and no local memory."""
+    and no local memory; with either load pipeline (copied registers or ping-pong buffers) and
+    either k order across warps."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
 
-    op = G.GemvOp({"batch": 3, "n": 2112, "k": 640}, warps_per_cta=2, row_tiles=2, k_unroll=4, prefetch=1)
-    assert (op.row_tiles, op.k_unroll, op.steps_per_warp) == (2, 4, 10)
+    op = G.GemvOp({"batch": 3, "n": 2112, "k": 1408}, warps_per_cta=2, row_tiles=2, k_unroll=4,
+                  prefetch=prefetch, k_order=k_order)
+    assert (op.row_tiles, op.k_unroll, op.steps_per_warp) == (2, 4, 22)
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
     assert loads and all(l.endswith(".v4.b32") for l in loads), set(loads)
-    # 10 steps per warp, 2 row tiles: 20 W vectors; x: one vector per step (batch 3 < 8).
-    assert sum(l.startswith("ld.global.nc") for l in loads) == 20
-    assert sum(not l.startswith("ld.global.nc") for l in loads) == 10
+    # 5 groups of 4 steps + a 2-step tail per warp. Copied registers: the first group, one in
+    # the loop body, the tail. Ping-pong: the first group, two in the (twice unrolled) loop
+    # body, none peeled (5 groups: 2 pairs + the last, already loaded), the tail.
+    groups_in_code = {1: 2, 2: 3}[prefetch]
+    w_loads = (groups_in_code * 4 + 2) * 2  # steps x 2 row tiles
+    assert sum(l.startswith("ld.global.nc") for l in loads) == w_loads
+    assert sum(not l.startswith("ld.global.nc") for l in loads) == w_loads // 2  # one x vector per step
     assert ".local" not in ptx
 
 

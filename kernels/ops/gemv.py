@@ -20,10 +20,13 @@ Layout of one warp's work, per 32-wide k step:
 
 Two designs, chosen at build time from the batch (`tiled_from_batch`, default 32):
   * small batches: a CTA owns `8 * row_tiles` weight rows (doubled past batch 16); its warps
-    split k (interleaved 32-wide steps); each warp issues its loads in groups of up to
-    `k_unroll` steps and, with `prefetch`, issues the next group before the current group's mmas,
-    so two groups are in flight; x comes straight from global memory (a few KB, L1/L2 hits);
-    the partial sums meet in shared memory, summed in warp order. See `_plan_warp_k`.
+    split k (`k_order` 0: interleaved 32-wide steps, 1: one contiguous run per warp); each warp
+    issues its loads in groups of up to `k_unroll` steps and, with `prefetch` 1, issues the next
+    group before the current group's mmas into registers copied over at the end of the
+    iteration; `prefetch` 2 ping-pongs two register buffers instead (no copy, so the next group
+    stays in flight while the current one is consumed); x comes straight from global memory (a
+    few KB, L1/L2 hits); the partial sums meet in shared memory, summed in warp order. See
+    `_plan_warp_k`.
   * larger batches ("tiled"): every CTA re-reading all of x is what made the first design slower
     than cuBLAS from batch 16 on, so here x is staged once per CTA in a two-slot shared-memory
     ring and read by all warps, which split the rows (64 per CTA by default) instead of k; k is
@@ -60,9 +63,9 @@ FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1,
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1, "k_order": 0,
                     "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
-                    "tile_min_ctas": 264, "tile_stages": 3}
+                    "tile_min_ctas": 264}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -86,6 +89,7 @@ class GemvOp(OpBase):
         row_tiles = int(self.tunables["row_tiles"])
         k_unroll = int(self.tunables["k_unroll"])
         self.prefetch = int(self.tunables["prefetch"])
+        self.k_order = int(self.tunables["k_order"])
 
         if self.out_dtype not in OUT_DTYPES:
             raise ValueError(f"gemv: out_dtype {self.out_dtype!r} not in {OUT_DTYPES}")
@@ -93,6 +97,8 @@ class GemvOp(OpBase):
             raise ValueError(f"gemv: batch {self.batch} outside 1..{MAX_BATCH}")
         if min(warps, row_tiles, k_unroll) < 1:
             raise ValueError("gemv: tunables must be positive")
+        if self.prefetch not in (0, 1, 2) or self.k_order not in (0, 1):
+            raise ValueError("gemv: prefetch must be 0, 1 or 2 and k_order 0 or 1")
 
         self.tiled = self.batch >= int(self.tunables["tiled_from_batch"])
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
@@ -150,9 +156,6 @@ class GemvOp(OpBase):
         self.warps = int(t["tile_warps"])
         self.row_tiles = int(t["tile_row_tiles"])  # per warp here
         self.k_unroll = int(t["tile_k_unroll"])
-        self.stages = int(t["tile_stages"])
-        if self.stages < 2:
-            raise ValueError("gemv: tile_stages must be at least 2")
         min_ctas = int(t["tile_min_ctas"])
         if min(self.warps, self.row_tiles, self.k_unroll, min_ctas) < 1:
             raise ValueError("gemv: tunables must be positive")
@@ -179,7 +182,7 @@ class GemvOp(OpBase):
         self.smem_bytes = self._ring_bytes() + 16  # + the last-CTA verdict
 
     def _ring_bytes(self) -> int:
-        return self.stages * self.batch * self._ring_row_elems() * 2
+        return 2 * self.batch * self._ring_row_elems() * 2
 
     def _ring_row_elems(self) -> int:
         """bf16 per x row in a ring slot: the group's k plus padding to an odd multiple of 64 B,
@@ -368,7 +371,11 @@ class GemvOp(OpBase):
         """Trace-time helper: this lane's loads for the k steps from `first` into `bufs`."""
         wv, xv = bufs
         for u in range(len(wv)):
-            kv = ((first + u) * self.warps + warp) * (K_STEP // BF16_PER_VECTOR) + q
+            if self.k_order == 1:  # warp w: one contiguous run of k steps
+                step = warp * self.steps_per_warp + first + u
+            else:  # interleaved: the CTA's warps cover one contiguous 8-step run together
+                step = (first + u) * self.warps + warp
+            kv = step * (K_STEP // BF16_PER_VECTOR) + q
             for nt in range(self.row_tiles):
                 cute.copy(w_atom, gW[(None, (row0 + nt * ROWS_PER_TILE + g, kv))], wv[u][nt])
             for j, row in enumerate(x_rows):
@@ -439,17 +446,13 @@ class GemvOp(OpBase):
         kv0 = split * (self.k_chunk // BF16_PER_VECTOR)  # first 16-byte vector of this k chunk
 
         smem = cutlass.memory.SmemAllocator()
-        sRing = smem.allocate_tensor(bf16, cute.make_layout((self.stages * B * SKP,)), byte_alignment=16)
+        sRing = smem.allocate_tensor(bf16, cute.make_layout((2 * B * SKP,)), byte_alignment=16)
         sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
         vRing = cute.zipped_divide(sRing, (BF16_PER_VECTOR,))  # ((8), vectors)
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
         gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
         w_atom = weight_load_atom(bf16)
         v_atom = coherent_copy_atom(bf16)
-        # x: global -> shared without registers (cp.async.cg: coherent at L2, bypasses L1).
-        x_atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), bf16,
-            num_bits_per_copy=128)
         mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
 
         acc = [[cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), f32) for _ in range(NT)]
@@ -457,34 +460,25 @@ class GemvOp(OpBase):
         for mb in cutlass.range_constexpr(MB):
             for nt in cutlass.range_constexpr(NT):
                 acc[mb][nt].fill(0.0)
-        c = _TiledContext(gW=gW, gX=gX, vRing=vRing, w_atom=w_atom, v_atom=v_atom, x_atom=x_atom, mma=mma, acc=acc,
+        c = _TiledContext(gW=gW, gX=gX, vRing=vRing, w_atom=w_atom, v_atom=v_atom, mma=mma, acc=acc,
                           tidx=tidx, g=g, q=q, wrow0=wrow0, kv0=kv0, x_rows=self._x_rows(g))
 
-        # --- main loop: an x ring of `stages` slots filled by cp.async, W in two register
-        # buffers (ping-pong), one CTA barrier per group ------------------------------------
-        # Group i's x is issued stages-1 groups ahead; at the top of iteration i this thread
-        # waits for its own copies of group i, and the barrier then (a) makes every thread's
-        # copies of group i visible and (b) orders every warp's reads of group i-1 before its
-        # slot is refilled with group i+stages-1. W of group i+1 is loaded before group i's mmas
-        # into the other buffer, so two W groups are in flight while the mmas wait.
-        SG = self.stages
-        for i in cutlass.range_constexpr(SG - 1):
-            if cutlass.const_expr(i < G):
-                self._t_issue_x(c, i, i)
-            cute.arch.cp_async_commit_group()
-        w_a = self._t_alloc_w()
-        w_b = self._t_alloc_w()
-        self._t_load_w(c, 0, w_a)
-        pairs = (G - 1) // 2  # pairs whose two next-group W loads are both in range
-        for p in cutlass.range(pairs, unroll=1):
-            self._t_iteration(c, 2 * p, w_a, w_b)
-            self._t_iteration(c, 2 * p + 1, w_b, w_a)
-        if cutlass.const_expr(G - 2 * pairs == 2):
-            self._t_iteration(c, G - 2, w_a, w_b)
-            self._t_iteration(c, G - 1, w_b, None)
-        else:
-            self._t_iteration(c, G - 1, w_a, None)
-        cute.arch.cp_async_wait_group(0)  # no copy outlives the loop (the clamped repeats)
+        # --- main loop: a two-slot x ring, one CTA barrier per group -------------------------
+        # Group i+1's W and x loads are issued before group i's mmas; x lands in the other slot
+        # after them. The barrier at the top of iteration i orders (a) the stores of group i
+        # before its reads and (b) every warp's reads of group i-1 before that slot is
+        # overwritten with group i+1.
+        wcur = self._t_load_w(c, 0)
+        self._t_store_x(c, self._t_load_x(c, 0), 0)
+        for it in cutlass.range(G - 1, unroll=1):
+            cute.arch.sync_threads()
+            wnxt = self._t_load_w(c, it + 1)
+            xnxt = self._t_load_x(c, it + 1)
+            self._t_mma_group(c, wcur, it % 2)
+            self._t_store_x(c, xnxt, (it + 1) % 2)
+            _copy_regs(wcur, wnxt)
+        cute.arch.sync_threads()
+        self._t_mma_group(c, wcur, (G - 1) % 2)
 
         # --- epilogue -------------------------------------------------------------------------
         # acc[mb][nt][i]: batch row mb*16 + (i // 2)*8 + g, weight row wrow0 + nt*8 + 2q + i % 2.
@@ -554,37 +548,16 @@ class GemvOp(OpBase):
                     rows.append(b_off + g % (self.batch - b_off))
         return rows
 
-    def _t_alloc_w(self):
-        """Register buffer for one group of this lane's W vectors (U steps x NT row tiles)."""
-        vec = cute.make_layout(((1, BF16_PER_VECTOR),))
-        return [cute.make_rmem_tensor(vec, cutlass.BFloat16) for _ in range(self.k_unroll * self.row_tiles)]
-
-    def _t_load_w(self, c, group, out):
-        """This lane's W vectors of one group into `out`, through the nc path."""
+    def _t_load_w(self, c, group):
+        """This lane's W vectors of one group: U steps x NT row tiles, through the nc path."""
+        out = []
         for u in range(self.k_unroll):
             kv = c.kv0 + (group * self.k_unroll + u) * (K_STEP // BF16_PER_VECTOR) + c.q
             for nt in range(self.row_tiles):
-                cute.copy(c.w_atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))],
-                          out[u * self.row_tiles + nt])
-
-    def _t_iteration(self, c, i, w_cur, w_next):
-        """Group i of the main loop (see `_tiled_body`); `w_next` None: the last group."""
-        G = self.groups
-        SG = self.stages
-        cute.arch.cp_async_wait_group(SG - 2)
-        cute.arch.sync_threads()
-        ahead = i + SG - 1
-        if cutlass.const_expr(isinstance(ahead, int)):
-            if cutlass.const_expr(ahead < G):
-                self._t_issue_x(c, ahead, ahead % SG)
-        else:
-            # Past the last group the copy repeats group G-1 into the free slot (that of group
-            # i-1, which nothing reads again): no branch, a few KB of L2 reads in the last groups.
-            self._t_issue_x(c, cutlass.min(ahead, G - 1), ahead % SG)
-        cute.arch.cp_async_commit_group()  # every iteration commits (maybe empty): uniform counting
-        if cutlass.const_expr(w_next is not None):
-            self._t_load_w(c, i + 1, w_next)
-        self._t_mma_group(c, w_cur, i % SG)
+                t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
+                cute.copy(c.w_atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))], t)
+                out.append(t)
+        return out
 
     def _stage_vector(self, c, i):
         """(x row, vector in the group) that this thread moves in its i-th staging copy. Where
@@ -600,17 +573,24 @@ class GemvOp(OpBase):
     def _stage_count(self):
         return ceil_div(self.batch * self.k_unroll * (K_STEP // BF16_PER_VECTOR), self.threads)
 
-    def _t_issue_x(self, c, group, slot):
-        """This thread's share of one group's x block, global -> ring slot `slot` by cp.async
-        (16 bytes each; the caller commits the group)."""
+    def _t_load_x(self, c, group):
+        """This thread's share of one group's x block, global -> registers (plain loads)."""
         row_vecs = self.k_unroll * (K_STEP // BF16_PER_VECTOR)
-        skp = self._ring_row_elems()
-        vec = cute.make_layout((BF16_PER_VECTOR,))
+        out = []
         for i in range(self._stage_count()):
             b, j = self._stage_vector(c, i)
-            src = c.gX[(None, (b, c.kv0 + group * row_vecs + j))]
+            t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
+            cute.copy(c.v_atom, c.gX[(None, (b, c.kv0 + group * row_vecs + j))], t)
+            out.append(t)
+        return out
+
+    def _t_store_x(self, c, regs, slot):
+        """Registers from `_t_load_x` -> ring slot `slot`."""
+        skp = self._ring_row_elems()
+        for i in range(self._stage_count()):
+            b, j = self._stage_vector(c, i)
             dst = c.vRing[(None, (slot * self.batch * skp + b * skp) // BF16_PER_VECTOR + j)]
-            cute.copy(c.x_atom, cute.make_tensor(src.iterator, vec), dst)
+            cute.copy(c.v_atom, cute.make_tensor(regs[i].iterator, cute.make_layout((BF16_PER_VECTOR,))), dst)
 
     def _t_mma_group(self, c, wregs, slot):
         """The mmas of one group: per step, the A fragments from ring slot `slot` (16-byte
@@ -661,6 +641,11 @@ class _TiledContext:
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
+
+
+def _copy_regs(dst, src):
+    for a, b in zip(dst, src):
+        a.store(b.load())
 
 
 def _flat(frags):
