@@ -30,6 +30,21 @@ from kernels.config import ModelConfig
 
 BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out")
 
+# The routed experts' tunables the block uses up to one 16-row mma tile of tokens, chosen on an
+# H200 by scripts/block_explore.py (evidence_reports/moe_block/round2): the pipelined path with
+# 32-row items. Past 16 tokens the block keeps the manifest defaults (the per-item path).
+PIPELINED_EXPERTS = {
+    "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
+    # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
+    # warps batches 2 and 4 need 130: one CTA per SM, half the persistent grid waiting)
+    "moe_w2": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
+}
+
+
+def block_tunables(kernel: str, batch: int) -> dict:
+    """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
+    return dict(PIPELINED_EXPERTS.get(kernel, {})) if batch <= 16 else {}
+
 
 def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, dict]]:
     """(kernel, manifest shape) of every kernel variant the block launches at `batch`."""
@@ -71,7 +86,8 @@ def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT) 
     """
     from kernels.launch import CubinKernel
 
-    ks = [CubinKernel.from_dir(find_artifact(name, shape, root=root).dir) for name, shape in block_variants(cfg, batch)]
+    ks = [CubinKernel.from_dir(find_artifact(name, shape, block_tunables(name, batch), root=root).dir)
+          for name, shape in block_variants(cfg, batch)]
     for k in ks:
         k.load()  # before any graph capture (module loading is not capturable)
     return BlockKernels(*ks)

@@ -75,7 +75,7 @@ def _variants() -> list[tuple[str, str, dict, dict]]:
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
 
 
-def plan(jobs: int) -> int:
+def plan(jobs: int, mini_only: bool = False) -> int:
     import concurrent.futures
 
     from kernels.build import build_variant
@@ -83,7 +83,7 @@ def plan(jobs: int) -> int:
     from validation.race.artifacts import audit_artifact
 
     man = load_manifest()
-    variants = _variants()
+    variants = [v for v in _variants() if v[0].startswith("mini_") or not mini_only]
     if CARRY.exists():
         shutil.rmtree(CARRY)
     CARRY.mkdir(parents=True)
@@ -462,6 +462,87 @@ def stress_k3(ents, T, w, h, snap, act, runs: int = 16) -> dict:
     return out
 
 
+def mini_stress(runs: int = 24) -> dict:
+    """The mini router and moe_w2 (both paths), `runs` launches each on the same inputs, the second
+    half beside an occupier: bitwise identical outputs, counters left zero."""
+    import torch
+
+    from kernels import reference as R
+    from kernels.config import get_config
+    from validation.numerics import routing_ids
+
+    cfg = get_config("mini")
+    ents = _entries()
+    T = MINI_BATCH
+    g = torch.Generator(device="cpu").manual_seed(9)
+    w = R.make_weights(cfg, "cuda", seed=4)
+    h = R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
+    ids = routing_ids(T, cfg.n_experts, cfg.top_k, "hot", g, "cuda")
+    act = torch.randn(T * cfg.top_k, cfg.expert_inter, generator=g).to(torch.bfloat16).cuda()
+    wts = torch.rand(T, cfg.top_k, generator=g).cuda() + 0.05
+    occ = Occupier()
+    out = {}
+    for ident in ("mini_router", "mini_moe_w2_p0", "mini_moe_w2_p1"):
+        e = ents[ident]
+        op, k = _op(e), _kernel(e)
+        first, mism, nonzero = None, 0, 0
+        if e["kernel"] == "router":
+            b = _router_buffers(op, T, "cuda")
+        else:
+            m = _meta_of(ids, cfg.n_experts, op.groups)
+            o = torch.empty(op.slots, cfg.latent, device="cuda")
+            counters = torch.zeros(op.row_blocks, dtype=torch.int32, device="cuda")
+            c = torch.empty(T, cfg.latent, dtype=torch.bfloat16, device="cuda")
+        for r in range(runs):
+            if r >= runs // 2:
+                occ.start()
+            if e["kernel"] == "router":
+                _launch_router(k, op, h, w.w_gate, w.bias, w.w_down, b)
+                torch.cuda.synchronize()
+                cur = [b[n].clone() for n in ("logits", "ids", "weights", "sorted_slots", "group_start", "z")]
+                nonzero += int(b["counter"][0].item() != 0)
+            else:
+                c.fill_(float("nan"))
+                _launch_w2(k, act, w.w2, wts, m, o, counters, c)
+                torch.cuda.synchronize()
+                cur = [c.clone()]
+                nonzero += int((counters != 0).sum().item() != 0)
+            if first is None:
+                first = cur
+            elif not all(_same_bits(a, b_) for a, b_ in zip(cur, first)):
+                mism += 1
+        out[ident] = {"runs": runs, "with_concurrent_matmul": runs - runs // 2, "not_bitwise_identical": mism,
+                      "counters_left_nonzero": nonzero}
+        print(f"stress {ident:18s} {json.dumps(out[ident])}", flush=True)
+    return out
+
+
+def sanitize(out_dir: Path) -> int:
+    """The four sanitizers over the mini child, then the mini stress; DIR/sanitize.json."""
+    from benchmarks.common import gpu_environment
+    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    res = {"commit": plan_doc["commit"], "env": gpu_environment(), "variants": plan_doc["entries"]}
+    san = find_sanitizer()
+    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
+                        .stdout.strip().splitlines()[-1:] if san else None}
+    mini = ["mini_router", "mini_moe_w13_p0", "mini_moe_w2_p0", "mini_moe_w13_p1", "mini_moe_w2_p1"]
+    child_cmd = [sys.executable, "scripts/block_explore.py", "child"]
+    res["sanitizers"] = {}
+    for tool in TOOLS:
+        r = run_tool(tool, child_cmd, mini, timeout_s=45, log_path=out_dir / "sanitizers.log", sanitizer=san)
+        res["sanitizers"][tool] = r.to_dict()
+        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+    res["stress"] = mini_stress()
+    (out_dir / "sanitize.json").write_text(json.dumps(res, indent=1, default=str))
+    ok = all(r["clean"] for r in res["sanitizers"].values()) and not any(
+        r["not_bitwise_identical"] or r["counters_left_nonzero"] for r in res["stress"].values())
+    print(f"sanitizers and stress: {'CLEAN' if ok else 'NOT CLEAN'}")
+    return 0 if ok else 1
+
+
 def gpu(out_dir: Path, batches) -> int:
     import torch
 
@@ -505,13 +586,18 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--mini-only", action="store_true", help="only the mini variants (sanitizers, stress)")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     sub.add_parser("child")
+    z = sub.add_parser("sanitize", help="only the sanitizers and a mini stress (after plan --mini-only)")
+    z.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs)
+        return plan(a.jobs, a.mini_only)
+    if a.cmd == "sanitize":
+        return sanitize(a.out)
     if a.cmd == "child":
         return child()
     return gpu(a.out, a.batches)

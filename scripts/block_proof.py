@@ -66,7 +66,7 @@ def _git(*args: str) -> str | None:
 
 def plan(args) -> int:
     """Build every kernel variant the block launches at the batch sizes; write the plan."""
-    from kernels.block import block_variants
+    from kernels.block import block_tunables, block_variants
     from kernels.build import BuildError, build_variant
     from kernels.config import get_config
 
@@ -75,7 +75,7 @@ def plan(args) -> int:
     for T in args.batches:
         for name, shape in block_variants(cfg, T):
             try:
-                a = build_variant(name, shape, root=Path(args.root).resolve())
+                a = build_variant(name, shape, block_tunables(name, T), root=Path(args.root).resolve())
             except BuildError as e:
                 raise ProofError(str(e)) from None
             if a.key in seen:

@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.block_baseline import torch_block
 from kernels import reference
-from kernels.block import block_variants
+from kernels.block import block_tunables, block_variants
 from kernels.config import DECODE_BATCH_SIZES, get_config
 from kernels.manifest import load_manifest
 from scripts import block_proof as BP
@@ -19,6 +19,17 @@ def test_every_block_variant_is_a_manifest_variant():
     for T in DECODE_BATCH_SIZES:
         for name, shape in block_variants(K3, T):
             assert shape in [dict(s) for s in man.kernel(name).shapes], (name, shape)
+
+
+def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
+    from kernels.build import resolve_tunables
+
+    man = load_manifest()
+    for T in DECODE_BATCH_SIZES:
+        for name, shape in block_variants(K3, T):
+            tun = block_tunables(name, T)
+            resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
+            assert bool(tun.get("pipeline")) == (name in ("moe_w13", "moe_w2") and T <= 16), (name, T)
 
 
 def test_block_imports_without_the_dsl():

@@ -58,6 +58,40 @@ def test_plans_add_a_one_tile_path_past_batch_16():
     assert plans[16].batch_tiles == 1 and plans[64].batch_tiles == 4
 
 
+@pytest.mark.parametrize("steps, cap, want", [(14, 5, 2), (14, 7, 7), (12, 5, 4), (12, 8, 6), (7, 1, 1), (96, 4, 4)])
+def test_largest_unroll_divides_the_steps(steps, cap, want):
+    from kernels.ops.decode_mma import largest_unroll
+
+    assert largest_unroll(steps, cap) == want
+
+
+@pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
+@pytest.mark.parametrize("batch", [1, 8, 16, 32])
+def test_pipelined_path_takes_equal_load_groups_up_to_one_tile(cls, batch):
+    op = cls({**K3, "batch": batch}, pipeline=1, row_tiles=4, warps_per_cta=4, k_unroll=8)
+    assert op.pipelined == (batch <= 16)
+    plan = op.plans[batch]
+    if op.pipelined:
+        assert list(op.plans) == [batch] and plan.batch_tiles == 1
+        assert plan.steps_per_warp % plan.k_unroll == 0  # no tail: the flattened loop is uniform
+        vectors = plan.row_tiles + (2 if batch > 8 else 1)
+        assert 2 * plan.k_unroll * vectors <= MX.PIPELINE_VECTORS
+
+
+def _chunks(n_items, grid):
+    """The pipelined path's split of the items over the CTAs (the kernel's integer arithmetic)."""
+    return [(b * n_items // grid, (b + 1) * n_items // grid) for b in range(grid)]
+
+
+@pytest.mark.parametrize("n_items, grid", [(6144, 396), (1792, 264), (5, 264), (264, 264), (1000, 7)])
+def test_pipelined_chunks_cover_every_item_once_in_order(n_items, grid):
+    chunks = _chunks(n_items, grid)
+    items = [i for a, b in chunks for i in range(a, b)]
+    assert items == list(range(n_items))
+    sizes = [b - a for a, b in chunks]
+    assert max(sizes) - min(sizes) <= 1  # balanced to one item
+
+
 @pytest.mark.parametrize("cls, shape, tunables, fragment", [
     (MX.ExpertsUpOp, {**K3, "batch": 0}, {}, "batch 0"),
     (MX.ExpertsUpOp, K3, {"row_tiles": 3}, "even"),

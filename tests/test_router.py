@@ -38,6 +38,42 @@ def test_grouping_lists_each_expert_once_with_its_slots_in_token_order(pattern):
     assert int(g["group_start"][n]) == ids.numel()
 
 
+def counting_sort_groups(ids, n_experts: int):
+    """Phase 2's grouping as the kernel computes it: per-expert token bit masks, counts by
+    population count, an exclusive scan over experts, ranks by masked population counts."""
+    T, K = ids.shape
+    masks = [0] * n_experts
+    for t in range(T):
+        for e in ids[t].tolist():
+            masks[e] |= 1 << t
+    counts = [bin(m).count("1") for m in masks]
+    start, group_expert, group_start, pos = [0] * n_experts, [], [], 0
+    for e in range(n_experts):
+        start[e] = pos
+        if counts[e]:
+            group_expert.append(e)
+            group_start.append(pos)
+        pos += counts[e]
+    sorted_slots = [0] * (T * K)
+    for p in range(T * K):
+        t = p // K
+        e = int(ids[t, p % K])
+        sorted_slots[start[e] + bin(masks[e] & ((1 << t) - 1)).count("1")] = p
+    return len(group_expert), group_expert, group_start + [T * K], sorted_slots
+
+
+@pytest.mark.parametrize("pattern", ROUTINGS)
+@pytest.mark.parametrize("T", [1, 5, 33, 64])
+def test_counting_sort_grouping_is_the_reference_grouping(pattern, T):
+    ids = routing_ids(T, 64, 8, pattern, torch.Generator().manual_seed(T), "cpu")
+    n, experts, starts, slots = counting_sort_groups(ids, 64)
+    ref = RT.routing_groups_ref(ids, 64)
+    assert n == int(ref["n_groups"][0])
+    assert experts == ref["group_expert"][:n].tolist()
+    assert starts == ref["group_start"][: n + 1].tolist()
+    assert slots == ref["sorted_slots"].tolist()
+
+
 def test_same_routing_gives_top_k_groups_holding_every_token():
     ids = _ids("same", T=6)
     g = RT.routing_groups_ref(ids, 16)

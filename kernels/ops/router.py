@@ -18,15 +18,19 @@ Phase 2, the last CTA:
   * one warp per token: each lane holds n_experts/32 biased scores s + b in registers; top_k
     rounds of a warp argmax (butterfly over (score, index): greater score wins, equal scores go
     to the LOWER expert index, exactly the reference's stable descending sort); the winner's lane
-    retires it. Weights w_k = s_k / (sum of the selected s, in selection order, + 1e-20) * scale.
-  * grouping by expert, deterministic and without atomics: slot p = t * top_k + j of expert e goes
-    to sorted position (#slots of a lower expert) + (#earlier slots of e), so every expert's slots
-    are contiguous and in token order; the first slot of each expert leads a group whose index is
-    the number of lower experts chosen. Outputs: n_groups, group_expert[u] (ascending expert id),
-    group_start[u] (group u = sorted positions group_start[u] .. group_start[u+1]-1; the entry at
-    n_groups is T*top_k) and sorted_slots[pos] = p. Entries past n_groups are left as they were.
-    The counts are O((T*top_k)^2) shared-memory reads over the CTA's threads: 16 slots at batch 1,
-    1024 at batch 64 (a few microseconds there, against milliseconds of expert weights).
+    retires it. Then one lane per selection recomputes its unbiased score (sigmoid of the same
+    logit: bitwise the score ranked), and weights w_k = s_k / (sum of the selected s, in
+    selection order, + 1e-20) * scale. Lane 0 sets token t's bit in the chosen expert's token
+    mask (shared memory, one 32-bit word per 32 tokens).
+  * grouping by expert, a counting sort, deterministic: warp 0 scans the experts' token counts
+    (population counts of the masks) and group flags across its lanes, so expert e's slots start
+    at start[e] = #slots of lower experts and its group index is the number of lower experts
+    chosen; slot p = t * top_k + j of expert e goes to sorted position start[e] + #tokens below t
+    that chose e (a masked population count), so every expert's slots are contiguous and in
+    token order. Outputs: n_groups, group_expert[u] (ascending expert id), group_start[u] (group
+    u = sorted positions group_start[u] .. group_start[u+1]-1; the entry at n_groups is T*top_k)
+    and sorted_slots[pos] = p. Entries past n_groups are left as they were. O(T*top_k +
+    n_experts) work (the first version counted in O((T*top_k)^2): ~400 us at batch 64).
 """
 
 from __future__ import annotations
@@ -261,7 +265,6 @@ class RouterOp(OpBase):
                         vals[i] = neg_inf
                         if lane + i * WARP < E:
                             vals[i] = sigmoid(mLogits[t, lane + i * WARP]) + mBias[lane + i * WARP]
-                    total = f32(0.0)
                     for j in cutlass.range_constexpr(K):
                         bv = neg_inf
                         bi = i32(E)
@@ -278,18 +281,24 @@ class RouterOp(OpBase):
                         for i in cutlass.range_constexpr(V):
                             if lane + i * WARP == bi:
                                 vals[i] = neg_inf
-                        # the unbiased score again (same input, same function: bitwise the one
-                        # that was ranked), rather than carrying every lane's scores in registers
-                        bs = sigmoid(mLogits[t, bi])
-                        total = total + bs
                         if lane == 0:
                             mIds[t, j] = bi
                             sIds[t * K + j] = bi
-                            sSel[t * K + j] = bs
                             # token t's bit in expert bi's token mask (a token's experts are distinct)
                             cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + bi, i32(1) << (t % WARP))
-                    total = total + f32(WEIGHT_EPS)
+                    # The selected unbiased scores again (same input, same function: bitwise the
+                    # ones ranked), one lane per selection so the loads overlap, rather than
+                    # carrying every lane's scores in registers through the rounds.
+                    cute.arch.sync_warp()
+                    for j0 in cutlass.range_constexpr(0, K, WARP):
+                        if j0 + lane < K:
+                            sSel[t * K + j0 + lane] = sigmoid(mLogits[t, sIds[t * K + j0 + lane]])
+                    cute.arch.sync_warp()
                     if lane == 0:
+                        total = sSel[t * K]
+                        for j in cutlass.range_constexpr(1, K):
+                            total = total + sSel[t * K + j]
+                        total = total + f32(WEIGHT_EPS)
                         for j in cutlass.range_constexpr(K):
                             mWeights[t, j] = sSel[t * K + j] / total * f32(self.scale)
                 cute.arch.sync_threads()
