@@ -93,6 +93,8 @@ def plan(args) -> int:
     from kernels.manifest import resolve as resolve_op
 
     man = load_manifest()
+    # Earlier plans first: a missing plan or build folder fails before anything is built.
+    included = [c for old_plan in args.include or [] for c in _included_cases(Path(old_plan), args.kernels)]
     groups: list[tuple[str, list[dict], dict]] = []  # (kernel, shapes, tunables)
     for k in args.kernels:
         groups.append((k, [dict(s) for s in man.kernel(k).shapes], {}))
@@ -138,8 +140,10 @@ def plan(args) -> int:
                 "registers": a.meta["resources"]["registers"],
                 "spill_bytes": a.meta["resources"]["spill_store_bytes"] + a.meta["resources"]["spill_load_bytes"],
             })
-    for old_plan in args.include or []:
-        cases += _included_cases(Path(old_plan), args.kernels, seen)
+    for c in included:  # an earlier build this plan already lists is timed once
+        if c["build_key"] not in seen:
+            seen.add(c["build_key"])
+            cases.append(c)
     dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")
     out = {
         "schema": SCHEMA + "#plan",
@@ -156,21 +160,21 @@ def plan(args) -> int:
     return 0
 
 
-def _included_cases(path: Path, kernels, seen: set) -> list[dict]:
-    """An earlier plan's cases (for side-by-side timing of an earlier design): each keeps its own
-    build folder, hashes and tunables, is marked `from_plan` with that plan's commit and never
-    counts as a default variant. Raises ProofError when the plan or one of its folders is gone."""
+def _included_cases(path: Path, kernels) -> list[dict]:
+    """An earlier plan's cases of `kernels` (for side-by-side timing of an earlier design): each
+    keeps its own build folder, hashes and tunables, is marked `from_plan` with that plan's
+    commit and never counts as a default variant. Raises ProofError when the plan or one of its
+    folders is gone."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ProofError(f"cannot read the plan to include, {path}: {e}") from None
     out = []
     for c in doc.get("cases", []):
-        if c["kernel"] not in kernels or c["build_key"] in seen:
+        if c["kernel"] not in kernels:
             continue
         if not (REPO / c["dir"]).is_dir():
             raise ProofError(f"{path}: build folder {c['dir']} is missing (rebuild it at commit {doc.get('commit')})")
-        seen.add(c["build_key"])
         out.append({**c, "default_tunables": False, "from_plan": doc.get("commit")})
     return out
 

@@ -1,0 +1,62 @@
+"""scripts/gpu_proof.py on CPU: the sweep's problem filter, including an earlier plan's cases for
+side-by-side timing (and its errors), and how the summary names a variant's tunables."""
+
+import json
+
+import pytest
+
+from kernels.manifest import load_manifest
+from scripts import gpu_proof as P
+
+
+def test_sweep_variants_keep_only_the_listed_problems():
+    spec = load_manifest().kernel("gemv")
+    got = list(P._sweep_variants(spec, [1, 64], {"prefetch": [2]}, [{"n": 896, "k": 7168}]))
+    assert [(s["batch"], s["n"]) for s, _ in got] == [(1, 896), (64, 896)]
+    assert all(t == {"prefetch": 2} for _, t in got)
+    every = list(P._sweep_variants(spec, [1], {"prefetch": [2]}))
+    assert len(every) == len({(p["n"], p["k"]) for p in (dict(s) for s in spec.shapes)})
+
+
+def _plan(tmp_path, dirs):
+    cases = [{"kernel": "gemv", "shape": {"batch": 1, "n": 64, "k": 512}, "tunables": {"prefetch": 1},
+              "default_tunables": True, "dir": d, "build_key": f"key{i}", "cubin_sha256": "0" * 64}
+             for i, d in enumerate(dirs)]
+    path = tmp_path / "old_plan.json"
+    path.write_text(json.dumps({"commit": "4a36f3936454", "cases": cases}))
+    return path
+
+
+def test_included_cases_are_marked_and_never_defaults(tmp_path, monkeypatch):
+    (tmp_path / "b0").mkdir()
+    monkeypatch.setattr(P, "REPO", tmp_path)
+    got = P._included_cases(_plan(tmp_path, ["b0", "b0"]), ["gemv"])
+    assert [c["build_key"] for c in got] == ["key0", "key1"]
+    assert all(c["from_plan"] == "4a36f3936454" and c["default_tunables"] is False for c in got)
+    assert P._included_cases(_plan(tmp_path, ["b0"]), ["rmsnorm"]) == []
+
+
+@pytest.mark.parametrize("dirs, fragment", [(["gone"], "build folder gone is missing"), (None, "cannot read")])
+def test_included_plan_errors_name_the_problem(tmp_path, monkeypatch, dirs, fragment):
+    monkeypatch.setattr(P, "REPO", tmp_path)
+    path = _plan(tmp_path, dirs) if dirs else tmp_path / "absent.json"
+    with pytest.raises(P.ProofError, match=fragment):
+        P._included_cases(path, ["gemv"])
+
+
+def test_plan_with_a_missing_include_exits_2_and_builds_nothing(tmp_path, capsys):
+    """The include is read before any build: a bad path costs no compile time."""
+    out = tmp_path / "plan.json"
+    rc = P.main(["plan", "--kernels", "rmsnorm", "--root", str(tmp_path / "b"), "--out", str(out),
+                 "--include", str(tmp_path / "absent.json")])
+    assert rc == 2 and not out.exists() and not (tmp_path / "b").exists()
+    assert "cannot read the plan to include" in capsys.readouterr().err
+
+
+def test_summary_names_only_the_tunables_that_differ():
+    defaults = {"prefetch": 1, "tile_min_ctas": 264}
+    assert P._tun({"tunables": defaults, "default_tunables": True}, defaults) == ""
+    assert P._tun({"tunables": {"prefetch": 2, "tile_min_ctas": 132}, "default_tunables": False},
+                  defaults) == "p2 mc132"
+    old = {"tunables": {"prefetch": 1}, "default_tunables": False, "from_plan": "4a36f3936454"}
+    assert P._tun(old, defaults) == "@4a36f39"
