@@ -507,3 +507,19 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
     rc = cli.main(["gate", "--base", base, "--head", head2, "--repo", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 1 and 'kernel scale variant {"cols":64,"rows":4}' in printed, printed
+
+
+def test_gate_page_shortens_long_binding_problem_lists(signed_repo, tmp_path):
+    # A stale bundle over many variants must not bury the page: three problems, then a count.
+    root, base, priv = signed_repo
+    shapes = {"alpha": [{"batch": b, "n": 64} for b in (1, 2, 4, 8, 16, 32)], "beta": [{"batch": 1}]}
+    stale = fake_builder(root, shapes)("alpha")
+    commit_bundle(root, sign(make_bundle("alpha", stale, base=base), priv))
+    change_alpha(root)
+    head = commit(root, "alpha: change after its evidence")
+    v = gate(root, base, head, builder=fake_builder(root, shapes))
+    assert v.exit_code == EXIT_FAIL
+    html = write_outputs(v, tmp_path / "out")["report.html"].read_text()
+    assert "and 3 more (all in verdict.json)" in html
+    problems = json.loads((tmp_path / "out" / "verdict.json").read_text())
+    assert "does not match" in json.dumps(problems)
