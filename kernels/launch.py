@@ -192,6 +192,26 @@ def _check(result, call: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+def pdl_launch_config(driver, grid, block, smem: int, stream):
+    """A `CUlaunchConfig` for cuLaunchKernelEx with programmatic stream serialization allowed:
+    the launch may begin before the previous kernel in `stream` completes (programmatic
+    dependent launch); the kernel must `griddepcontrol.wait` before it reads anything the
+    previous kernel writes. Stream capture turns it into a programmatic graph edge. Returns
+    (config, attributes); the caller keeps both alive until the launch call returns."""
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = [attr]
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in block)
+    config.sharedMemBytes = int(smem)
+    config.hStream = stream
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    return config, attrs
+
+
 _init_lock = threading.Lock()
 _contexts: dict[int, Any] = {}  # device ordinal -> retained primary context
 _torch_ready = False
@@ -360,7 +380,12 @@ class CubinKernel:
         smem = int(self.launch.get("smem_bytes", 0))
         driver = _driver()
         h_stream = _stream_handle(stream)
-        if self.launch.get("cooperative"):
+        if self.launch.get("pdl"):
+            if self.launch.get("cooperative"):
+                raise LaunchError(f"{self.meta.get('kernel')}: a launch cannot be both cooperative and pdl")
+            config, _attrs = pdl_launch_config(driver, grid, block, smem, h_stream)
+            _check(driver.cuLaunchKernelEx(config, fn, ctypes.addressof(ptrs), 0), "cuLaunchKernelEx")
+        elif self.launch.get("cooperative"):
             _check(
                 driver.cuLaunchCooperativeKernel(fn, *grid, *block, smem, h_stream, ctypes.addressof(ptrs)),
                 "cuLaunchCooperativeKernel",

@@ -96,8 +96,15 @@ def plan(args) -> int:
     # Earlier plans first: a missing plan or build folder fails before anything is built.
     included = [c for old_plan in args.include or [] for c in _included_cases(Path(old_plan), args.kernels)]
     groups: list[tuple[str, list[dict], dict]] = []  # (kernel, shapes, tunables)
+    extra = _parse_tunables(args.variant or [])
     for k in args.kernels:
-        groups.append((k, [dict(s) for s in man.kernel(k).shapes], {}))
+        shapes = [dict(s) for s in man.kernel(k).shapes if not args.batch or s.get("batch") in args.batch]
+        groups.append((k, shapes, {}))
+        for tun in extra:  # the same shapes again with these tunables, timed beside the defaults
+            try:
+                groups.append((k, shapes, resolve_tunables(man.kernel(k), tun)))
+            except BuildError as e:
+                raise ProofError(str(e)) from None
     if args.sweep:
         for k, batches, grid, problems in SWEEP:
             if k not in args.kernels:
@@ -158,6 +165,20 @@ def plan(args) -> int:
     print(f"plan: {len(cases)} cases in {time.time() - t0:.0f} s -> {path}"
           f"{' (sources dirty: uncommitted changes)' if dirty else ''}")
     return 0
+
+
+def _parse_tunables(items: list[str]) -> list[dict]:
+    """`--variant pdl=1 --variant prefetch=2,pdl=1` -> [{"pdl": 1}, {"prefetch": 2, "pdl": 1}]."""
+    out = []
+    for item in items:
+        tun = {}
+        for part in item.split(","):
+            key, eq, val = part.partition("=")
+            if not eq or not key or not val.lstrip("-").isdigit():
+                raise ProofError(f"--variant {item!r}: expected NAME=INT[,NAME=INT...]")
+            tun[key] = int(val)
+        out.append(tun)
+    return out
 
 
 def _included_cases(path: Path, kernels) -> list[dict]:
@@ -341,6 +362,9 @@ def main(argv=None) -> int:
     pp.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     pp.add_argument("--root", default="build", help="build cache root (default: build)")
     pp.add_argument("--out", default=str(PLAN_PATH))
+    pp.add_argument("--batch", type=int, nargs="+", help="only the manifest shapes of these batch sizes")
+    pp.add_argument("--variant", action="append", metavar="NAME=INT[,NAME=INT]",
+                    help="also build the (selected) manifest shapes with these tunables (repeatable)")
     pp.add_argument("--include", nargs="*", metavar="OLD_PLAN",
                     help="also list an earlier plan's cases (their build folders must exist)")
     pr = sub.add_parser("run", help="check and time the plan's cubins (GPU host, no DSL)")

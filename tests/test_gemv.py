@@ -60,6 +60,7 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 1, "n": 64}, {}, "missing"),
     ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
     ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 3}, "prefetch must be"),
+    ({"batch": 1, "n": 64, "k": 512}, {"pdl": 2}, "pdl must be"),
 ])
 def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -173,6 +174,39 @@ def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
     assert sum(l.startswith("ld.global.nc") for l in loads) == w_loads
     assert sum(not l.startswith("ld.global.nc") for l in loads) == w_loads // 2  # one x vector per step
     assert ".local" not in ptx
+
+
+def test_pdl_is_recorded_in_the_launch_config():
+    """pdl=1 asks the launcher for programmatic dependent launch in both designs; pdl=0 (the
+    default) launches plainly, and the op's launch dict (meta.json "launch") says which."""
+    for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 32, "n": 3584, "k": 7168}):
+        assert G.GemvOp(shape).launch_config().pdl is False
+        lc = G.GemvOp(shape, pdl=1).launch_config()
+        assert lc.pdl is True and lc.to_dict()["pdl"] is True and not lc.cooperative
+
+
+@pytest.mark.slow
+def test_pdl_sass_keeps_the_first_weight_group_ahead_of_the_wait(tmp_path):
+    """Through the real build: with pdl the SASS issues the first group's 10 weight loads (5
+    steps x 2 row tiles) before ACQBULK (griddepcontrol.wait) and every x load and store after
+    it; launch_dependents (PREEXIT) comes once. ptxas would sink nc loads below the wait, so
+    these are plain loads; every later weight load stays nc."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    art = build_variant("gemv", {"batch": 1, "n": 3584, "k": 7168, "out_dtype": "bfloat16"},
+                        {"pdl": 1}, root=tmp_path)
+    assert art.meta["launch"]["pdl"] is True
+    sass = Path(art.paths["sass"]).read_text()
+    ops = [l.split(";")[0].split("*/")[-1].split()[0:2] for l in sass.splitlines() if "/*" in l and "*/" in l]
+    ops = [o for o in ops if o and o[0] and not o[0].startswith("@") or (o and len(o) > 1)]
+    flat = [" ".join(o) for o in ops]
+    wait = [i for i, o in enumerate(flat) if "ACQBULK" in o]
+    assert len(wait) == 1 and sum("PREEXIT" in o for o in flat) == 1
+    before, after = flat[:wait[0]], flat[wait[0]:]
+    assert sum("LDG" in o for o in before) == 10 and not any("CONSTANT" in o for o in before)
+    assert not any(o.split()[0] in ("STG", "STG.E", "ATOMG", "RED") or "STG" in o for o in before)
+    assert any("LDG.E.128.CONSTANT" in o for o in after)
 
 
 def _plan_cases(kernel):

@@ -187,6 +187,9 @@ class _FakeDriver:
 
         self.CUresult = real.CUresult
         self.CUfunction_attribute = real.CUfunction_attribute
+        self.CUlaunchConfig = real.CUlaunchConfig
+        self.CUlaunchAttribute = real.CUlaunchAttribute
+        self.CUlaunchAttributeID = real.CUlaunchAttributeID
         self.CUstream = lambda h: ("stream", int(h))
         self.calls = []
         self.fail = fail
@@ -201,12 +204,15 @@ class _FakeDriver:
                 # What the real driver does during the call: copy each parameter's bytes.
                 ptrs = (ctypes.c_void_p * 4).from_address(args[9])
                 self.param_bytes = [ctypes.string_at(p, 8) for p in ptrs]
+            if name == "cuLaunchKernelEx":
+                ptrs = (ctypes.c_void_p * 4).from_address(args[2])
+                self.param_bytes = [ctypes.string_at(p, 8) for p in ptrs]
             if name == self.fail:
                 return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
             if name == "cuGetErrorString":
                 return (self.CUresult.CUDA_SUCCESS, b"invalid argument")
             if name in ("cuInit", "cuCtxSetCurrent", "cuFuncSetAttribute", "cuLaunchKernel",
-                        "cuLaunchCooperativeKernel"):
+                        "cuLaunchCooperativeKernel", "cuLaunchKernelEx"):
                 return (self.CUresult.CUDA_SUCCESS,)
             return (self.CUresult.CUDA_SUCCESS, {"cuCtxGetCurrent": 0}.get(name, 1000 + len(self.calls)))
 
@@ -288,3 +294,46 @@ def test_bad_argument_launches_nothing(fake_cuda):
     with pytest.raises(LaunchError, match="shape"):
         _cpu_kernel(_meta())(torch.zeros(4, 95), 0.5, 4, torch.empty(4, 96))
     assert "cuLaunchKernel" not in [c[0] for c in drv.calls]
+
+
+def test_pdl_launch_uses_launch_kernel_ex_with_the_attribute(fake_cuda):
+    from cuda.bindings import driver as real
+
+    drv = fake_cuda()
+    drv.CUstream = real.CUstream  # the launch config holds a real stream handle
+    meta = _meta()
+    meta["launch"].update(pdl=True, smem_bytes=512)
+    x, y = torch.zeros(4, 96), torch.empty(4, 96)
+    _cpu_kernel(meta)(x, 0.5, 4, y, stream=5)
+    calls = dict((c[0], c[1]) for c in drv.calls)
+    assert "cuLaunchKernel" not in calls and "cuLaunchCooperativeKernel" not in calls
+    config, fn, params, extra = calls["cuLaunchKernelEx"]
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (6, 1, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (64, 1, 1)
+    assert config.sharedMemBytes == 512 and int(config.hStream) == 5 and extra == 0
+    assert config.numAttrs == 1
+    attr = config.attrs[0]
+    assert attr.id == real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    # The parameters are packed exactly as for cuLaunchKernel.
+    assert drv.param_bytes[0] == struct.pack("<Q", x.data_ptr())
+    assert drv.param_bytes[1][:4] == struct.pack("<f", 0.5)
+    assert drv.param_bytes[3] == struct.pack("<Q", y.data_ptr())
+
+
+def test_pdl_without_the_flag_is_a_plain_launch(fake_cuda):
+    drv = fake_cuda()
+    meta = _meta()
+    meta["launch"]["pdl"] = False
+    _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
+    names = [c[0] for c in drv.calls]
+    assert "cuLaunchKernel" in names and "cuLaunchKernelEx" not in names
+
+
+def test_pdl_and_cooperative_together_is_refused(fake_cuda):
+    drv = fake_cuda()
+    meta = _meta()
+    meta["launch"].update(pdl=True, cooperative=True)
+    with pytest.raises(LaunchError, match="both cooperative and pdl"):
+        _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
+    assert not any(c[0].startswith("cuLaunch") for c in drv.calls)

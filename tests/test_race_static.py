@@ -35,6 +35,32 @@ SPLITK_MUTANTS = {
 }
 
 
+PDL_SHAPE = {"batch": 1, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
+
+
+def _gemv_pdl_report(mutant: str | None):
+    from validation.race.artifacts import audit_artifact
+
+    spec = load_manifest().kernel("gemv")
+    if mutant:
+        spec = op_spec(spec, f"kernels.ops.gemv:GemvOp_{mutant}", name=f"gemv__{mutant}")
+    return audit_artifact(build_variant_of(spec, PDL_SHAPE, {"pdl": 1}), spec)
+
+
+@pytest.mark.slow
+def test_pdl_gemv_passes_and_its_hoisted_x_load_is_flagged():
+    """gemv with programmatic dependent launch: the correct kernel (only weight loads before
+    griddepcontrol.wait) is clean in PTX and SASS; the planted mutant that loads x before the
+    wait is flagged by load-before-griddep-wait in both, naming x and the source line."""
+    good = _gemv_pdl_report(None)
+    assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]
+    bad = _gemv_pdl_report("x_before_wait")
+    hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
+    assert hits and {tuple(f.params) for f in hits} == {("x",)}, [str(f) for f in bad.findings]
+    assert all(f.ptx and f.sass and f.source.startswith("kernels/ops/gemv.py:") for f in hits)
+    assert "griddepcontrol.wait" in hits[0].message
+
+
 def _ptx_of(kernel: str, mutant: str | None = None) -> str:
     spec = load_manifest().kernel(kernel)
     if mutant:

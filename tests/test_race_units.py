@@ -165,3 +165,36 @@ def test_sanitizer_command_line():
     assert cmd[-2:] == ["python", "x.py"]
     with pytest.raises(ValueError):
         sanitizer_command("cs", "leakcheck", [])
+
+
+def test_griddep_wait_orders_mutable_loads_and_every_write():
+    """load-before-griddep-wait: before griddepcontrol.wait only static loads are allowed; a
+    wait on one branch only does not dominate what follows the join; kernels without the wait
+    are not subject to the rule."""
+    roles = ["static", "activation", "scalar"]
+    ok = ("\tld.global.nc.b32 %r2, [%rd1];\n\tgriddepcontrol.wait;\n\tld.global.b32 %r3, [%rd2];"
+          "\n\tst.global.b32 [%rd2], %r2;")
+    assert audit_ptx(_ptx(ok), roles).clean
+    early_load = "\tld.global.b32 %r3, [%rd2];\n\tgriddepcontrol.wait;\n\tst.global.b32 [%rd2], %r3;"
+    f = [x for x in audit_ptx(_ptx(early_load), roles).findings if x.rule == "load-before-griddep-wait"]
+    assert len(f) == 1 and f[0].params == ["param_1"] and f[0].severity == "error"
+    early_store = "\tld.global.nc.b32 %r2, [%rd1];\n\tst.global.b32 [%rd2], %r2;\n\tgriddepcontrol.wait;"
+    assert "load-before-griddep-wait" in audit_ptx(_ptx(early_store), roles).rules_hit()
+    one_branch = ("\tsetp.ne.s32 %p1, %r9, 0;\n\t@%p1 bra $L__skip;\n\tgriddepcontrol.wait;\n$L__skip:"
+                  "\n\tld.global.b32 %r3, [%rd2];")
+    assert "load-before-griddep-wait" in audit_ptx(_ptx(one_branch), roles).rules_hit()
+    no_wait = "\tld.global.b32 %r3, [%rd2];\n\tst.global.b32 [%rd2], %r3;"
+    assert "load-before-griddep-wait" not in audit_ptx(_ptx(no_wait), roles).rules_hit()
+
+
+def test_sass_acqbulk_is_the_griddep_wait():
+    fn = parse_sass("""
+        .text.k:
+k:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   ACQBULK ;
+        /*0020*/                   PREEXIT ;
+        /*0030*/                   EXIT ;
+""", [])[0]
+    kinds = [i.kind for i in fn.instrs]
+    assert ir.GRIDDEP_WAIT in kinds and kinds.count(ir.GRIDDEP_WAIT) == 1

@@ -61,6 +61,10 @@ class LaunchConfig:
     block: tuple[int, int, int]
     smem_bytes: int = 0  # dynamic shared memory requested at launch
     cooperative: bool = False  # persistent kernels that need every CTA resident
+    # Programmatic dependent launch: the launcher sets PROGRAMMATIC_STREAM_SERIALIZATION, so this
+    # launch may start while the previous kernel in the stream drains. Only for kernels that read
+    # nothing but static weights and write nothing before `griddepcontrol.wait`.
+    pdl: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -35,6 +35,18 @@ Two designs, chosen at build time from the batch (`tiled_from_batch`, default 32
     launch) sums them in split order. See `_plan_tiled`.
 Both are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
 
+Programmatic dependent launch (`pdl` 1): a decode step is a chain of kernels, and each launch
+pays a ramp (CTAs start, first loads in flight) and a drain (the last CTAs finish). With pdl the
+launcher sets PROGRAMMATIC_STREAM_SERIALIZATION, so this launch may start while the previous
+kernel in the stream drains. Before `griddepcontrol.wait` the kernel issues only its first
+group of weight loads (W is `static`: read-only for the launch, and no kernel of the step writes
+it); every x load (the previous kernel may still be writing x) and every global store come after
+the wait, which returns once the previous grid has completed and its writes are visible. Each
+CTA calls `griddepcontrol.launch_dependents` once its last loads are issued, so the next launch
+overlaps this one's tail. The race audit's `load-before-griddep-wait` rule checks exactly this
+order in the PTX and the SASS. With pdl 0 the kernel has neither instruction and launches
+plainly.
+
 Measured on an H200 (evidence_reports/foundation/): at batch 1 the small-batch design streams W
 at about 76-78% of the read-only ceiling on the 51 MB shapes; from batch 32 the tiled design is
 faster than the first design but still slower than cuBLAS (the README there has the figures).
@@ -65,7 +77,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live w
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1, "k_order": 0,
                     "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
-                    "tile_min_ctas": 264}
+                    "tile_min_ctas": 264, "pdl": 0}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -74,6 +86,7 @@ class GemvOp(OpBase):
     """One variant of the decode GEMM: shape {"batch", "n", "k", "out_dtype"} plus tunables."""
 
     kernel_name = "gemv"
+    mutant: str | None = None  # set only by the audit's planted mutants (MUTANT_OPS below)
 
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
@@ -90,6 +103,7 @@ class GemvOp(OpBase):
         k_unroll = int(self.tunables["k_unroll"])
         self.prefetch = int(self.tunables["prefetch"])
         self.k_order = int(self.tunables["k_order"])
+        self.pdl = int(self.tunables["pdl"])
 
         if self.out_dtype not in OUT_DTYPES:
             raise ValueError(f"gemv: out_dtype {self.out_dtype!r} not in {OUT_DTYPES}")
@@ -99,6 +113,8 @@ class GemvOp(OpBase):
             raise ValueError("gemv: tunables must be positive")
         if self.prefetch not in (0, 1, 2) or self.k_order not in (0, 1):
             raise ValueError("gemv: prefetch must be 0, 1 or 2 and k_order 0 or 1")
+        if self.pdl not in (0, 1):
+            raise ValueError("gemv: pdl must be 0 or 1")
 
         self.tiled = self.batch >= int(self.tunables["tiled_from_batch"])
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
@@ -208,6 +224,7 @@ class GemvOp(OpBase):
             else (self.n // self.rows_per_cta, 1, 1),
             block=(self.threads, 1, 1),
             smem_bytes=self.smem_bytes,
+            pdl=bool(self.pdl),
         )
 
     def reference(self, *, x, w, y=None, partials=None, counters=None, compute_dtype=None):
@@ -295,7 +312,7 @@ class GemvOp(OpBase):
             # so while one group's mmas wait on their loads the next group is already in flight.
             buf_a = self._alloc_steps(U, x_rows)
             buf_b = self._alloc_steps(U, x_rows)
-            self._load_into(buf_a, *ld, 0)
+            self._first_loads(buf_a, ld)
             pairs = (n_iter - 1) // 2  # pairs whose two next-group loads are both in range
             for p in cutlass.range(pairs, unroll=1):
                 self._load_into(buf_b, *ld, (2 * p + 1) * U)
@@ -308,10 +325,12 @@ class GemvOp(OpBase):
                 last_bufs.append(buf_b)
             if cutlass.const_expr(tail > 0):
                 last_bufs.append(self._load_steps(*ld, n_iter * U, tail))
+            self._pdl_trigger()
             for frags in last_bufs:
                 self._mma_steps(mma, acc, frags)
         elif cutlass.const_expr(self.prefetch and n_iter > 1):
-            cur = self._load_steps(*ld, 0, U)
+            cur = self._alloc_steps(U, x_rows)
+            self._first_loads(cur, ld)
             for it in cutlass.range(n_iter - 1, unroll=1):
                 nxt = self._load_steps(*ld, (it + 1) * U, U)
                 self._mma_steps(mma, acc, cur)
@@ -319,15 +338,19 @@ class GemvOp(OpBase):
                     a.store(b.load())
             if cutlass.const_expr(tail > 0):
                 last = self._load_steps(*ld, n_iter * U, tail)
+                self._pdl_trigger()
                 self._mma_steps(mma, acc, cur)
                 self._mma_steps(mma, acc, last)
             else:
+                self._pdl_trigger()
                 self._mma_steps(mma, acc, cur)
         else:
+            self._pdl_wait()  # no group is loaded ahead here: wait before the first load
             for it in cutlass.range(n_iter, unroll=1):
                 self._mma_steps(mma, acc, self._load_steps(*ld, it * U, U))
             if cutlass.const_expr(tail > 0):
                 self._mma_steps(mma, acc, self._load_steps(*ld, n_iter * U, tail))
+            self._pdl_trigger()
 
         # --- reduce the warps' partials in shared memory, in warp order ----------------------
         smem = cutlass.memory.SmemAllocator()
@@ -367,8 +390,41 @@ class GemvOp(OpBase):
               for _ in range(count)]
         return wv, xv
 
-    def _load_into(self, bufs, gW, gX, w_atom, x_atom, warp, g, q, row0, x_rows, first):
-        """Trace-time helper: this lane's loads for the k steps from `first` into `bufs`."""
+    def _first_loads(self, bufs, ld):
+        """Trace-time helper: the first load group into `bufs`. With pdl, its weight loads go
+        before `griddepcontrol.wait` (W is static) and its x loads after (the previous kernel
+        may still be writing x); without, W and x interleaved as every later group.
+
+        The weight loads before the wait are plain (coherent) loads: ptxas sinks `ld.global.nc`
+        (LDG.CONSTANT) below the wait (ACQBULK), which is legal but leaves nothing in flight
+        while the kernel waits; it keeps plain loads where they are (checked in the SASS)."""
+        if self.pdl:
+            gW, gX, _w_atom, x_atom, *rest = ld
+            early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
+            self._load_into(bufs, gW, gX, x_atom, x_atom, *rest, 0, x=early_x)
+            _issue_here([t for step in bufs[0] for t in step]
+                        + [t for step in bufs[1] for t in step if early_x and t is not None])
+            self._pdl_wait()
+            if not early_x:
+                self._load_into(bufs, *ld, 0, w=False)
+        else:
+            self._load_into(bufs, *ld, 0)
+
+    def _pdl_wait(self):
+        """Trace-time helper: with pdl, wait until the previous grid has completed and its
+        writes are visible; nothing but static weight loads may come before this."""
+        if self.pdl:
+            cute.arch.griddepcontrol_wait()
+
+    def _pdl_trigger(self):
+        """Trace-time helper: with pdl, let the next launch start once every CTA has issued its
+        last loads (a hint: it changes when the dependent grid launches, never what it reads)."""
+        if self.pdl:
+            cute.arch.griddepcontrol_launch_dependents()
+
+    def _load_into(self, bufs, gW, gX, w_atom, x_atom, warp, g, q, row0, x_rows, first, *, w=True, x=True):
+        """Trace-time helper: this lane's loads for the k steps from `first` into `bufs` (only
+        the weight vectors with `x=False`, only the activation vectors with `w=False`)."""
         wv, xv = bufs
         for u in range(len(wv)):
             if self.k_order == 1:  # warp w: one contiguous run of k steps
@@ -376,9 +432,9 @@ class GemvOp(OpBase):
             else:  # interleaved: the CTA's warps cover one contiguous 8-step run together
                 step = (first + u) * self.warps + warp
             kv = step * (K_STEP // BF16_PER_VECTOR) + q
-            for nt in range(self.row_tiles):
+            for nt in range(self.row_tiles if w else 0):
                 cute.copy(w_atom, gW[(None, (row0 + nt * ROWS_PER_TILE + g, kv))], wv[u][nt])
-            for j, row in enumerate(x_rows):
+            for j, row in enumerate(x_rows if x else ()):
                 if row is not None:
                     cute.copy(x_atom, gX[(None, (row, kv))], xv[u][j])
 
@@ -468,7 +524,10 @@ class GemvOp(OpBase):
         # after them. The barrier at the top of iteration i orders (a) the stores of group i
         # before its reads and (b) every warp's reads of group i-1 before that slot is
         # overwritten with group i+1.
-        wcur = self._t_load_w(c, 0)
+        wcur = self._t_load_w(c, 0, c.v_atom if self.pdl else None)
+        if cutlass.const_expr(self.pdl):
+            _issue_here(wcur)
+        self._pdl_wait()  # W of group 0 only before it (see the module docstring)
         self._t_store_x(c, self._t_load_x(c, 0), 0)
         for it in cutlass.range(G - 1, unroll=1):
             cute.arch.sync_threads()
@@ -477,6 +536,7 @@ class GemvOp(OpBase):
             self._t_mma_group(c, wcur, it % 2)
             self._t_store_x(c, xnxt, (it + 1) % 2)
             _copy_regs(wcur, wnxt)
+        self._pdl_trigger()
         cute.arch.sync_threads()
         self._t_mma_group(c, wcur, (G - 1) % 2)
 
@@ -548,14 +608,16 @@ class GemvOp(OpBase):
                     rows.append(b_off + g % (self.batch - b_off))
         return rows
 
-    def _t_load_w(self, c, group):
-        """This lane's W vectors of one group: U steps x NT row tiles, through the nc path."""
+    def _t_load_w(self, c, group, atom=None):
+        """This lane's W vectors of one group: U steps x NT row tiles, through the nc path
+        (or `atom`: pdl's first group uses plain loads, see `_first_loads`)."""
+        atom = c.w_atom if atom is None else atom
         out = []
         for u in range(self.k_unroll):
             kv = c.kv0 + (group * self.k_unroll + u) * (K_STEP // BF16_PER_VECTOR) + c.q
             for nt in range(self.row_tiles):
                 t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
-                cute.copy(c.w_atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))], t)
+                cute.copy(atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))], t)
                 out.append(t)
         return out
 
@@ -643,6 +705,26 @@ class _TiledContext:
         self.__dict__.update(kw)
 
 
+def _issue_here(vectors):
+    """Trace-time helper: keep the loads that fill `vectors` (16-byte register tensors) ahead of
+    whatever side-effecting instruction comes next. LLVM otherwise sinks an invariant (nc) load
+    to its first use, below a `griddepcontrol.wait`, which would undo the overlap pdl is for. An
+    empty volatile asm that reads and rewrites each 32-bit word ties the load to this point in
+    program order; it emits no instruction, so nothing waits here for the data."""
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    u32 = cutlass.Uint32
+    for t in vectors:
+        words = cute.recast_tensor(t, u32)
+        n = cute.size(words)
+        res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * n),
+                              [words[i].ir_value() for i in range(n)], "",
+                              ",".join(["=r"] * n + [str(i) for i in range(n)]), has_side_effects=True)
+        for i in range(n):
+            words[i] = u32(llvm.extractvalue(T.i32(), res, [i]))
+
+
 def _copy_regs(dst, src):
     for a, b in zip(dst, src):
         a.store(b.load())
@@ -652,3 +734,16 @@ def _flat(frags):
     """The loaded vectors of a (w, x) fragment group, in a fixed order (padding slots skipped)."""
     wv, xv = frags
     return [t for step in wv for t in step] + [t for step in xv for t in step if t is not None]
+
+
+# Planted mutants for the race audit's tests (built through the real build as "module:Class"):
+# x_before_wait issues the first x loads before griddepcontrol.wait, the hazard PDL invites.
+MUTANTS = ("x_before_wait",)
+
+
+def _mutant_class(mutant: str) -> type:
+    return type(f"GemvOp_{mutant}", (GemvOp,), {"mutant": mutant, "__module__": __name__})
+
+
+MUTANT_OPS = {m: _mutant_class(m) for m in MUTANTS}
+globals().update({cls.__name__: cls for cls in MUTANT_OPS.values()})

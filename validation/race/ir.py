@@ -21,6 +21,9 @@ INVALIDATE = "invalidate"  # SASS CCTL.IVALL: the acquire half of an acquire loa
 BARRIER = "barrier"  # CTA-wide barrier (bar.sync / BAR.SYNC)
 BULK_STORE = "bulk_store"  # async-proxy (TMA / bulk copy) write to global memory
 BULK_WAIT = "bulk_wait"  # cp.async.bulk.wait_group (non-.read): drains bulk stores
+# griddepcontrol.wait (SASS ACQBULK): under programmatic dependent launch, blocks until the
+# previous grid in the stream has completed and its writes are visible.
+GRIDDEP_WAIT = "griddep_wait"
 BRANCH = "branch"
 EXIT = "exit"
 OTHER = "other"

@@ -121,6 +121,8 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     elif op0 in ("ret", "exit", "trap"):
         ins.kind = ir.EXIT
         ins.conditional = ins.guard is not None
+    elif ins.opcode == "griddepcontrol.wait":
+        ins.kind = ir.GRIDDEP_WAIT
     elif op0 in ("cp", "cp.reduce") or ins.opcode.startswith("cp.reduce.async.bulk"):
         opc = ins.opcode
         if opc.startswith("cp.async.bulk.wait_group"):

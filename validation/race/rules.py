@@ -48,6 +48,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("bulk-store-not-drained", ERROR,
          "bulk-async (TMA) global store not drained by cp.async.bulk.wait_group 0 before a release"),
     Rule("barrier-divergent", ERROR, "bar.sync under thread-dependent control flow"),
+    Rule("load-before-griddep-wait", ERROR,
+         "in a kernel with griddepcontrol.wait (programmatic dependent launch): a load from a "
+         "parameter that is not static, or any global write, not dominated by the wait"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -226,6 +229,10 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
                             f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})" for p in bad)
                         + ": valid only for data read-only for the whole launch", tuple(bad)))
 
+    # -- programmatic dependent launch: nothing but static loads before griddepcontrol.wait ---
+    if any(ins.kind == ir.GRIDDEP_WAIT for ins in fn.instrs):
+        findings += _before_griddep_wait(cfg, prov, roles)
+
     # -- barriers under thread-dependent control ----------------------------------------------
     if not sass:
         for ins in fn.instrs:
@@ -338,6 +345,40 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
     st_in = _forward(cfg, init, set(), init, set(), pub_step)
     _replay(cfg, st_in, pub_step, findings.append)
     return findings
+
+
+def _before_griddep_wait(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFinding]:
+    """Forward must-analysis: has every path from the entry passed a griddepcontrol.wait? Under
+    programmatic dependent launch the kernel may run while the previous grid still writes, so
+    before the wait only loads of `static` parameters (read-only for the whole step) are safe;
+    a load of anything else may read stale data, and a write may race the previous grid's reads
+    or writes of the same buffer."""
+    def step(ins: ir.Instr, st: dict, emit) -> None:
+        if ins.kind == ir.GRIDDEP_WAIT:
+            st["W"] = True
+            return
+        if emit is None or st["W"] or not (ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE):
+            return
+        bufs = sorted(_buffer_params(prov, ins.index, roles))
+        names = ", ".join(f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})" for p in bufs)
+        if ins.writes_memory and bufs:
+            emit(RawFinding("load-before-griddep-wait", ins,
+                            f"write to {names} before griddepcontrol.wait: the previous kernel in the "
+                            "stream may still be reading or writing it", tuple(bufs)))
+        elif ins.kind == ir.LOAD:
+            mutable = [p for p in bufs if roles.by_index.get(p) != "static"]
+            if mutable:
+                hit = ", ".join(f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})"
+                                for p in mutable)
+                emit(RawFinding("load-before-griddep-wait", ins,
+                                f"load of {hit} before griddepcontrol.wait: the previous kernel in the "
+                                "stream may still be writing it (only static weights may be read early)",
+                                tuple(mutable)))
+
+    st_in = _forward(cfg, {"W": False}, set(), {"W": False}, {"W"}, step)
+    found: list[RawFinding] = []
+    _replay(cfg, st_in, step, found.append)
+    return found
 
 
 def _unpublished_writes(cfg, prov, roles, heads, td, xdata) -> list[RawFinding]:

@@ -30,6 +30,7 @@ _NO_DEST = (
     "RET", "CALL", "BAR", "MEMBAR", "ERRBAR", "CGAERRBAR", "CCTL", "NOP", "BSSY", "BSYNC",
     "WARPSYNC", "YIELD", "DEPBAR", "FENCE", "UTMASTG", "UTMALDG", "UBLKCP", "UTMAREDG", "UTMACCTL",
     "UTMAPF", "SYNCS", "ARRIVES", "BPT", "KILL", "NANOSLEEP", "WARPGROUP", "WARPGROUPSET",
+    "ACQBULK", "PREEXIT",
 )
 _SETP = ("ISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "UISETP", "PLOP3", "UPLOP3", "FCHK")
 _CARRY = ("IADD3", "UIADD3", "LEA", "ULEA", "IMAD", "UIMAD")
@@ -149,6 +150,8 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
     elif base in ("EXIT", "RET", "KILL"):
         ins.kind = ir.EXIT
         ins.conditional = ins.guard is not None
+    elif base == "ACQBULK":  # what ptxas emits for griddepcontrol.wait on sm_90
+        ins.kind = ir.GRIDDEP_WAIT
     elif base in ("UTMASTG", "UTMAREDG") or (base == "UBLKCP" and ".G.S" in ins.opcode):
         ins.kind = ir.BULK_STORE
     if ins.kind in ir.MEMORY_KINDS:
