@@ -180,7 +180,8 @@ def test_pdl_is_recorded_in_the_launch_config():
     """pdl=1 asks the launcher for programmatic dependent launch in both designs; pdl=0 (the
     default) launches plainly, and the op's launch dict (meta.json "launch") says which."""
     for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 32, "n": 3584, "k": 7168}):
-        assert G.GemvOp(shape).launch_config().pdl is False
+        plain = G.GemvOp(shape).launch_config()
+        assert plain.pdl is False and "pdl" not in plain.to_dict()
         lc = G.GemvOp(shape, pdl=1).launch_config()
         assert lc.pdl is True and lc.to_dict()["pdl"] is True and not lc.cooperative
 

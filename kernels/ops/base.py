@@ -67,7 +67,12 @@ class LaunchConfig:
     pdl: bool = False
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The launch as meta.json records it; `pdl` only when set, so the metadata of every
+        plain launch keeps its earlier form (the launcher reads a missing `pdl` as false)."""
+        d = asdict(self)
+        if not self.pdl:
+            del d["pdl"]
+        return d
 
 
 def fake_tensor(spec: TensorSpec):
