@@ -137,3 +137,33 @@ def test_static_audit_of_every_kernel_under_60s(tmp_path):
     elapsed = time.perf_counter() - t0
     assert elapsed < 60, f"static audit of {len(reports)} kernels took {elapsed:.1f} s"
     assert all(r.clean for r in reports), [str(f) for r in reports for f in r.findings]
+
+
+def _fixture_spec(op_class: str):
+    from kernels.manifest import KernelSpec, ParamSpec
+
+    return KernelSpec(
+        name=f"cpasync_pdl__{op_class}", description="cp.async under PDL (race audit probe)",
+        op=f"tests.fixtures.cpasync_pdl_op:{op_class}", reference="tests.fixtures.cpasync_pdl_op:none",
+        sources=("tests/fixtures/cpasync_pdl_op.py",),
+        params=(ParamSpec("x", "activation"), ParamSpec("w", "static"), ParamSpec("y", "activation", "out")),
+        tunables=(), shapes=({"n": 256},))
+
+
+def test_cp_async_of_an_activation_before_griddep_wait_is_flagged():
+    """A real kernel that copies x into shared memory with cp.async before griddepcontrol.wait
+    (SASS: LDGSTS before ACQBULK) races the previous kernel's writes of x; the same copy after
+    the wait is clean. Before cp.async counted as a load, the mutant passed the audit."""
+    from validation.race.artifacts import audit_artifact
+
+    reports = {}
+    for cls in ("CpAsyncPdlOp", "CpAsyncPdlOp_x_before_wait"):
+        spec = _fixture_spec(cls)
+        reports[cls] = audit_artifact(build_variant_of(spec), spec)
+    good = reports["CpAsyncPdlOp"]
+    assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]
+    bad = reports["CpAsyncPdlOp_x_before_wait"]
+    hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
+    assert len(hits) == 1 and hits[0].params == ["x"], [str(f) for f in bad.findings]
+    assert "cp.async" in hits[0].ptx and "LDGSTS" in hits[0].sass
+    assert hits[0].source.startswith("tests/fixtures/cpasync_pdl_op.py:")

@@ -198,3 +198,47 @@ k:
 """, [])[0]
     kinds = [i.kind for i in fn.instrs]
     assert ir.GRIDDEP_WAIT in kinds and kinds.count(ir.GRIDDEP_WAIT) == 1
+
+
+def test_global_to_shared_copies_are_loads_of_their_global_operand():
+    """cp.async (and bulk/TMA copies into shared memory) read global memory: they are loads of
+    the second operand's buffer, so an early copy of an activation breaks griddepcontrol.wait
+    ordering just as an ld does, and one of cross-CTA data needs the acquire."""
+    roles = ["static", "activation", "scalar"]
+    for copy in ("cp.async.cg.shared.global [%r2], [%rd2], 16;",
+                 "cp.async.ca.shared.global [%r2], [%rd2], 16, 16;",
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r2], [%rd2], 256, [%r3];"):
+        fn = parse_ptx(_ptx(f"\t{copy}"))[0]
+        (cp,) = [i for i in fn.instrs if i.opcode.startswith("cp.async")]
+        assert cp.kind == ir.LOAD and cp.addr_regs == ("%rd2",) and not cp.nc, copy
+        early = f"\t{copy}\n\tgriddepcontrol.wait;"
+        f = [x for x in audit_ptx(_ptx(early), roles).findings if x.rule == "load-before-griddep-wait"]
+        assert f and f[0].params == ["param_1"], copy
+        # a copy of the static weights may run ahead of the wait
+        assert audit_ptx(_ptx(early.replace("[%rd2]", "[%rd1]")), roles).clean, copy
+    spin_first = """
+	cp.async.cg.shared.global [%r2], [%rd2], 16;
+	ld.acquire.gpu.global.b32 %r3, [%rd1];
+	st.global.b32 [%rd2], %r3;"""
+    rep = audit_ptx(_ptx(spin_first), ["sync", "activation", "scalar"])
+    assert "load-before-wait" in rep.rules_hit(), [str(x) for x in rep.findings]
+    # The stores stay what they were: shared -> global bulk copies are bulk stores.
+    fn = parse_ptx(_ptx("\tcp.async.bulk.global.shared::cta.bulk_group [%rd2], [%r2], 256;"))[0]
+    assert [i.kind for i in fn.instrs if i.opcode.startswith("cp.")] == [ir.BULK_STORE]
+
+
+def test_sass_global_to_shared_copies_are_loads():
+    text = """
+	.text.k:
+        /*0000*/                   LDC.64 R2, c[0x0][0x218] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R11], desc[UR4][R2.64] ;
+        /*0020*/                   ULDC.64 UR6, c[0x0][0x218] ;
+        /*0030*/                   UTMALDG.2D [UR8], [UR6] ;
+        /*0040*/                   UBLKCP.S.G [UR8], [UR6], UR10 ;
+        /*0050*/                   EXIT ;
+"""
+    fn = parse_sass(text, parse_ptx(_ptx(""))[0].params)[0]
+    loads = [i for i in fn.instrs if i.kind == ir.LOAD]
+    assert [i.opcode.split(".")[0] for i in loads] == ["LDGSTS", "UTMALDG", "UBLKCP"]
+    assert loads[0].addr_regs == ("R2", "R3") and loads[1].addr_regs == ("UR6",)
+    assert not any(i.dests for i in loads)

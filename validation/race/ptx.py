@@ -133,6 +133,20 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
             spaces = [t.split("::")[0] for t in tokens if t.split("::")[0] in ("global", "shared")]
             if spaces and spaces[0] == "global":
                 ins.kind = ir.BULK_STORE
+            elif spaces[:2] == ["shared", "global"] and op0 == "cp":
+                _global_to_shared(ins)  # bulk / TMA load: reads global memory like any load
+        elif opc.startswith("cp.async."):
+            spaces = [t.split("::")[0] for t in tokens if t.split("::")[0] in ("global", "shared")]
+            if spaces[:2] == ["shared", "global"]:
+                _global_to_shared(ins)  # cp.async.{ca,cg}: a weak global load into shared memory
+
+
+def _global_to_shared(ins: ir.Instr) -> None:
+    """A copy from global into shared memory (cp.async, cp.async.bulk[.tensor]) is a weak load of
+    its global source operand (the second): the rules must order it like any other load."""
+    ins.kind = ir.LOAD
+    ins.sem, ins.scope = ir.WEAK, None
+    ins.extra["addr_operand"] = 1
 
 
 def parse_ptx(text: str) -> list[ir.Function]:
@@ -266,10 +280,14 @@ def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
     if guard:
         srcs.append(guard)
     addr = []
-    for o in operands:
-        if o.startswith("["):
-            addr = _regs(o)
-            break
+    if "addr_operand" in ins.extra:
+        k = ins.extra["addr_operand"]
+        addr = _regs(operands[k]) if k < len(operands) else []
+    else:
+        for o in operands:
+            if o.startswith("["):
+                addr = _regs(o)
+                break
     ins.dests = tuple(dests)
     ins.srcs = tuple(srcs)
     ins.addr_regs = tuple(addr)

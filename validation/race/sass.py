@@ -154,6 +154,15 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
         ins.kind = ir.GRIDDEP_WAIT
     elif base in ("UTMASTG", "UTMAREDG") or (base == "UBLKCP" and ".G.S" in ins.opcode):
         ins.kind = ir.BULK_STORE
+    elif base in ("LDGSTS", "UTMALDG") or (base == "UBLKCP" and ".S.G" in ins.opcode):
+        # Global -> shared copies (cp.async, TMA and bulk loads) read global memory: weak loads
+        # whose address is the second (global) operand, not the shared destination.
+        ins.kind = ir.LOAD
+        ins.sem = ir.WEAK
+        if len(operands) > 1:
+            o = operands[1]
+            ins.addr_regs = tuple(_operand_regs(o[o.rfind("["):] if "[" in o else o))
+        return
     if ins.kind in ir.MEMORY_KINDS:
         ins.strong = "STRONG" in toks
         ins.scope = scope
