@@ -242,3 +242,14 @@ def test_sass_global_to_shared_copies_are_loads():
     assert [i.opcode.split(".")[0] for i in loads] == ["LDGSTS", "UTMALDG", "UBLKCP"]
     assert loads[0].addr_regs == ("R2", "R3") and loads[1].addr_regs == ("UR6",)
     assert not any(i.dests for i in loads)
+
+
+def test_nc_load_of_unknown_provenance_is_an_error():
+    """An ld.global.nc through a pointer loaded from memory cannot be shown to read a static
+    buffer, so it is an error (it was only an unknown-provenance warning: a clean audit)."""
+    body = "\tld.global.u64 %rd3, [%rd1];\n\tld.global.nc.b32 %r2, [%rd3];\n\tst.global.b32 [%rd2], %r2;"
+    rep = audit_ptx(_ptx(body), ["static", "activation", "scalar"])
+    assert not rep.clean and "nc-load-mutable" in rep.rules_hit(), [str(x) for x in rep.findings]
+    plain = body.replace("ld.global.nc.b32", "ld.global.b32")
+    rep = audit_ptx(_ptx(plain), ["static", "activation", "scalar"])
+    assert rep.clean and rep.rules_hit() == {"unknown-provenance"}

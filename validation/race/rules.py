@@ -217,6 +217,13 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
         if ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             bufs = _buffer_params(prov, ins.index, roles)
             if not bufs:
+                if ins.kind == ir.LOAD and ins.nc:
+                    # nc is allowed only where the buffer is proven static; unknown is not proven.
+                    findings.append(RawFinding(
+                        "nc-load-mutable", ins,
+                        "non-coherent load whose address derives from no kernel parameter (e.g. a "
+                        "pointer loaded from memory): it cannot be shown to read static weights"))
+                    continue
                 findings.append(RawFinding("unknown-provenance", ins,
                                            "address derives from no kernel parameter"))
                 continue
