@@ -194,3 +194,44 @@ def test_glob_and_policy_file():
         parse_policy("[limits]\nmax_changed_lines = 0\nmax_kernels = 1\n")
     with pytest.raises(PolicyError, match="unknown section"):
         parse_policy("[limits]\nmax_changed_lines = 1\nmax_kernels = 1\n[oops]\n")
+
+
+def test_a_file_a_kernel_imports_without_declaring_it_is_that_kernels_change(repo):
+    # alpha's source imports a helper from free paths (the proposer's folder) and from beta's
+    # declared source: both are compiled into alpha's cubins, so changing either changes alpha,
+    # and neither may ride along uncounted or pass as "no kernel change".
+    root, base = repo
+    src = (root / "kernels/ops/alpha.py").read_text()
+    write(root, "kernels/ops/alpha.py", "from agent.helper import X\nfrom kernels.ops.beta import LINE_0\n" + src)
+    write(root, "agent/helper.py", "X = 1\n")
+    b1 = commit(root, "alpha imports a helper")
+    assert "agent/helper.py" in compute_scope(base, b1, repo=root).closures["alpha"]
+
+    # The helper alone (1000 lines of kernel code the line bound never sees).
+    write(root, "agent/helper.py", "X = 2\n" + "".join(f"Y{i} = {i}\n" for i in range(1000)))
+    h1 = commit(root, "helper grows")
+    d = evaluate_policy(compute_scope(b1, h1, repo=root), load_policy())
+    assert d.status == FULL_REVIEW
+    assert [(v.rule, v.path) for v in d.violations] == [("undeclared-dependency", "agent/helper.py")]
+    assert "alpha" in d.violations[0].why
+
+    # beta's own source: beta's change, and alpha's too.
+    git(root, "reset", "-q", "--hard", b1)
+    edit_lines(root, "kernels/ops/beta.py", 1)
+    h2 = commit(root, "beta")
+    d = evaluate_policy(compute_scope(b1, h2, repo=root), load_policy())
+    assert d.status == FULL_REVIEW and "undeclared-dependency" in rules(d)
+
+    # An import added in the working tree is seen too (the closure of the working tree).
+    git(root, "reset", "-q", "--hard", b1)
+    write(root, "evidence_reports/x/fast.py", "Z = 1\n")
+    write(root, "kernels/ops/alpha.py", "from evidence_reports.x.fast import Z\n" + src)
+    d = evaluate_policy(compute_scope(b1, None, repo=root), load_policy())
+    assert ("undeclared-dependency", "evidence_reports/x/fast.py") in {(v.rule, v.path) for v in d.violations}
+
+    # A kernel that imports nothing undeclared stays eligible.
+    git(root, "checkout", "-q", "--", ".")
+    git(root, "clean", "-qfd")
+    edit_lines(root, "kernels/ops/alpha.py", 3)  # its first two lines are the imports
+    d = evaluate_policy(compute_scope(b1, None, repo=root), load_policy())
+    assert d.status == ELIGIBLE and d.kernel == "alpha"

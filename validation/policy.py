@@ -329,6 +329,19 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
                                         "not a declared source of any kernel: shared code whose "
                                         "effect on the kernels is not bounded"))
 
+        # A file a kernel's build compiles (its sources import it) but that the kernel does not
+        # declare: its change is that kernel's change, hidden from the line bound and the kernel
+        # count. Protected and unclassified paths already went to full review above.
+        if cls in ("kernel", "companion", "free"):
+            importers = sorted(k for k, closure in scope.closures.items()
+                               if k not in f.owners and any(p in closure for p in f.paths()))
+            if importers:
+                violations.append(Violation(
+                    "undeclared-dependency", f.path,
+                    f"compiled into kernel(s) {', '.join(importers)} (imported by their sources) but "
+                    "not among their declared sources: declare it in the manifest, or keep kernels "
+                    "from importing it"))
+
     kernels = tuple(sorted(touched))
     if len(kernels) > policy.max_kernels:
         detail = "; ".join(f"{k}: {', '.join(sorted(set(v)))}" for k, v in sorted(touched.items()))

@@ -3,7 +3,8 @@
 `compute_scope(base, head)` diffs the merge base of `base` and `head` against `head` (as a pull
 request shows it), or against the working tree when `head` is None, and maps every changed path
 through the kernel manifest (`kernels/manifest.toml`, read at both revisions) to the kernels whose
-declared `sources` include it. Renames, deletions, binary files, symlinks and submodules are
+declared `sources` include it, and records each kernel's build closure at `head` (every file its
+sources import) so that the policy can see a change to an undeclared import. Renames, deletions, binary files, symlinks and submodules are
 reported as such; deciding what they mean is the policy's job (validation/policy.py), not this
 module's.
 
@@ -70,6 +71,10 @@ class ChangeScope:
     # Why a manifest could not be read or parsed at a side (None when it parsed or is absent).
     manifest_errors: dict = field(default_factory=dict)
     shallow: bool = False
+    # Kernel -> every repo file its build compiles at head (kernels.build.source_closure: the
+    # declared sources plus what they import), so that a change to a file a kernel imports without
+    # declaring it is seen as a change to that kernel.
+    closures: dict = field(default_factory=dict)
 
     @property
     def lines(self) -> int:
@@ -96,6 +101,7 @@ class ChangeScope:
             "kernels": self.kernels(),
             "files": [asdict(f) for f in self.files],
             "manifest_errors": dict(self.manifest_errors),
+            "closures": {k: list(v) for k, v in sorted(self.closures.items())},
         }
 
 
@@ -352,7 +358,39 @@ def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike
     return ChangeScope(
         base=base_sha, merge_base=mb, head=head_sha, files=tuple(files),
         base_manifest=base_m, head_manifest=head_m, manifest_errors=errors, shallow=shallow,
+        closures=kernel_closures(r, head_sha, head_m),
     )
+
+
+def kernel_closures(repo, rev: str | None, manifest: Manifest | None) -> dict[str, tuple[str, ...]]:
+    """Kernel -> the repo-relative files its build compiles at `rev` (the working tree when None):
+    `kernels.build.source_closure`, computed over the Python files of that revision. A kernel whose
+    closure cannot be computed (a declared source missing) is left out: the policy or the build
+    reports that on its own."""
+    if manifest is None:
+        return {}
+    from kernels.build import BuildError, source_closure
+
+    def closures(root: Path) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for name, spec in sorted(manifest.kernels.items()):
+            try:
+                out[name] = tuple(source_closure(spec, root))
+            except (BuildError, OSError, ValueError):
+                continue
+        return out
+
+    if rev is None:
+        return closures(Path(repo.working_tree_dir))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fasttrack-closure-") as d:
+        for item in repo.commit(rev).tree.traverse():
+            if item.type == "blob" and item.path.endswith(".py") and item.mode != 0o120000:
+                dest = Path(d, item.path)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(item.data_stream.read())
+        return closures(Path(d))
 
 
 def symlink_escapes(path: str, target: str) -> bool:
