@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from agent.trajectory import scrubbed_environment
+
 OK, FAILED, UNAVAILABLE, NO_GPU = "ok", "failed", "unavailable", "no_gpu"
 
 
@@ -106,7 +108,9 @@ class RepoBackends:
         return self._gpu
 
     def _run(self, root: Path, args: list[str]) -> subprocess.CompletedProcess:
-        env = dict(os.environ)
+        # The child runs the proposed kernel's Python (the build imports it): no secret of this
+        # process (the API key, a signing key's path) is handed to it.
+        env = scrubbed_environment()
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
         return subprocess.run(
             [self.python, *args], cwd=root, env=env, capture_output=True, text=True,

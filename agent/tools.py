@@ -244,7 +244,9 @@ class Toolbox:
                 out = ToolOutcome(f"refused: {e}", True)
             except (KeyError, TypeError, ValueError) as e:
                 out = ToolOutcome(f"bad input for {name}: {e}", True)
-        out.content = _truncate(out.content)
+        # The result goes back to the model: a secret that a check printed (a kernel's Python runs
+        # in the build) is redacted here as it is in the trajectory.
+        out.content = _truncate(self.s.trajectory.redactor.text(out.content))
         self.s.trajectory.event(
             "tool_result", id=call_id, name=name, is_error=out.is_error, content=out.content,
             elapsed_s=round(time.monotonic() - t0, 3),

@@ -22,8 +22,18 @@ _SECRET_ENV = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", 
 # Dict keys whose values are dropped whatever they hold.
 _SECRET_KEYS = re.compile(r"^(api[_-]?key|x-api-key|authorization|auth[_-]?token|password|secret)$",
                           re.IGNORECASE)
-# Shapes of Anthropic keys, in case one arrives by a path we did not foresee.
-_KEY_SHAPES = re.compile(r"sk-ant-[A-Za-z0-9_\-]{8,}")
+# Shapes of Anthropic keys and PEM private keys (a signing key), in case one arrives by a path we
+# did not foresee.
+_KEY_SHAPES = re.compile(r"sk-ant-[A-Za-z0-9_\-]{8,}"
+                         r"|-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
+                         re.DOTALL)
+
+
+def scrubbed_environment(env: dict | None = None) -> dict:
+    """A copy of `env` (default: this process's) without the variables whose names say they hold
+    secrets: what a child process that runs proposed code is given."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items() if not _SECRET_ENV.search(k)}
 
 
 class Redactor:

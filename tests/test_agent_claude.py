@@ -12,6 +12,7 @@ from agent_helpers import (API_KEY, TOY_SOURCE, FakeBackends, ScriptedAPI, all_w
                            make_repo, message, text, tool_use, usage)
 
 from agent import cli
+from agent.backends import FAILED, CheckResult, RepoBackends
 from agent.proposers.claude import DEFAULT_MODEL, MODEL_ENV
 
 EDIT = {"path": "kernels/ops/toy.py", "old_str": "    for v in x:\n        acc += v\n    return acc\n",
@@ -349,3 +350,28 @@ def test_missing_key_and_unknown_kernel_are_clear_errors(tmp_path, monkeypatch, 
     assert not (repo / ".fasttrack").exists()
     assert git(repo, "branch", "--list").strip() == "* main"
     assert os.listdir(repo / "kernels" / "ops") == os.listdir(repo / "kernels" / "ops")
+
+
+def test_a_secret_printed_by_a_check_never_reaches_the_model(repo, monkeypatch):
+    # The build imports the proposed kernel's Python, so model-written code runs there: whatever
+    # it prints (the API key from the environment, a signing key it read from disk) comes back in
+    # a tool result. The child gets no secret-named variables, and the result is redacted.
+    pem = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIFAKEFAKEFAKEFAKE\n-----END PRIVATE KEY-----"
+
+    class Leaky(FakeBackends):
+        def build(self, root, kernel, shapes=None, tunables=None):
+            return CheckResult("build", FAILED, f"BuildError: kernels/ops/toy.py:1: {API_KEY} {pem}")
+
+    api = ScriptedAPI([
+        message([tool_use("build", {"scope": "quick"}, "t1")], n=1),
+        message([tool_use("give_up", {"reason": "done"}, "t2")], n=2),
+    ])
+    run(repo, api, backends=Leaky())
+    (res,) = tool_results(api.requests[1])
+    assert res["is_error"] and "kernels/ops/toy.py:1" in res["content"]
+    assert API_KEY not in res["content"] and "MC4CAQAw" not in res["content"]
+
+    monkeypatch.setenv("FASTTRACK_SIGNING_KEY", "/keys/runner.pem")
+    proc = RepoBackends()._run(repo, ["-c", "import os; print(os.environ.get('ANTHROPIC_API_KEY'), "
+                                            "os.environ.get('FASTTRACK_SIGNING_KEY'), 'PATH' in os.environ)"])
+    assert proc.stdout.split() == ["None", "None", "True"]

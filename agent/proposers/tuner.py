@@ -29,6 +29,7 @@ from pathlib import Path
 from agent.rfc import Proposal
 from agent.session import RunStopped, Session
 from agent.tools import Toolbox
+from agent.trajectory import scrubbed_environment
 
 MEASUREMENTS_SCHEMA = "fasttrack.tune-measurements/1"
 PLAN_SCHEMA = "fasttrack.tune-plan/1"
@@ -200,7 +201,7 @@ class LocalGpuMeasurer:
             "schema": PLAN_SCHEMA, "kernel": self.s.kernel, "commit": self.s.base_sha,
             "sources_sha256": sources_sha256(self.s.worktree, self.s.spec.sources),
             "default": self.s.spec.tunable_defaults(), "entries": entries}, indent=1))
-        env = dict(os.environ)
+        env = scrubbed_environment()  # the measurement runs the worktree's kernel code
         env["PYTHONPATH"] = os.pathsep.join([str(self.s.worktree)] + [p for p in [env.get("PYTHONPATH")] if p])
         proc = subprocess.run([sys.executable, str(self.script), "measure", "--plan", str(plan), "--out", str(result)],
                               cwd=self.s.worktree, env=env, capture_output=True, text=True)
