@@ -523,3 +523,29 @@ def test_gate_page_shortens_long_binding_problem_lists(signed_repo, tmp_path):
     assert "and 3 more (all in verdict.json)" in html
     problems = json.loads((tmp_path / "out" / "verdict.json").read_text())
     assert "does not match" in json.dumps(problems)
+
+
+@pytest.mark.parametrize("damage", [
+    lambda b: b.update(binaries=5),
+    lambda b: b["change"].update(kernel=["alpha"]),
+    lambda b: b["binaries"][0].update(kernel=["alpha"]),
+    lambda b: b["binaries"][0].update(tunables="threads=128"),
+    lambda b: b.pop("correctness"),
+])
+def test_a_malformed_bundle_is_refused_with_its_reason_not_a_crash(signed_repo, damage):
+    # Any bundle committed under evidence_reports/ is read for every gate run: a malformed one
+    # (even a signed one) must be reported, and must not hide a good bundle beside it.
+    root, base, priv = signed_repo
+    change_alpha(root)
+    built = fake_builder(root)("alpha")
+    bad = make_bundle("alpha", built, base=base)
+    damage(bad)
+    commit_bundle(root, sign(bad, priv), name="bad")
+    head = commit(root, "malformed evidence")
+    v = gate(root, base, head)
+    assert v.exit_code == EXIT_FAIL and "evidence_reports/bad/bundle.json: not a well-formed" in reasons(v)
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base), priv), name="good")
+    head = commit(root, "good evidence beside it")
+    v = gate(root, base, head)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.evidence["bundle"] == "evidence_reports/good/bundle.json"

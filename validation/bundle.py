@@ -117,7 +117,8 @@ def schema_problems(bundle) -> list[str]:
             p.append(f"{k!r} must be an object or null")
     if bundle.get("verdict") not in VERDICTS:
         p.append(f"verdict must be one of {VERDICTS}, got {bundle.get('verdict')!r}")
-    for i, b in enumerate(bundle.get("binaries") or []):
+    binaries = bundle.get("binaries")
+    for i, b in enumerate(binaries if isinstance(binaries, list) else []):
         if not isinstance(b, dict):
             p.append(f"binaries[{i}] must be an object")
             continue

@@ -483,8 +483,31 @@ def bundles_at(repo, rev: str | None) -> dict[str, dict | str]:
         if not isinstance(b, dict) or b.get("schema") != BUNDLE_SCHEMA:
             out[p] = f"not a {BUNDLE_SCHEMA} bundle"
             continue
+        problems = bundle_shape_problems(b)
+        if problems:
+            out[p] = f"not a well-formed {BUNDLE_SCHEMA} bundle: " + "; ".join(problems[:3])
+            continue
         out[p] = b
     return out
+
+
+def bundle_shape_problems(b: dict) -> list[str]:
+    """What keeps the gate from reading `b` (validation/BUNDLE.md's schema, plus the types the
+    binding reads): a malformed committed bundle is refused with its reason, never a crash."""
+    from .bundle import schema_problems
+
+    problems = schema_problems(b)
+    if problems:
+        return problems
+    kernel = b["change"].get("kernel")
+    if kernel is not None and not isinstance(kernel, str):
+        problems.append("change.kernel must be a string")
+    for i, x in enumerate(b["binaries"]):
+        if not isinstance(x["kernel"], str) or not isinstance(x["cubin_sha256"], str):
+            problems.append(f"binaries[{i}]: kernel and cubin_sha256 must be strings")
+        if not isinstance(x["variant"], dict) or not isinstance(x["tunables"], (dict, type(None))):
+            problems.append(f"binaries[{i}]: variant must be an object, tunables an object or null")
+    return problems
 
 
 def bundle_kernels(b: dict) -> set[str]:
