@@ -253,21 +253,3 @@ def test_nc_load_of_unknown_provenance_is_an_error():
     plain = body.replace("ld.global.nc.b32", "ld.global.b32")
     rep = audit_ptx(_ptx(plain), ["static", "activation", "scalar"])
     assert rep.clean and rep.rules_hit() == {"unknown-provenance"}
-
-
-def test_undeclared_handshake_through_an_output_buffer_is_ordered_too():
-    """A kernel with no `sync` parameter that writes a buffer and reads it back (e.g. a flag
-    spun on in another CTA) gets the ordering rules: without an acquire the read-back is an error."""
-    body = """
-	st.global.b32 [%rd2], %r1;
-$L_spin:
-	ld.global.b32 %r2, [%rd2];
-	setp.eq.s32 %p1, %r2, 0;
-	@%p1 bra $L_spin;
-	ld.global.b32 %r3, [%rd2+4];
-	st.global.b32 [%rd1], %r3;"""
-    rep = audit_ptx(_ptx(body), ["activation", "activation", "scalar"])
-    assert "load-before-wait" in rep.rules_hit(), [str(x) for x in rep.findings]
-    acquired = body.replace("ld.global.b32 %r2, [%rd2];", "ld.acquire.gpu.global.b32 %r2, [%rd2];")
-    rep = audit_ptx(_ptx(acquired), ["activation", "activation", "scalar"])
-    assert "load-before-wait" not in rep.rules_hit(), [str(x) for x in rep.findings]

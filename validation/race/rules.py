@@ -249,10 +249,7 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
                 findings.append(RawFinding("barrier-divergent", ins,
                                            "CTA barrier reached by only some threads of the CTA"))
 
-    # A kernel that reads back a buffer it also writes may be passing data between its CTAs
-    # even when the manifest declares no synchronisation (e.g. a flag built from an output
-    # buffer): the ordering rules run then too, so an undeclared handshake cannot pass unseen.
-    if not syncs and not roles.xcta_data:
+    if not syncs:
         return findings
 
     heads = _sync_loops(cfg, prov, roles)
