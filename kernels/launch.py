@@ -148,7 +148,33 @@ def pack_args(meta_params: Sequence[dict], args: Sequence[Any], *, device_type: 
             types.append(t)
         else:
             raise LaunchError(f"parameter {param.get('name')!r}: unknown kind {kind!r} in metadata")
+    _check_no_aliasing(meta_params, args)
     return values, types
+
+
+def _check_no_aliasing(meta_params: Sequence[dict], args: Sequence[Any]) -> None:
+    """Refuse a written buffer that overlaps any other buffer argument.
+
+    Static weights are read through the non-coherent path on the promise that nothing writes them
+    during the launch, and a kernel's outputs are written on the promise that they are its own:
+    one tensor passed as both breaks the kernel's contract silently, so it is an error here.
+    """
+    spans = []
+    for param, arg in zip(meta_params, args):
+        if param["spec"]["kind"] != "tensor":
+            continue
+        start = arg.data_ptr()
+        spans.append((param.get("name", "?"), param.get("direction", "in"), start,
+                      start + arg.numel() * arg.element_size()))
+    for i, (name_a, dir_a, a0, a1) in enumerate(spans):
+        for name_b, dir_b, b0, b1 in spans[i + 1:]:
+            if "out" not in (dir_a + dir_b):
+                continue
+            if a0 < b1 and b0 < a1:
+                raise LaunchError(
+                    f"parameters {name_a!r} and {name_b!r} overlap in memory; a buffer the kernel "
+                    "writes must not alias any other argument"
+                )
 
 
 def param_pointer_array(values: Sequence[ctypes._SimpleCData]) -> ctypes.Array:

@@ -337,3 +337,15 @@ def test_pdl_and_cooperative_together_is_refused(fake_cuda):
     with pytest.raises(LaunchError, match="both cooperative and pdl"):
         _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
     assert not any(c[0].startswith("cuLaunch") for c in drv.calls)
+
+
+def test_a_written_buffer_must_not_alias_another_argument():
+    x = torch.zeros(4, 96)
+    with pytest.raises(LaunchError, match="'x' and 'y' overlap"):
+        _cpu_pack(x, 1.5, 4, x)  # in-place through the output: the kernel's contract is separate buffers
+    big = torch.zeros(8 * 96)
+    with pytest.raises(LaunchError, match="overlap"):
+        _cpu_pack(big[:384].view(4, 96), 1.5, 4, big[256:640].view(4, 96))  # partial overlap
+    # Adjacent, non-overlapping views of one allocation are fine.
+    values, _ = _cpu_pack(big[:384].view(4, 96), 1.5, 4, big[384:].view(4, 96))
+    assert len(values) == 4
