@@ -149,10 +149,13 @@ def sign(bundle: dict, priv) -> dict:
 
 
 def make_bundle(kernel: str, built: list[BuiltVariant], *, base: str | None, verdicts=None, race=True,
-                base_sources: dict[str, str] | None = None) -> dict:
+                base_sources: dict[str, str] | None = None,
+                validator: tuple[str, dict[str, str]] | None = None) -> dict:
     """A passing bundle for `built`, timed against `base`: a commit sha (the kernel at that
     revision, with base binaries recorded), "torch" or None. Every case is SAME unless `verdicts`
-    maps batch -> verdict. `base_sources`: the base kernel's source hashes the bundle records."""
+    maps batch -> verdict. `base_sources`: the base kernel's source hashes the bundle records.
+    `validator`: the (validator_sha256, per-file hashes) it records (none, as bundles written
+    before the field existed, when None)."""
     verdicts = verdicts or {}
     kind = "none" if base is None else "torch" if base == "torch" else "revision"
     cases = []
@@ -175,7 +178,8 @@ def make_bundle(kernel: str, built: list[BuiltVariant], *, base: str | None, ver
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tool_version": "0.1.0",
         "change": change,
-        "environment": {"gpu": "NVIDIA H200", "gpu_count": 1},
+        "environment": {"gpu": "NVIDIA H200", "gpu_count": 1, **(
+            {"validator_sha256": validator[0], "validator_sources_sha256": validator[1]} if validator else {})},
         "binaries": binaries,
         "correctness": {"passed": True, "policy": {"source": "validation/tolerances.toml"}, "cases": []},
         "defences": {"passed": True, "checks": []},
@@ -188,6 +192,13 @@ def make_bundle(kernel: str, built: list[BuiltVariant], *, base: str | None, ver
         "reasons": [],
         "signature": None,
     }
+
+
+def validator_of(root: Path) -> tuple[str, dict[str, str]]:
+    """The validator's fingerprint of the checkout at `root`, as `fasttrack validate` records it."""
+    from validation.bundle import validator_fingerprint_of_tree
+
+    return validator_fingerprint_of_tree(root)
 
 
 def sources_sha256(root: Path, paths: list[str]) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -136,3 +137,50 @@ def test_gate_agrees_with_the_contract(tmp_path):
     assert gate.canonical_json(signed) == B.canonical_json(signed)
     status, got, _ = gate.verify_signature(signed, {pub.name: pub.read_bytes()})
     assert (status, got) == ("ok", kid)
+
+
+# -- the validator's fingerprint ---------------------------------------------------------------
+
+def _tree(root: Path) -> None:
+    files = {"validation/numerics.py": "TOL = 1\n", "validation/tolerances.toml": "x = 1\n",
+             "validation/race/rules.py": "R = 1\n", "validation/GATE.md": "docs\n",
+             "validation/trusted_keys/k.pub": "key\n", "kernels/reference.py": "ref\n",
+             "kernels/ops/gemv.py": "kernel under test\n", "rfc_templates/report.html.j2": "page\n"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_validator_fingerprint_counts_code_and_tolerances_not_docs_keys_or_the_kernel(tmp_path):
+    _tree(tmp_path)
+    (tmp_path / "validation/__pycache__").mkdir()
+    (tmp_path / "validation/__pycache__/numerics.cpython-311.pyc").write_bytes(b"\0bytecode")
+    digest, files = B.validator_fingerprint_of_tree(tmp_path)
+    assert sorted(files) == ["kernels/reference.py", "validation/numerics.py", "validation/race/rules.py",
+                             "validation/tolerances.toml"]
+    # Reproducible with coreutils: the sha256 of sha256sum's listing, sorted by path.
+    listing = subprocess.run(["sha256sum", *sorted(files)], cwd=tmp_path, capture_output=True, text=True,
+                             check=True).stdout
+    assert digest == hashlib.sha256(listing.encode()).hexdigest()
+    for rel, changes in (("validation/GATE.md", False), ("rfc_templates/report.html.j2", False),
+                         ("kernels/ops/gemv.py", False), ("validation/tolerances.toml", True),
+                         ("validation/race/rules.py", True)):
+        before = B.validator_fingerprint_of_tree(tmp_path)[0]
+        with open(tmp_path / rel, "a") as f:
+            f.write("# edited\n")
+        assert (B.validator_fingerprint_of_tree(tmp_path)[0] != before) is changes, rel
+
+
+def test_validator_fingerprint_of_a_checkout_equals_the_gates_reading_of_its_commit(tmp_path):
+    # What `fasttrack validate` records from the tree it runs is what the gate computes from git.
+    from validation.gate import validator_at
+    from validation.scope import open_repo
+
+    _tree(tmp_path)
+    (tmp_path / ".gitignore").write_text("__pycache__/\n")
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    repo = open_repo(tmp_path)
+    assert validator_at(repo, "HEAD") == B.validator_fingerprint_of_tree(tmp_path)
+    (tmp_path / "validation/extra.py").write_text("X = 1\n")  # untracked: it would run, so it counts
+    assert validator_at(repo, None) == B.validator_fingerprint_of_tree(tmp_path) != validator_at(repo, "HEAD")

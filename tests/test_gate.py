@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from gate_fixtures import (REPO, commit, commit_bundle, edit_lines, fake_builder, make_bundle,
-                           make_repo, new_keypair, shallow_clone, sign, sources_sha256, write)
+                           make_repo, new_keypair, shallow_clone, sign, sources_sha256, validator_of, write)
 from validation import cli
 from validation.gate import (EXIT_ERROR, EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome, BuiltVariant,
                              run_gate, write_outputs)
@@ -217,7 +217,7 @@ def test_torch_baseline_cannot_show_no_regression(signed_repo, tmp_path):
     root, base, priv = signed_repo
     change_alpha(root)
     commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base="torch",
-                                         verdicts={8: "SLOW"}), priv))
+                                         verdicts={8: "SLOW"}, validator=validator_of(root)), priv))
     head = commit(root, "measured against torch")
     v = gate(root, base, head)
     text = reasons(v)
@@ -297,11 +297,90 @@ def test_ambiguous_cases_against_the_base_are_reported_as_risks(signed_repo):
     root, base, priv = signed_repo
     change_alpha(root)
     commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base,
-                                         verdicts={8: "AMBIGUOUS"}), priv))
+                                         verdicts={8: "AMBIGUOUS"}, validator=validator_of(root)), priv))
     head = commit(root, "x")
     v = gate(root, base, head)
     assert v.exit_code == EXIT_PASS, reasons(v)
     assert v.risks == ["AMBIGUOUS (no difference shown either way) at: batch 8"]
+
+
+# -- the bundle must come from the validator at the merge base ----------------------------------
+
+def test_bundle_from_the_merge_bases_validator_passes_without_a_validator_risk(signed_repo):
+    root, base, priv = signed_repo
+    at_base = validator_of(root)
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base, validator=at_base), priv))
+    head = commit(root, "alpha")
+    v = gate(root, base, head)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.risks == [] and v.evidence["validator_sha256"] == at_base[0]
+
+
+def test_bundle_from_an_older_validator_does_not_bind(signed_repo):
+    """Evidence produced before a tolerance fix must not bind after it, though the cubins (and
+    the kernel at the base) are unchanged: the gate names the validator files that differ."""
+    root, base0, priv = signed_repo
+    before_fix = validator_of(root)
+    write(root, "validation/numerics.py", "TOLERANCE = 1e-4\n")  # the fix, merged
+    base1 = commit(root, "numerics: tighter tolerance")
+    change_alpha(root)
+    built = fake_builder(root)("alpha")
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base1, validator=before_fix), priv))
+    head = commit(root, "alpha, validated before the fix")
+    v = gate(root, base1, head)
+    text = reasons(v)
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL), text
+    assert (f"validated by a different validator: its validator_sha256 {before_fix[0][:16]} is not the "
+            f"merge base's {validator_of(root)[0][:16]} (1 file(s) differ: validation/numerics.py)") in text
+    assert v.evidence["bundle"] is None
+    # Validated again with the merge base's validator, beside the stale bundle: that one binds.
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base1, validator=validator_of(root)), priv),
+                  name="again")
+    head = commit(root, "validated again")
+    v = gate(root, base1, head)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.evidence["bundle"] == "evidence_reports/again/bundle.json"
+
+
+def test_a_validator_file_outside_validation_counts(signed_repo):
+    # The oracle is part of the validator: a reference fix invalidates earlier evidence too.
+    root, base0, priv = signed_repo
+    before_fix = validator_of(root)
+    write(root, "kernels/reference.py", "def alpha(x):\n    return x + 0\n")
+    base1 = commit(root, "reference fix")
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base1,
+                                         validator=before_fix), priv))
+    head = commit(root, "alpha")
+    text = reasons(gate(root, base1, head))
+    assert "validated by a different validator" in text and "kernels/reference.py" in text
+
+
+def test_bundle_without_a_recorded_validator_binds_with_a_risk(signed_repo, tmp_path):
+    # Every bundle committed before the field existed keeps binding; the reviewer is told.
+    root, base, priv = signed_repo
+    change_alpha(root)
+    path = commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base), priv))
+    head = commit(root, "alpha")
+    v = gate(root, base, head)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.risks == [f"{path}: the bundle does not record the validator that produced it (no "
+                       "environment.validator_sha256: written before fasttrack recorded it), so it is not "
+                       f"shown to come from the validator at {base[:12]}"]
+    assert "does not record the validator" in write_outputs(v, tmp_path / "out")["pr_comment.md"].read_text()
+
+
+def test_run_gpu_refuses_its_own_bundle_from_another_validator(signed_repo):
+    root, base, _ = signed_repo
+    change_alpha(root)
+    head = commit(root, "x")
+    built = fake_builder(root)("alpha")
+    other = ("0" * 64, {"validation/numerics.py": "1" * 64})
+    v = gate(root, base, head, run_gpu=True, cuda_available=lambda: True,
+             validator=lambda k, b: make_bundle(k, built, base=b, validator=other))
+    assert v.exit_code == EXIT_FAIL
+    assert "the validator's own bundle: validated by a different validator" in reasons(v)
 
 
 def test_missing_race_results_and_failing_audit_fail(signed_repo):

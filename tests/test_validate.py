@@ -107,6 +107,13 @@ def test_validate_without_gpu_says_so_writes_the_bundle_and_exits_0(no_gpu_fake_
     assert any("no CUDA device" in n for n in b["not_covered"])
     assert len(b["binaries"]) == 5 and all(x["variant"]["batch"] == 1 for x in b["binaries"])
     assert (tmp_path / "report.html").is_file()
+    # The validator that produced it, from the tree it ran: what the gate compares with its merge base.
+    from validation.bundle import validator_fingerprint_of_tree
+
+    digest, files = validator_fingerprint_of_tree(REPO)
+    assert b["environment"]["validator_sha256"] == digest
+    assert b["environment"]["validator_sources_sha256"] == files
+    assert {"validation/validate.py", "validation/tolerances.toml", "kernels/reference.py"} <= set(files)
 
 
 def test_validate_require_gpu_without_gpu_exits_3(no_gpu_fake_builds, tmp_path, capsys):
@@ -570,3 +577,86 @@ def test_bench_stage_times_a_kernel_with_scratch_and_checks_its_counters(tmp_pat
     fake_splitk.behaviour = "leak"
     (case,) = gpu_stages.bench_stage(_splitk_build_dirs(tmp_path / "leak", (2,)), base=None)["cases"]
     assert "left non-zero" in case["error"] and case["verdict"] == "AMBIGUOUS"
+
+
+# -- before signing: the sign job's checks ------------------------------------------------------
+
+def _signable(tmp_path):
+    """A repository (base, head), a plan of alpha's two variants and the unsigned bundle a GPU job
+    would write from it with the merge base's validator."""
+    from gate_fixtures import commit, edit_lines, fake_builder, make_bundle, make_repo, validator_of
+
+    root = tmp_path / "repo"
+    base = make_repo(root)
+    edit_lines(root, "kernels/ops/alpha.py", 2)
+    head = commit(root, "alpha")
+    built = fake_builder(root)("alpha")
+    bundle = make_bundle("alpha", built, base=base, validator=validator_of(root))
+    by_side = {(b["side"], json.dumps(b["variant"], sort_keys=True)): b["cubin_sha256"] for b in bundle["binaries"]}
+    plan = {"schema": V.PLAN_SCHEMA, "kernel": "alpha", "base": {"ref": base, "sha": base, "sources_sha256": {}},
+            "head": {"sha": head, "dirty": False, "sources_sha256": {}},
+            "variants": [{"variant": v.variant, **{side: {"dir": f"alpha/{side}{i}", "tunables": v.tunables,
+                                                           "build_key": "k", "cubin_sha256": by_side[(side, json.dumps(v.variant, sort_keys=True))]}
+                                                    for side in ("head", "base")}}
+                         for i, v in enumerate(built)]}
+    return root, base, head, plan, bundle
+
+
+def test_presign_accepts_the_plans_bundle_from_the_merge_bases_validator(tmp_path):
+    from gate_fixtures import validator_of
+
+    root, base, head, plan, bundle = _signable(tmp_path)
+    assert V.presign_problems(bundle, plan, merge_base=base, validator=validator_of(root)) == []
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b, p: b["binaries"][0].update(cubin_sha256="f" * 64),
+     'head binary {"batch": 1, "n": 64} ffffffffffffffff of the bundle is not the plan\'s'),
+    (lambda b, p: b["binaries"].pop(), "of the plan is not in the bundle"),
+    (lambda b, p: b["change"].update(base="torch"), "the bundle was timed against torch, not the plan's base"),
+    (lambda b, p: p["base"].update(sha="e" * 40), "the plan was prepared against eeeeeeeeeeee, not the merge base"),
+    (lambda b, p: b["change"].update(kernel="beta"), "the bundle is for kernel 'beta', the plan for 'alpha'"),
+    (lambda b, p: b["environment"].update(validator_sha256="0" * 64), "validated by a different validator"),
+    (lambda b, p: b["environment"].pop("validator_sha256"), "does not record the validator that produced it"),
+    (lambda b, p: b.update(signature={"alg": "ed25519", "key_id": "x", "value": "y"}), "already signed"),
+    (lambda b, p: p.pop("variants"), "the plan is malformed"),
+])
+def test_presign_refuses_a_bundle_that_is_not_the_plans(tmp_path, damage, message):
+    from gate_fixtures import validator_of
+
+    root, base, head, plan, bundle = _signable(tmp_path)
+    damage(bundle, plan)
+    problems = V.presign_problems(bundle, plan, merge_base=base, validator=validator_of(root))
+    assert any(message in p for p in problems), problems
+
+
+def test_presign_command_reads_the_validator_at_the_merge_base(tmp_path, capsys):
+    from validation import bundle as B
+    from gate_fixtures import commit, write
+
+    root, base, head, plan, bundle = _signable(tmp_path)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    B.write_bundle_atomic(tmp_path / "bundle.json", bundle)
+    def presign(base=base, plan=tmp_path / "plan.json"):
+        return V.presign_main(["presign", str(tmp_path / "bundle.json"), "--plan", str(plan),
+                               "--base", base, "--head", head, "--repo", str(root)])
+
+    assert presign() == 0, capsys.readouterr().err
+    # The base branch moved on with a validator fix after the PR forked: the merge base is still
+    # `base`, whose validator produced the bundle, so it may be signed.
+    write(root, "validation/numerics.py", "TOLERANCE = 1e-4\n")
+    import subprocess
+
+    subprocess.run(["git", "checkout", "-q", "-b", "later", base], cwd=root, check=True)
+    later = commit(root, "numerics fix on the base branch")
+    assert presign(base=later) == 0, capsys.readouterr().err
+    # A bundle produced by that later validator is not the merge base's.
+    bundle["environment"]["validator_sha256"] = B.validator_fingerprint_of_tree(root)[0]
+    B.write_bundle_atomic(tmp_path / "bundle.json", bundle)
+    capsys.readouterr()
+    assert presign() == 1
+    assert "refusing to sign" in capsys.readouterr().err
+    assert presign(plan=tmp_path / "none.json") == 2
+    assert "cannot read plan" in capsys.readouterr().err
+    assert presign(base="no-such-rev") == 2
+    assert "no merge base" in capsys.readouterr().err

@@ -32,6 +32,17 @@ TOP_LEVEL_KEYS = ("schema", "created", "tool_version", "change", "environment", 
 VERDICTS = ("pass", "fail")
 
 
+# The validator: the code and data that produce a bundle's results (BUNDLE.md, "The validator").
+# Every .py and .toml file under these folders (the gate's and the policy's files too: counting
+# one file too many costs a re-validation, one too few a false pass) ...
+VALIDATOR_TREES = ("validation", "kernels/reference")
+VALIDATOR_SUFFIXES = (".py", ".toml")
+# ... and the files outside them that the GPU stages import: the oracle, the launcher, the roles,
+# the model configuration that sizes inputs, timing and bandwidth ceilings.
+VALIDATOR_FILES = ("kernels/reference.py", "kernels/launch.py", "kernels/manifest.py",
+                   "kernels/config.py", "benchmarks/common.py")
+
+
 class BundleError(ValueError):
     """A bundle that cannot be read, is not valid JSON, or does not follow the schema."""
 
@@ -128,6 +139,84 @@ def schema_problems(bundle) -> list[str]:
         if b.get("side") not in ("head", "base"):
             p.append(f"binaries[{i}].side must be 'head' or 'base'")
     return p
+
+
+# ---------------------------------------------------------------------------------------------
+# The validator's fingerprint
+# ---------------------------------------------------------------------------------------------
+
+
+def is_validator_file(relpath: str) -> bool:
+    """Whether repo-relative POSIX path `relpath` is one of the validator's source files."""
+    if relpath in VALIDATOR_FILES:
+        return True
+    parts = relpath.split("/")
+    return (relpath.endswith(VALIDATOR_SUFFIXES) and "__pycache__" not in parts
+            and any(relpath.startswith(top + "/") for top in VALIDATOR_TREES))
+
+
+def validator_fingerprint(list_files, read_file) -> tuple[str, dict[str, str]]:
+    """(validator_sha256, path -> sha256) of the validator's source files in one tree.
+
+    `list_files(folder)` gives the repo-relative paths of the files under a folder (recursively),
+    `read_file(path)` a file's bytes or None when it is absent: a checkout on disk
+    (`validator_fingerprint_of_tree`) or a git revision (the gate). The digest is the sha256 of
+    `sha256sum`'s listing of the files, sorted by path: "<hex>  <path>\n" per file.
+    """
+    paths = set(VALIDATOR_FILES)
+    for top in VALIDATOR_TREES:
+        paths.update(list_files(top))
+    files = {}
+    for rel in sorted(paths):
+        if not is_validator_file(rel):
+            continue
+        data = read_file(rel)
+        if data is not None:
+            files[rel] = hashlib.sha256(data).hexdigest()
+    listing = "".join(f"{digest}  {rel}\n" for rel, digest in sorted(files.items()))
+    return hashlib.sha256(listing.encode("utf-8")).hexdigest(), files
+
+
+def validator_fingerprint_of_tree(root) -> tuple[str, dict[str, str]]:
+    """`validator_fingerprint` of the files on disk under checkout `root` (the GPU host's tree:
+    no git needed). Untracked files under the validator's folders count: they may run."""
+    root = Path(root)
+
+    def list_files(top: str) -> list[str]:
+        d = root / top
+        return [p.relative_to(root).as_posix() for p in d.rglob("*") if p.is_file()] if d.is_dir() else []
+
+    def read_file(rel: str) -> bytes | None:
+        p = root / rel
+        return p.read_bytes() if p.is_file() else None
+
+    return validator_fingerprint(list_files, read_file)
+
+
+def validator_mismatch(bundle: dict, expected_sha256: str, expected_sources: dict[str, str],
+                       where: str = "the merge base") -> list[str]:
+    """The problem (one line, or none) when `bundle` records a validator other than the expected
+    one; it names the files that differ when the bundle recorded its per-file hashes. A bundle
+    that records no validator is not judged here (`validator_recorded`)."""
+    env = bundle.get("environment") if isinstance(bundle.get("environment"), dict) else {}
+    recorded = env.get("validator_sha256")
+    if recorded is None or recorded == expected_sha256:
+        return []
+    detail = ""
+    files = env.get("validator_sources_sha256")
+    if isinstance(files, dict):
+        differ = sorted(p for p in set(files) | set(expected_sources) if files.get(p) != expected_sources.get(p))
+        if differ:
+            detail = f" ({len(differ)} file(s) differ: {', '.join(map(str, differ[:4]))}{' ...' if len(differ) > 4 else ''})"
+    return [f"validated by a different validator: its validator_sha256 {str(recorded)[:16]} is not "
+            f"{where}'s {expected_sha256[:16]}{detail}; validate again with {where}'s validator"]
+
+
+def validator_recorded(bundle: dict) -> bool:
+    """Whether `bundle` records the validator that produced it (bundles written before
+    `environment.validator_sha256` existed do not)."""
+    env = bundle.get("environment")
+    return isinstance(env, dict) and env.get("validator_sha256") is not None
 
 
 def load_bundle(path) -> dict:

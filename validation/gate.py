@@ -9,8 +9,10 @@
      which must match `head` under kernels/;
   3. static race audit of the rebuilt binaries (validation/race), "not run" while it is absent;
   4. evidence: a committed bundle under evidence_reports/ (read at head) whose signature verifies
-     against the trusted keys (read at the merge base) and whose head cubin hashes equal the
-     rebuilt ones for every variant; its correctness, defences, race and benchmark results must
+     against the trusted keys (read at the merge base), whose head cubin hashes equal the
+     rebuilt ones for every variant, and whose validator fingerprint is the merge base's
+     validator's (none recorded: a risk, for bundles older than the field); its correctness,
+     defences, race and benchmark results must
      pass. "No regression beyond noise at any batch size" is a statement about the base revision
      against head, so the benchmark's baseline must be the kernel at the gate's merge base (the
      bundle's `change.base` is that commit, or the kernel's source hashes recorded for its base
@@ -468,6 +470,14 @@ def trusted_keys_at(repo, rev: str) -> dict[str, bytes]:
     return keys
 
 
+def validator_at(repo, rev: str | None) -> tuple[str, dict[str, str]]:
+    """(validator_sha256, path -> sha256) of the validator's source files at `rev` (the working
+    tree when None), as `fasttrack validate` records them from the tree it ran."""
+    from .bundle import validator_fingerprint
+
+    return validator_fingerprint(lambda top: list_at(repo, rev, top), lambda p: read_at(repo, rev, p))
+
+
 def bundles_at(repo, rev: str | None) -> dict[str, dict | str]:
     """repo-relative path -> parsed bundle, or the reason it could not be read."""
     out: dict[str, dict | str] = {}
@@ -608,7 +618,17 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     manifest = scope.head_manifest or scope.base_manifest
     defaults = {k: manifest.kernel(k).tunable_defaults() for k in decision.kernels} if manifest else {}
 
+    from .bundle import validator_mismatch, validator_recorded
+
+    # The evidence must come from the validator as it is at the merge base: a bundle produced
+    # before a defence or tolerance fix must not bind because its cubins did not change.
+    base_validator = validator_at(r, scope.merge_base)
+
     def judge(bundle: dict, kernel: str, prefix: str = "") -> None:
+        if not validator_recorded(bundle):
+            v.risks.append(f"{prefix}the bundle does not record the validator that produced it (no "
+                           "environment.validator_sha256: written before fasttrack recorded it), so it is "
+                           f"not shown to come from the validator at {_short(scope.merge_base)}")
         j = judge_results(bundle, front.claim, kernel=kernel, merge_base=scope.merge_base,
                           read_base_file=lambda path: read_at(r, scope.merge_base, path))
         fails.extend(prefix + x for x in j.failures)
@@ -623,15 +643,17 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         for k in decision.kernels:
             bundle = (validator or default_validator)(k, scope.merge_base)
             problems = bind_bundle(bundle, [b for b in built if b.kernel == k], defaults)
+            problems += validator_mismatch(bundle, *base_validator)
             fails += [f"the validator's own bundle: {p}" for p in problems]
             judge(bundle, k)
         v.bundle = bundle
-        v.evidence = {"source": "validator run by this gate (--run-gpu)", "bundle": None, "candidates": []}
+        v.evidence = {"source": "validator run by this gate (--run-gpu)", "bundle": None, "candidates": [],
+                      "validator_sha256": base_validator[0]}
     else:
         keys = trusted_keys_at(r, scope.merge_base)
         bundles = bundles_at(r, scope.head)
         v.evidence = {"source": "committed bundle", "bundle": None, "trusted_keys": len(keys),
-                      "candidates": []}
+                      "candidates": [], "validator_sha256": base_validator[0]}
         for k in decision.kernels:
             checks: list[BundleCheck] = []
             bound: tuple[str, dict] | None = None
@@ -644,6 +666,7 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
                 status, kid, why = check_signature(b, keys)
                 c = BundleCheck(path, status, kid, [why] if why else [])
                 c.problems += bind_bundle(b, [x for x in built if x.kernel == k], defaults)
+                c.problems += validator_mismatch(b, *base_validator)
                 checks.append(c)
                 if c.bound and (bound is None or str(b.get("created", "")) > str(bound[1].get("created", ""))):
                     bound = (path, b)

@@ -489,8 +489,14 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     dirty = bool(dirty_out) if dirty_out is not None else None
     if plan is not None:  # git's view from the host that prepared the plan, not this copy's
         dirty = plan["head"].get("dirty")
+    # Which validator produced these results, from the tree that ran them (its child stages
+    # import validation/ and kernels/ from repo_root): the gate refuses a bundle whose validator
+    # is not the one at its merge base.
+    validator_sha256, validator_sources = B.validator_fingerprint_of_tree(repo_root)
     env.update({"dsl_version": meta0.get("dsl_version"), "commit": head,
                 "dirty": dirty,
+                "validator_sha256": validator_sha256,
+                "validator_sources_sha256": validator_sources,
                 "build_sources_sha256": meta0.get("sources"),
                 "hostname_hash": env.get("hostname_hash") or hashlib.sha256(platform.node().encode()).hexdigest()[:16],
                 "stages": stages})
@@ -509,3 +515,113 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
 
         (Path(out_dir) / "report.html").write_text(render_report(bundle))
     return bundle
+
+
+# -- before signing: the checks of the CI job that signs (it runs no code of the change) -----------
+
+def _binaries_of(entries) -> set[tuple[str, str]]:
+    """{(variant as canonical JSON, cubin sha256)} of (variant, sha256) pairs."""
+    return {(json.dumps(v, sort_keys=True), str(h)) for v, h in entries}
+
+
+def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
+                     validator: tuple[str, dict[str, str]] | None = None) -> list[str]:
+    """Why `bundle` (unsigned, written by the GPU job) must not be signed; empty when it may.
+
+    It must be a well-formed, unsigned bundle of the plan's kernel, timed against the plan's base
+    revision (which must be `merge_base`, when given), whose head and base binaries are exactly
+    the plan's (variant and cubin sha256 on each side), produced by `validator` (the validator's
+    fingerprint at the merge base, when given). Reads data only: nothing of the bundle or the plan
+    is executed.
+    """
+    problems = B.schema_problems(bundle)
+    if problems:
+        return ["not a well-formed bundle: " + "; ".join(problems[:4])]
+    try:
+        kernel, base_sha = plan["kernel"], plan["base"]["sha"]
+        planned = {side: _binaries_of([(e["variant"], e[side]["cubin_sha256"]) for e in plan["variants"]])
+                   for side in ("head", "base")}
+    except (KeyError, TypeError) as e:
+        return [f"the plan is malformed ({type(e).__name__}: {e}); it is not a {PLAN_SCHEMA} plan"]
+    if plan.get("schema") != PLAN_SCHEMA:
+        problems.append(f"the plan is not a {PLAN_SCHEMA} plan")
+    if bundle.get("signature"):
+        problems.append("the bundle is already signed")
+    change = bundle["change"]
+    if change.get("kernel") != kernel:
+        problems.append(f"the bundle is for kernel {change.get('kernel')!r}, the plan for {kernel!r}")
+    if change.get("base") != base_sha:
+        problems.append(f"the bundle was timed against {str(change.get('base'))[:12]}, not the plan's base {str(base_sha)[:12]}")
+    if merge_base is not None and base_sha != merge_base:
+        problems.append(f"the plan was prepared against {str(base_sha)[:12]}, not the merge base {merge_base[:12]}")
+    for side in ("head", "base"):
+        recorded = _binaries_of([(b.get("variant"), b.get("cubin_sha256")) for b in bundle["binaries"]
+                                 if isinstance(b, dict) and b.get("side") == side and b.get("kernel") == kernel])
+        for variant, sha in sorted(planned[side] - recorded):
+            problems.append(f"{side} binary {variant} {sha[:16]} of the plan is not in the bundle")
+        for variant, sha in sorted(recorded - planned[side]):
+            problems.append(f"{side} binary {variant} {sha[:16]} of the bundle is not the plan's")
+    if validator is not None:
+        if not B.validator_recorded(bundle):
+            problems.append("the bundle does not record the validator that produced it (environment.validator_sha256)")
+        problems += B.validator_mismatch(bundle, *validator)
+    return problems
+
+
+def presign_main(argv: list[str] | None = None) -> int:
+    """`python -m validation.validate presign BUNDLE --plan PLAN --base REV --head REV [--repo DIR]`:
+    exit 0 when the bundle may be signed (`presign_problems` against the merge base of REV and
+    REV, whose validator is read from git), 1 with every reason when not, 2 on bad input."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m validation.validate presign",
+                                 description="Check an unsigned bundle against its plan and the merge base's "
+                                             "validator before signing it.")
+    ap.add_argument("command", choices=["presign"])
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--plan", type=Path, required=True)
+    ap.add_argument("--base", required=True, help="the pull request's base revision")
+    ap.add_argument("--head", required=True, help="the pull request's head revision")
+    ap.add_argument("--repo", default=".", help="a checkout holding both revisions (default: .)")
+    args = ap.parse_args(argv)
+
+    def error(msg: str) -> int:
+        print(f"presign: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        bundle = B.load_bundle(args.bundle)
+    except B.BundleError as e:
+        return error(str(e))
+    try:
+        plan = json.loads(args.plan.read_text())
+    except OSError as e:
+        return error(f"cannot read plan {args.plan}: {e.strerror}")
+    except ValueError as e:
+        return error(f"plan {args.plan} is not valid JSON ({e})")
+    import git
+
+    from .gate import validator_at
+    from .scope import ScopeError, open_repo
+
+    try:
+        repo = open_repo(args.repo)
+        merge_base = repo.git.merge_base(args.base, args.head).strip()
+    except ScopeError as e:
+        return error(str(e))
+    except git.GitCommandError:
+        return error(f"no merge base of {args.base} and {args.head} in {args.repo} (fetch both revisions)")
+    problems = presign_problems(bundle, plan if isinstance(plan, dict) else {}, merge_base=merge_base,
+                                validator=validator_at(repo, merge_base))
+    if problems:
+        print(f"presign: refusing to sign {args.bundle}:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    print(f"presign: {args.bundle} may be signed: the plan's {len(plan['variants'])} variant(s), base "
+          f"{merge_base[:12]}, validator {bundle['environment']['validator_sha256'][:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(presign_main())
