@@ -508,20 +508,66 @@ def test_pr_workflow_is_valid():
     assert "fasttrack gate" in text and "[self-hosted, gpu]" in text
 
 
-def test_pr_workflow_gpu_job_validates_against_the_merge_base():
-    """The GPU job follows GATE.md's three commands, timed against the PR's merge base (a bundle
-    timed against torch, or against nothing, cannot pass the gate): prepare, the plan run, sign."""
-    text = (REPO / ".github/workflows/pr.yml").read_text()
-    gpu = text[text.index("\n  gpu:"):]
-    steps = ['MERGE_BASE="$(git merge-base "$BASE_SHA" HEAD)"',
-             'fasttrack validate "$KERNEL" --base "$MERGE_BASE" --prepare',
-             '-m validation.cli validate "$KERNEL" --plan "build/validate/$KERNEL/plan.json"',
-             "fasttrack sign"]
-    at = [gpu.find(s) for s in steps]
-    assert all(i >= 0 for i in at), dict(zip(steps, at))
-    assert at == sorted(at)
-    assert "fetch-depth: 0" in gpu  # the merge base must be in the clone
-    assert "--base torch" not in gpu
+def _workflow():
+    """pr.yml as data (ruamel.yaml comes with check-jsonschema, a declared dependency)."""
+    yaml = pytest.importorskip("ruamel.yaml")
+    return yaml.YAML(typ="safe").load((REPO / ".github/workflows/pr.yml").read_text())
+
+
+def _runs(job: dict) -> str:
+    return "\n".join(str(st.get("run", "")) for st in job.get("steps", []))
+
+
+def test_pr_workflow_validates_against_the_merge_base_in_gate_md_commands():
+    """GATE.md's three commands, one job each, timed against the PR's merge base (a bundle timed
+    against torch, or against nothing, cannot pass the gate): prepare on a CPU runner, the plan
+    run on the GPU runner, the presign check and the signature in the sign job."""
+    jobs = _workflow()["jobs"]
+    prepare, gpu, sign = (_runs(jobs[k]) for k in ("prepare", "gpu", "sign"))
+    steps = [(prepare, 'MERGE_BASE="$(git merge-base "$BASE_SHA" HEAD)"'),
+             (prepare, 'fasttrack validate "$KERNEL" --base "$MERGE_BASE" --prepare'),
+             (gpu, 'PYTHONPATH=. python3 -m validation.cli validate "$KERNEL" --plan "build/validate/$KERNEL/plan.json"'),
+             (sign, 'python -m validation.validate presign "$RUNNER_TEMP/unsigned/bundle.json"'),
+             (sign, "fasttrack sign")]
+    assert all(s in text for text, s in steps), [s for text, s in steps if s not in text]
+    assert sign.index("validation.validate presign") < sign.index("fasttrack sign")
+    assert jobs["prepare"]["steps"][0]["with"]["fetch-depth"] == 0  # the merge base must be in the clone
+    assert "needs" in jobs["gpu"] and "prepare" in jobs["gpu"]["needs"] and "gpu" in jobs["sign"]["needs"]
+    assert jobs["gpu"]["runs-on"] == ["self-hosted", "gpu"] and "--base torch" not in prepare + gpu
+
+
+BASE_REF = "${{ github.event.pull_request.base.sha }}"
+
+
+def pr_code_in_job(job: dict) -> list[str]:
+    """Why a job of pr.yml may run the pull request's code (empty when it runs none)."""
+    why = []
+    if "self-hosted" in str(job.get("runs-on")):
+        why.append("a self-hosted runner (a persistent machine where PR code ran)")
+    for st in job.get("steps", []):
+        uses, with_ = str(st.get("uses", "")), st.get("with") or {}
+        if uses.startswith("actions/checkout") and with_.get("ref") != BASE_REF:
+            why.append(f"checks out {with_.get('ref', 'the PR merge ref')}")
+        if uses.startswith("actions/download-artifact") and not str(with_.get("path", "")).startswith("${{ runner.temp }}"):
+            why.append(f"downloads an artifact into the checkout ({with_.get('path', '.')}), where it can replace code")
+        for cmd in ("git checkout", "git switch", "git worktree", "git reset", "git merge", "git pull", "pytest"):
+            if cmd in str(st.get("run", "")):
+                why.append(f"runs {cmd!r}")
+    return why
+
+
+def test_no_job_both_runs_pr_code_and_sees_the_signing_secret():
+    """A process the PR's build or GPU run leaves behind could read the key or rewrite the bundle:
+    the secret lives only in a job on a fresh runner that checks out the base and nothing else."""
+    wf = _workflow()
+    assert "secrets." not in json.dumps(wf.get("env") or {})  # workflow-wide env reaches every job
+    with_secret = {name: job for name, job in wf["jobs"].items() if "secrets." in json.dumps(job)}
+    assert list(with_secret) == ["sign"]
+    for name, job in with_secret.items():
+        assert pr_code_in_job(job) == [], (name, pr_code_in_job(job))
+    # The check can fail: the jobs that do run the PR's code are recognised as such.
+    assert pr_code_in_job(wf["jobs"]["gpu"]) and pr_code_in_job(wf["jobs"]["prepare"])
+    assert pr_code_in_job(wf["jobs"]["gate"])
 
 
 # -- one real build, end to end ----------------------------------------------------------------
