@@ -674,3 +674,18 @@ def test_a_malformed_bundle_is_refused_with_its_reason_not_a_crash(signed_repo, 
     v = gate(root, base, head)
     assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
     assert v.evidence["bundle"] == "evidence_reports/good/bundle.json"
+
+
+def test_cli_prints_the_risks_beside_the_verdict(signed_repo, tmp_path, monkeypatch, capsys):
+    # A reviewer reading the terminal sees the risks too, not only verdict.json and the PR comment.
+    import validation.gate as G
+
+    root, base, priv = signed_repo
+    change_alpha(root)
+    commit_bundle(root, sign(make_bundle("alpha", fake_builder(root)("alpha"), base=base), priv))
+    head = commit(root, "alpha")
+    real = G.run_gate
+    monkeypatch.setattr(G, "run_gate", lambda *a, **k: real(*a, builder=fake_builder(root), **k))
+    rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(tmp_path / "o")])
+    assert rc == EXIT_PASS
+    assert "  risk: " in capsys.readouterr().out

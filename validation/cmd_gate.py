@@ -73,6 +73,8 @@ def run(args) -> int:
         print(f"fasttrack gate: {verdict.status.upper()} (exit {verdict.exit_code})")
         for r in verdict.reasons:
             print(f"  {r}")
+        for n in verdict.risks:
+            print(f"  risk: {n}")
         for n in verdict.not_covered:
             print(f"  not covered: {n}")
         print(f"  report: {written['report.html']}")
