@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from validation import atomic
+
 REDACTED = "[REDACTED]"
 # Environment variables whose values are treated as secrets wherever they appear.
 _SECRET_ENV = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.IGNORECASE)
@@ -89,17 +91,12 @@ def dumps(obj: Any, redactor: Redactor) -> str:
 
 def write_json_atomic(path: Path, obj: Any, redactor: Redactor) -> None:
     """Write redacted JSON to `path` through a temporary file, so readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(dumps(obj, redactor) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text_atomic(path, dumps(obj, redactor) + "\n")
 
 
 def write_text_atomic(path: Path, text: str, redactor: Redactor) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(redactor.text(text))
-    os.replace(tmp, path)
+    """Write `text`, redacted, to `path` through a temporary file."""
+    atomic.write_text_atomic(path, redactor.text(text))
 
 
 class Trajectory:

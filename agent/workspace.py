@@ -14,6 +14,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from validation.atomic import write_text_atomic
+
 
 class WorkspaceError(Exception):
     """The worktree cannot be made or committed (bad revision, not a git repository, ...)."""
@@ -211,10 +213,4 @@ def write_file_atomic(path: Path, text: str) -> None:
     """Replace a file's text through a temporary file in the same folder, keeping its mode."""
     path = Path(path)
     mode = stat.S_IMODE(os.stat(path).st_mode) if path.exists() else 0o644
-    tmp = path.with_name(f".{path.name}.fasttrack-tmp")
-    with open(tmp, "w", encoding="utf-8", newline="") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    write_text_atomic(path, text, mode=mode)

@@ -16,9 +16,10 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .atomic import write_text_atomic
 
 SCHEMA = "fasttrack.evidence/1"
 TOOL_VERSION = "0.1.0"
@@ -246,34 +247,10 @@ def _json_default(o):
 
 
 def write_bundle_atomic(path, bundle: dict) -> Path:
-    """Write `bundle` to `path` so that readers see the old file or the new one, never a part:
-    a temporary file in the same folder, flushed and fsynced, then os.replace."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    """Write `bundle` to `path` so that readers see the old file or the new one, never a part
+    (validation.atomic.write_text_atomic: temporary file, fsync, os.replace)."""
     text = json.dumps(bundle, indent=1, sort_keys=True, default=_json_default, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # evidence is for every reader (mkstemp made it private)
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable
-        dfd = os.open(p.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-    return p
+    return write_text_atomic(path, text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from validation.atomic import write_text_atomic
     from validation.bundle import BundleError, load_bundle
     from validation.report import render_report
 
@@ -24,8 +25,6 @@ def run(args) -> int:
         raise UserError(str(e)) from None
     out = args.out or args.bundle.with_name("report.html")
     html = render_report(bundle)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)  # an existing report is replaced whole or not at all
+    write_text_atomic(out, html)  # an existing report is replaced whole or not at all
     print(f"wrote {out}")
     return 0

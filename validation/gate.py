@@ -39,6 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from .atomic import write_text_atomic
 from .policy import (ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE, POLICY_RELPATH, PolicyDecision,
                      PolicyError, evaluate_policy, load_policy, parse_policy)
 from .rfc import FrontMatter, FrontMatterError, SpeedupClaim, case_batch, find_front_matter
@@ -695,20 +696,6 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
 
 # -- outputs -----------------------------------------------------------------------------------
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def render_outputs(v: GateVerdict) -> dict[str, str]:
     """file name -> text: verdict.json, report.html, pr_comment.md (and evidence.html when
     validation/report.py can render the bound bundle)."""
@@ -738,6 +725,6 @@ def write_outputs(v: GateVerdict, out_dir: str | os.PathLike = DEFAULT_OUT) -> d
         raise GateError(f"--out {out_dir} exists and is not a directory")
     written = {}
     for name, text in render_outputs(v).items():
-        _write_atomic(out / name, text)
+        write_text_atomic(out / name, text)
         written[name] = out / name
     return written
