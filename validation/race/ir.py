@@ -112,3 +112,22 @@ class Function:
         if self.dialect == "sass" and ins.address is not None:
             return f"sass 0x{ins.address:04x}"
         return f"ptx line {ins.line}"
+
+
+def split_operands(s: str, opening: str, closing: str) -> list[str]:
+    """Split an operand list on the commas outside brackets: `opening`/`closing` name the bracket
+    characters of the dialect (PTX nests [], {} and (); SASS [] and ())."""
+    out, depth, cur = [], 0, []
+    for ch in s:
+        if ch in opening:
+            depth += 1
+        elif ch in closing:
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out

@@ -39,24 +39,6 @@ class PtxError(ValueError):
     """The text is not PTX this parser understands (no entry, unbalanced braces)."""
 
 
-def _split_operands(s: str) -> list[str]:
-    """Split on commas that are not inside [], {} or ()."""
-    out, depth, cur = [], 0, []
-    for ch in s:
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
 def _regs(s: str) -> list[str]:
     return [r for r in _REG.findall(s)]
 
@@ -262,7 +244,7 @@ def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
         return None
     opcode = parts[0]
     rest = parts[1] if len(parts) > 1 else ""
-    operands = _split_operands(rest)
+    operands = ir.split_operands(rest, "[{(", "]})")
     tokens = opcode.split(".")
     ins = ir.Instr(index=index, text=stmt, opcode=opcode, guard=guard, line=lineno, loc=loc)
     _classify(ins, tokens, operands)

@@ -100,23 +100,6 @@ def _dest_width(opcode: str) -> str | None:
     return None
 
 
-def _split(rest: str) -> list[str]:
-    out, depth, cur = [], 0, []
-    for ch in rest:
-        if ch in "[(":
-            depth += 1
-        elif ch in "])":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
 def _is_pred(op: str) -> bool:
     return bool(re.fullmatch(r"!?U?(P\d|PT)", op.strip()))
 
@@ -231,7 +214,7 @@ def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
     if not parts:
         return None
     opcode = parts[0]
-    operands = _split(parts[1]) if len(parts) > 1 else []
+    operands = ir.split_operands(parts[1], "[(", "])") if len(parts) > 1 else []
     toks = opcode.split(".")
     ins = ir.Instr(index=index, text=body, opcode=opcode, guard=guard, address=address, line=lineno, loc=loc)
     _classify(ins, toks, operands)
