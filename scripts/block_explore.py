@@ -252,28 +252,9 @@ def child() -> int:
 
 def graph_us(launch, n: int, replays: int = 10) -> float:
     """Median us per launch of a graph of `n` launches (launch(i) for i < n)."""
-    import torch
+    from benchmarks.common import time_graph
 
-    from benchmarks.common import Timing
-
-    for i in range(n):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for i in range(n):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-    ev[0].record()
-    for r in range(replays):
-        graph.replay()
-        ev[r + 1].record()
-    torch.cuda.synchronize()
-    t = Timing(tuple(ev[r].elapsed_time(ev[r + 1]) * 1e3 for r in range(replays)))
-    del graph
-    return t.median_us / n
+    return time_graph(launch, launches=n, replays=replays, warmup=1).median_us
 
 
 def k3(res: dict, batches, read_tbps: float, calls: int = 8) -> None:

@@ -275,27 +275,9 @@ def block_bytes(cfg, T: int, n_unique: float) -> float:
 
 def graph_time(launch_all, replays: int = 12, warmup: int = 2) -> dict:
     """Capture `launch_all()` once into a graph and time its replays (us per replay)."""
-    import torch
+    from benchmarks.common import time_graph
 
-    from benchmarks.common import Timing
-
-    launch_all()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        launch_all()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-    ev[0].record()
-    for r in range(replays):
-        graph.replay()
-        ev[r + 1].record()
-    torch.cuda.synchronize()
-    t = Timing(tuple(ev[r].elapsed_time(ev[r + 1]) * 1e3 for r in range(replays)))
-    del graph
-    return t.summary()
+    return time_graph(lambda _i: launch_all(), launches=1, replays=replays, warmup=warmup).summary()
 
 
 def speed(blk, cfg, T, calls: int, read_tbps: float, baseline_ok: bool, per_op: bool) -> dict:
