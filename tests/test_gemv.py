@@ -29,7 +29,11 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
         op = G.GemvOp(shape)
         lc = op.launch_config()
         assert lc.block == (32 * op.warps, 1, 1)
-        if op.tiled:  # grid (splits, row blocks); the splits cover k exactly
+        if op.stream:  # whole rows per CTA; the threads of a row cover it in equal 16-byte strides
+            assert shape["batch"] == 1 and lc.grid[0] * op.rows_per_cta == shape["n"]
+            assert op.row_threads * op.vectors * 8 == shape["k"] and op.row_threads % 32 == 0
+            assert lc.smem_bytes <= G.SMEM_LIMIT
+        elif op.tiled:  # grid (splits, row blocks); the splits cover k exactly
             assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
             assert op.splits * op.k_chunk == shape["k"] and op.k_chunk % (32 * op.k_unroll) == 0
             assert lc.grid[0] * lc.grid[1] >= G.DEFAULT_TUNABLES["tile_min_ctas"] or op.splits == op.k // (32 * op.k_unroll)
@@ -52,8 +56,11 @@ def test_tensor_specs_follow_the_manifest_parameters():
 
 
 @pytest.mark.parametrize("shape, tunables, fragment", [
-    ({"batch": 1, "n": 100, "k": 512}, {}, "rows per CTA"),
-    ({"batch": 1, "n": 64, "k": 520}, {}, "multiple of 32"),
+    ({"batch": 2, "n": 100, "k": 512}, {}, "rows per CTA"),
+    ({"batch": 2, "n": 64, "k": 520}, {}, "multiple of 32"),
+    ({"batch": 1, "n": 64, "k": 516}, {}, "multiple of 8"),
+    ({"batch": 1, "n": 7, "k": 56}, {}, "7 16-byte vectors per row"),
+    ({"batch": 1, "n": 64, "k": 512}, {"stream_threads": 48}, "stream_threads must be"),
     ({"batch": 0, "n": 64, "k": 512}, {}, "batch 0"),
     ({"batch": 65, "n": 64, "k": 512}, {}, "batch 65"),
     ({"batch": 1, "n": 64, "k": 512, "out_dtype": "float16"}, {}, "out_dtype"),
@@ -70,15 +77,62 @@ def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
 def test_tunables_adapt_to_the_batch():
     """One tunable setting serves every batch: row tiles double past batch 16 and halve to keep
     >= 132 CTAs, load groups shrink with the vectors per step, warps halve to fit shared memory."""
-    b1 = G.GemvOp({"batch": 1, "n": 3584, "k": 7168})
-    assert (b1.warps, b1.row_tiles, b1.k_unroll) == (8, 2, 5)  # 3 vectors per step, 16 per group
-    router = G.GemvOp({"batch": 1, "n": 896, "k": 7168})
+    b2 = G.GemvOp({"batch": 2, "n": 3584, "k": 7168})
+    assert (b2.warps, b2.row_tiles, b2.k_unroll) == (8, 2, 5)  # 3 vectors per step, 16 per group
+    assert not b2.stream and not b2.tiled
+    router = G.GemvOp({"batch": 2, "n": 896, "k": 7168})
     assert router.row_tiles == 1 and router.launch_config().grid[0] == 112
     b16 = G.GemvOp({"batch": 16, "n": 7168, "k": 3584})
     assert not b16.tiled and (b16.row_tiles, b16.k_unroll, b16.warps) == (2, 4, 8)
     b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, tiled_from_batch=65)  # the small-batch design
     assert (b64.row_tiles, b64.k_unroll, b64.warps) == (4, 1, 4)  # 8 warps' partials: 64 KB > 48 KB
     assert b64.smem_bytes == 4 * 64 * 32 * 4
+
+
+def test_stream_design_at_batch_1():
+    """Batch 1 (stream_max_batch): CTAs of whole rows, at most stream_cta_kib (8) KiB but at least one row; 128
+    threads when they divide the row's 16-byte vectors (7168: 896 = 7 x 128), else fewer whole
+    warps (3584: 448 = 7 x 64); all of W and x copied to shared memory, nothing else."""
+    wide = G.GemvOp({"batch": 1, "n": 3584, "k": 7168})
+    assert wide.stream and (wide.rows_per_cta, wide.threads, wide.vectors) == (1, 128, 7)
+    assert wide.launch_config().grid == (3584, 1, 1)
+    assert wide.smem_bytes == (1 + 1) * 7168 * 2 + 4 * 4 + 64
+    narrow = G.GemvOp({"batch": 1, "n": 7168, "k": 3584})
+    assert (narrow.rows_per_cta, narrow.threads, narrow.vectors) == (1, 64, 7)
+    router = G.GemvOp({"batch": 1, "n": 896, "k": 7168, "out_dtype": "float32"})
+    assert router.launch_config().grid == (896, 1, 1)
+    # Larger CTAs hold several whole rows, the row's threads whole warps.
+    big = G.GemvOp({"batch": 1, "n": 7168, "k": 3584}, stream_cta_kib=32, stream_threads=256)
+    assert (big.rows_per_cta, big.row_threads, big.threads, big.vectors) == (4, 64, 256, 7)
+    assert big.launch_config().grid == (1792, 1, 1)
+    assert not G.GemvOp({"batch": 1, "n": 3584, "k": 7168}, stream_max_batch=0).stream
+    assert G.GemvOp({"batch": 2, "n": 3584, "k": 7168}, stream_max_batch=2).stream
+
+
+@pytest.mark.slow
+def test_stream_sass_issues_every_copy_before_the_first_use(tmp_path):
+    """Through the real build, batch 1: the SASS issues all 7 weight copies (LDGSTS, 16 bytes,
+    L2 only) and x's 7 before the one wait (DEPBAR) and the first shared load, so every byte a
+    thread needs is in flight at once; with pdl every weight copy precedes ACQBULK
+    (griddepcontrol.wait) and every x copy follows it."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    shape = {"batch": 1, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
+    for pdl in (0, 1):
+        art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
+        flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
+                if l.strip().startswith("/*") and "*/" in l and ";" in l]
+        copies = [i for i, o in enumerate(flat) if "LDGSTS" in o]
+        w_copies = [i for i in copies if "BYPASS" in flat[i]]
+        first_use = min(i for i, o in enumerate(flat) if "LDS" in o.split()[0] or "FFMA" in o.split()[0])
+        wait = min(i for i, o in enumerate(flat) if o.startswith("DEPBAR"))
+        assert len(w_copies) == 7 and len(copies) == 14, [flat[i] for i in copies]
+        assert max(copies) < wait < first_use
+        assert not any(o.split()[0].startswith("LDG.") for o in flat)  # no register loads at all
+        if pdl:
+            acq = [i for i, o in enumerate(flat) if "ACQBULK" in o]
+            assert len(acq) == 1 and max(w_copies) < acq[0] < min(set(copies) - set(w_copies))
 
 
 def test_tiled_design_from_batch_32():
@@ -188,14 +242,14 @@ def test_pdl_is_recorded_in_the_launch_config():
 
 @pytest.mark.slow
 def test_pdl_sass_keeps_the_first_weight_group_ahead_of_the_wait(tmp_path):
-    """Through the real build: with pdl the SASS issues the first group's 10 weight loads (5
+    """Through the real build (batch 2, the warp-split design): with pdl the SASS issues the first group's 10 weight loads (5
     steps x 2 row tiles) before ACQBULK (griddepcontrol.wait) and every x load and store after
     it; launch_dependents (PREEXIT) comes once. ptxas would sink nc loads below the wait, so
     these are plain loads; every later weight load stays nc."""
     pytest.importorskip("cutlass")
     from kernels.build import build_variant
 
-    art = build_variant("gemv", {"batch": 1, "n": 3584, "k": 7168, "out_dtype": "bfloat16"},
+    art = build_variant("gemv", {"batch": 2, "n": 3584, "k": 7168, "out_dtype": "bfloat16"},
                         {"pdl": 1}, root=tmp_path)
     assert art.meta["launch"]["pdl"] is True
     sass = Path(art.paths["sass"]).read_text()

@@ -18,15 +18,21 @@ Layout of one warp's work, per 32-wide k step:
     shared memory in the same permutation); W goes through the read-only path (`ld.global.nc`),
     x through plain loads.
 
-Two designs, chosen at build time from the batch (`tiled_from_batch`, default 32):
-  * small batches: a CTA owns `8 * row_tiles` weight rows (doubled past batch 16); its warps
-    split k (`k_order` 0: interleaved 32-wide steps, 1: one contiguous run per warp); each warp
-    issues its loads in groups of up to `k_unroll` steps and, with `prefetch` 1, issues the next
-    group before the current group's mmas into registers copied over at the end of the
-    iteration; `prefetch` 2 ping-pongs two register buffers instead (no copy, so the next group
-    stays in flight while the current one is consumed); x comes straight from global memory (a
-    few KB, L1/L2 hits); the partial sums meet in shared memory, summed in warp order. See
-    `_plan_warp_k`.
+Three designs, chosen at build time from the batch:
+  * batch <= `stream_max_batch` (default 1), "stream": no tensor cores. The weights are read
+    the way the read-only ceiling reads a buffer: many short CTAs of whole rows (one 14 KB row
+    of k=7168 per CTA by default), every byte of W and x a CTA needs copied into shared memory
+    by 16-byte `cp.async` issued before any is waited on, then fp32 FMAs and a deterministic
+    warp/CTA reduction. See `_plan_stream`. (Loads into registers do not stay in flight
+    together: ptxas sinks each to its first use.)
+  * small batches (below `tiled_from_batch`, default 32): a CTA owns `8 * row_tiles` weight
+    rows (doubled past batch 16); its warps split k (`k_order` 0: interleaved 32-wide steps,
+    1: one contiguous run per warp); each warp issues its loads in groups of up to `k_unroll`
+    steps and, with `prefetch` 1, issues the next group before the current group's mmas into
+    registers copied over at the end of the iteration; `prefetch` 2 ping-pongs two register
+    buffers instead (no copy, so the next group stays in flight while the current one is
+    consumed); x comes straight from global memory (a few KB, L1/L2 hits); the partial sums
+    meet in shared memory, summed in warp order. See `_plan_warp_k`.
   * larger batches ("tiled"): every CTA re-reading all of x is what made the first design slower
     than cuBLAS from batch 16 on, so here x is staged once per CTA in a two-slot shared-memory
     ring and read by all warps, which split the rows (64 per CTA by default) instead of k; k is
@@ -47,9 +53,10 @@ overlaps this one's tail. The race audit's `load-before-griddep-wait` rule check
 order in the PTX and the SASS. With pdl 0 the kernel has neither instruction and launches
 plainly.
 
-Measured on an H200 (evidence_reports/foundation/): at batch 1 the small-batch design streams W
-at about 76-78% of the read-only ceiling on the 51 MB shapes; from batch 32 the tiled design is
-faster than the first design but still slower than cuBLAS (the README there has the figures).
+Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
+83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
+from batch 32 the tiled design is faster than the warp-split one but still slower than cuBLAS
+(the README there has the figures).
 """
 
 from kernels import reference
@@ -61,6 +68,7 @@ from kernels.ops.common import (
     coherent_copy_atom,
     cute,
     cutlass,
+    warp_allreduce_sum,
     weight_load_atom,
 )
 
@@ -77,7 +85,8 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live w
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1, "k_order": 0,
                     "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
-                    "tile_min_ctas": 264, "pdl": 0}
+                    "tile_min_ctas": 264, "pdl": 0, "stream_max_batch": 1, "stream_threads": 128,
+                    "stream_cta_kib": 8}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -116,9 +125,12 @@ class GemvOp(OpBase):
         if self.pdl not in (0, 1):
             raise ValueError("gemv: pdl must be 0 or 1")
 
-        self.tiled = self.batch >= int(self.tunables["tiled_from_batch"])
+        self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        self.tiled = not self.stream and self.batch >= int(self.tunables["tiled_from_batch"])
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
-        if self.tiled:
+        if self.stream:
+            self._plan_stream()
+        elif self.tiled:
             self._plan_tiled()
         else:
             self._plan_warp_k(warps, row_tiles, k_unroll)
@@ -159,6 +171,41 @@ class GemvOp(OpBase):
                 f"gemv: batch {self.batch} x {self.rows_per_cta} rows of fp32 partials need "
                 f"{self.smem_bytes} B of shared memory (limit {SMEM_LIMIT})"
             )
+
+    def _plan_stream(self) -> None:
+        """Smallest batches ("stream"): the weights are read the way the read-only ceiling reads
+        a buffer. A CTA of `stream_threads` threads owns `rows_per_cta` whole rows, a contiguous
+        block of about `stream_cta_kib` KiB, and issues every one of its weight loads up front
+        (each warp load is 512 contiguous bytes of one row); many short CTAs (several per SM)
+        keep the memory system full, and the dot products run on the CUDA cores (fp32 FMA: at
+        batch 1-2 a weight element feeds 1-2 FMAs, far below the FMA rate). Thread t works on
+        row t // (threads / rows), on every (threads / rows)-th 16-byte vector of it; the row's
+        threads meet by warp shuffles, then in shared memory in warp order (deterministic)."""
+        t = self.tunables
+        self.threads = int(t["stream_threads"])
+        cta_bytes = int(t["stream_cta_kib"]) * 1024
+        if self.threads % WARP or not WARP <= self.threads <= 1024 or cta_bytes < 1:
+            raise ValueError("gemv: stream_threads must be a multiple of 32 up to 1024, stream_cta_kib positive")
+        kv = self.k // BF16_PER_VECTOR  # 16-byte vectors per row
+        if self.k % BF16_PER_VECTOR:
+            raise ValueError(f"gemv: k={self.k} is not a multiple of {BF16_PER_VECTOR}")
+        rows = 1
+        while (rows * 2 * self.k * 2 <= cta_bytes and self.threads // (rows * 2) >= WARP
+               and self.n % (rows * 2) == 0):
+            rows *= 2
+        self.rows_per_cta = rows
+        self.row_threads = self.threads // rows  # threads (whole warps) per row
+        while kv % self.row_threads and self.row_threads > WARP:  # fewer warps rather than a ragged row
+            self.row_threads -= WARP
+        self.threads = rows * self.row_threads
+        if self.n % rows or kv % self.row_threads:
+            raise ValueError(f"gemv: k={self.k} has {kv} 16-byte vectors per row, not a multiple of "
+                             f"{self.row_threads} threads per row (stream design)")
+        self.vectors = kv // self.row_threads  # per thread
+        self.warps = self.threads // WARP
+        self.splits = 1
+        # W block + x + the warps' partials, each 16-byte aligned (+ the allocator's slack)
+        self.smem_bytes = (rows + self.batch) * self.k * 2 + self.warps * self.batch * 4 + 64
 
     def _plan_tiled(self) -> None:
         """Larger batches: CTA (split s, row block) owns `rows_per_cta` rows, its warps split
@@ -246,7 +293,9 @@ class GemvOp(OpBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                mC: cute.Tensor):
-        if cutlass.const_expr(self.tiled):
+        if cutlass.const_expr(self.stream):
+            self._stream_body(mX, mW, mY)
+        elif cutlass.const_expr(self.tiled):
             self._tiled_body(mX, mW, mY, mP, mC)
         else:
             self._warp_k_body(mX, mW, mY)
@@ -379,6 +428,110 @@ class GemvOp(OpBase):
                 for w in cutlass.range_constexpr(1, W):
                     s = s + sP[r, b, w]
                 mY[b, row0 + r] = s.to(mY.element_type)
+
+    @cute.jit
+    def _stream_body(self, mX, mW, mY):
+        """Trace-time body of the streaming design (see `_plan_stream`).
+
+        Every load is a 16-byte `cp.async` into shared memory, all issued before the first is
+        waited on. Loads into registers would not stay in flight together: ptxas sinks each to
+        its first use (one or two outstanding per thread), and moves them across a barrier.
+        A thread reads back only the weight vectors it copied itself (its own cp.async wait
+        orders them); x is copied once per CTA by the threads of row 0 and read by all rows
+        after the barrier."""
+        B = self.batch
+        R = self.rows_per_cta
+        RT = self.row_threads
+        V = self.vectors
+        K = self.k
+        KV = K // BF16_PER_VECTOR
+        WPR = RT // WARP  # warps per row
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        r = tidx // RT
+        row = bidx * R + r
+        kv0 = tidx % RT  # this thread's first 16-byte vector of the row; then every RT-th
+
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, cute.make_layout((R * K,)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((B * K,)), byte_alignment=16)
+        sP = smem.allocate_tensor(f32, cute.make_layout((B, self.warps)), byte_alignment=16)
+        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))  # ((8), vectors)
+        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
+        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+        gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
+        # W: cp.async.cg (L2 only: streamed once); x: .ca, kept in L1 for the SM's other CTAs.
+        w_atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), bf16,
+            num_bits_per_copy=128)
+        x_atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.ALWAYS), bf16,
+            num_bits_per_copy=128)
+        v_atom = coherent_copy_atom(bf16)
+        vec = cute.make_layout(((1, BF16_PER_VECTOR),))
+
+        flat = cute.make_layout((BF16_PER_VECTOR,))
+        for j in cutlass.range_constexpr(V):
+            src = gW[(None, (row, kv0 + j * RT))]
+            cute.copy(w_atom, cute.make_tensor(src.iterator, flat), vW[(None, r * KV + kv0 + j * RT)])
+        early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
+        if cutlass.const_expr(early_x):
+            self._stream_copy_x(gX, vX, x_atom, r, kv0)
+        self._pdl_wait()  # only static weights are read before it
+        if cutlass.const_expr(not early_x):
+            self._stream_copy_x(gX, vX, x_atom, r, kv0)
+        cute.arch.cp_async_commit_group()
+        self._pdl_trigger()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        acc = [f32(0.0) for _ in range(B)]
+        for j in cutlass.range_constexpr(V):
+            wt = cute.make_rmem_tensor(flat, bf16)
+            cute.copy(v_atom, vW[(None, r * KV + kv0 + j * RT)], wt)
+            wf = wt.load().to(f32)
+            for b in cutlass.range_constexpr(B):
+                xt = cute.make_rmem_tensor(flat, bf16)
+                cute.copy(v_atom, vX[(None, b * KV + kv0 + j * RT)], xt)
+                xf = xt.load().to(f32)
+                for e in cutlass.range_constexpr(BF16_PER_VECTOR):
+                    acc[b] = acc[b] + wf[e] * xf[e]
+        for b in cutlass.range_constexpr(B):
+            acc[b] = warp_allreduce_sum(acc[b])
+
+        if cutlass.const_expr(WPR == 1):
+            if lane == 0:
+                for b in cutlass.range_constexpr(B):
+                    mY[b, row] = acc[b].to(mY.element_type)
+        else:
+            if lane == 0:
+                for b in cutlass.range_constexpr(B):
+                    sP[b, warp] = acc[b]
+            cute.arch.sync_threads()
+            if tidx < R * B:
+                rr = tidx // B
+                bb = tidx % B
+                s = sP[bb, rr * WPR]
+                for wi in cutlass.range_constexpr(1, WPR):
+                    s = s + sP[bb, rr * WPR + wi]
+                mY[bb, bidx * R + rr] = s.to(mY.element_type)
+
+    @cute.jit
+    def _stream_copy_x(self, gX, vX, x_atom, r, kv0):
+        """Trace-time helper of `_stream_body`: the threads of row 0 copy x into shared memory."""
+        RT = self.row_threads
+        KV = self.k // BF16_PER_VECTOR
+        flat = cute.make_layout((BF16_PER_VECTOR,))
+        if r == 0:
+            for b in cutlass.range_constexpr(self.batch):
+                for j in cutlass.range_constexpr(self.vectors):
+                    src = gX[(None, (b, kv0 + j * RT))]
+                    cute.copy(x_atom, cute.make_tensor(src.iterator, flat), vX[(None, b * KV + kv0 + j * RT)])
 
     def _alloc_steps(self, count, x_rows):
         """Trace-time helper: register buffers for `count` k steps, shaped as `_load_steps`
