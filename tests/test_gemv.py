@@ -31,7 +31,7 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
         assert lc.block == (32 * op.warps, 1, 1)
         if op.stream:  # whole rows per CTA; the threads of a row cover it in equal 16-byte strides
             assert shape["batch"] == 1 and lc.grid[0] * op.rows_per_cta == shape["n"]
-            assert op.row_threads * op.vectors * 8 == shape["k"] and op.row_threads % 32 == 0
+            assert op.plan.row_threads * op.plan.vectors * 8 == shape["k"] and op.plan.row_threads % 32 == 0
             assert lc.smem_bytes <= G.SMEM_LIMIT
         elif op.tiled:  # grid (splits, row blocks); the splits cover k exactly
             assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
@@ -60,7 +60,7 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 2, "n": 64, "k": 520}, {}, "multiple of 32"),
     ({"batch": 1, "n": 64, "k": 516}, {}, "multiple of 8"),
     ({"batch": 1, "n": 7, "k": 56}, {}, "7 16-byte vectors per row"),
-    ({"batch": 1, "n": 64, "k": 512}, {"stream_threads": 48}, "stream_threads must be"),
+    ({"batch": 1, "n": 64, "k": 512}, {"stream_threads": 48}, "threads must be a multiple of 32"),
     ({"batch": 0, "n": 64, "k": 512}, {}, "batch 0"),
     ({"batch": 65, "n": 64, "k": 512}, {}, "batch 65"),
     ({"batch": 1, "n": 64, "k": 512, "out_dtype": "float16"}, {}, "out_dtype"),
@@ -94,16 +94,16 @@ def test_stream_design_at_batch_1():
     threads when they divide the row's 16-byte vectors (7168: 896 = 7 x 128), else fewer whole
     warps (3584: 448 = 7 x 64); all of W and x copied to shared memory, nothing else."""
     wide = G.GemvOp({"batch": 1, "n": 3584, "k": 7168})
-    assert wide.stream and (wide.rows_per_cta, wide.threads, wide.vectors) == (1, 128, 7)
+    assert wide.stream and (wide.rows_per_cta, wide.threads, wide.plan.vectors) == (1, 128, 7)
     assert wide.launch_config().grid == (3584, 1, 1)
     assert wide.smem_bytes == (1 + 1) * 7168 * 2 + 4 * 4 + 64
     narrow = G.GemvOp({"batch": 1, "n": 7168, "k": 3584})
-    assert (narrow.rows_per_cta, narrow.threads, narrow.vectors) == (1, 64, 7)
+    assert (narrow.rows_per_cta, narrow.threads, narrow.plan.vectors) == (1, 64, 7)
     router = G.GemvOp({"batch": 1, "n": 896, "k": 7168, "out_dtype": "float32"})
     assert router.launch_config().grid == (896, 1, 1)
     # Larger CTAs hold several whole rows, the row's threads whole warps.
     big = G.GemvOp({"batch": 1, "n": 7168, "k": 3584}, stream_cta_kib=32, stream_threads=256)
-    assert (big.rows_per_cta, big.row_threads, big.threads, big.vectors) == (4, 64, 256, 7)
+    assert (big.rows_per_cta, big.plan.row_threads, big.threads, big.plan.vectors) == (4, 64, 256, 7)
     assert big.launch_config().grid == (1792, 1, 1)
     assert not G.GemvOp({"batch": 1, "n": 3584, "k": 7168}, stream_max_batch=0).stream
     assert G.GemvOp({"batch": 2, "n": 3584, "k": 7168}, stream_max_batch=2).stream

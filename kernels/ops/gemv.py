@@ -60,6 +60,7 @@ from batch 32 the tiled design is faster than the warp-split one but still slowe
 """
 
 from kernels import reference
+from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
 from kernels.ops.common import (
     BF16_PER_VECTOR,
@@ -68,9 +69,9 @@ from kernels.ops.common import (
     coherent_copy_atom,
     cute,
     cutlass,
-    warp_allreduce_sum,
     weight_load_atom,
 )
+from kernels.ops.stream import StreamPlan
 
 K_STEP = 32  # k covered by one pair of m16n8k16 mmas (two halves of a 16-byte vector per lane)
 ROWS_PER_TILE = 8  # mma N: weight rows per tile
@@ -173,39 +174,18 @@ class GemvOp(OpBase):
             )
 
     def _plan_stream(self) -> None:
-        """Smallest batches ("stream"): the weights are read the way the read-only ceiling reads
-        a buffer. A CTA of `stream_threads` threads owns `rows_per_cta` whole rows, a contiguous
-        block of about `stream_cta_kib` KiB, and issues every one of its weight loads up front
-        (each warp load is 512 contiguous bytes of one row); many short CTAs (several per SM)
-        keep the memory system full, and the dot products run on the CUDA cores (fp32 FMA: at
-        batch 1-2 a weight element feeds 1-2 FMAs, far below the FMA rate). Thread t works on
-        row t // (threads / rows), on every (threads / rows)-th 16-byte vector of it; the row's
-        threads meet by warp shuffles, then in shared memory in warp order (deterministic)."""
+        """Smallest batches ("stream", kernels/ops/stream.py): a CTA of up to `stream_threads`
+        threads owns whole rows, at most `stream_cta_kib` KiB of W (at least one row), and
+        copies all of them and x into shared memory before it waits once; the dot products run
+        on the CUDA cores (at batch 1 a weight element feeds one FMA)."""
         t = self.tunables
-        self.threads = int(t["stream_threads"])
-        cta_bytes = int(t["stream_cta_kib"]) * 1024
-        if self.threads % WARP or not WARP <= self.threads <= 1024 or cta_bytes < 1:
-            raise ValueError("gemv: stream_threads must be a multiple of 32 up to 1024, stream_cta_kib positive")
-        kv = self.k // BF16_PER_VECTOR  # 16-byte vectors per row
-        if self.k % BF16_PER_VECTOR:
-            raise ValueError(f"gemv: k={self.k} is not a multiple of {BF16_PER_VECTOR}")
-        rows = 1
-        while (rows * 2 * self.k * 2 <= cta_bytes and self.threads // (rows * 2) >= WARP
-               and self.n % (rows * 2) == 0):
-            rows *= 2
-        self.rows_per_cta = rows
-        self.row_threads = self.threads // rows  # threads (whole warps) per row
-        while kv % self.row_threads and self.row_threads > WARP:  # fewer warps rather than a ragged row
-            self.row_threads -= WARP
-        self.threads = rows * self.row_threads
-        if self.n % rows or kv % self.row_threads:
-            raise ValueError(f"gemv: k={self.k} has {kv} 16-byte vectors per row, not a multiple of "
-                             f"{self.row_threads} threads per row (stream design)")
-        self.vectors = kv // self.row_threads  # per thread
-        self.warps = self.threads // WARP
+        self.plan = StreamPlan(n=self.n, k=self.k, threads=int(t["stream_threads"]),
+                               cta_bytes=int(t["stream_cta_kib"]) * 1024)
+        self.rows_per_cta = self.plan.rows
+        self.threads = self.plan.threads
+        self.warps = self.plan.warps
         self.splits = 1
-        # W block + x + the warps' partials, each 16-byte aligned (+ the allocator's slack)
-        self.smem_bytes = (rows + self.batch) * self.k * 2 + self.warps * self.batch * 4 + 64
+        self.smem_bytes = self.plan.smem_bytes(self.plan.rows, self.batch, self.batch * self.warps)
 
     def _plan_tiled(self) -> None:
         """Larger batches: CTA (split s, row block) owns `rows_per_cta` rows, its warps split
@@ -431,107 +411,53 @@ class GemvOp(OpBase):
 
     @cute.jit
     def _stream_body(self, mX, mW, mY):
-        """Trace-time body of the streaming design (see `_plan_stream`).
-
-        Every load is a 16-byte `cp.async` into shared memory, all issued before the first is
-        waited on. Loads into registers would not stay in flight together: ptxas sinks each to
-        its first use (one or two outstanding per thread), and moves them across a barrier.
-        A thread reads back only the weight vectors it copied itself (its own cp.async wait
-        orders them); x is copied once per CTA by the threads of row 0 and read by all rows
-        after the barrier."""
+        """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/stream.py)."""
+        P = self.plan
         B = self.batch
-        R = self.rows_per_cta
-        RT = self.row_threads
-        V = self.vectors
-        K = self.k
-        KV = K // BF16_PER_VECTOR
-        WPR = RT // WARP  # warps per row
         bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        r = tidx // RT
-        row = bidx * R + r
-        kv0 = tidx % RT  # this thread's first 16-byte vector of the row; then every RT-th
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
 
         smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, cute.make_layout((R * K,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((B * K,)), byte_alignment=16)
-        sP = smem.allocate_tensor(f32, cute.make_layout((B, self.warps)), byte_alignment=16)
+        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((B * P.k,)), byte_alignment=16)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((B, P.warps)), byte_alignment=16)
         vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))  # ((8), vectors)
         vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-        gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
-        # W: cp.async.cg (L2 only: streamed once); x: .ca, kept in L1 for the SM's other CTAs.
-        w_atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), bf16,
-            num_bits_per_copy=128)
-        x_atom = cute.make_copy_atom(
-            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.ALWAYS), bf16,
-            num_bits_per_copy=128)
-        v_atom = coherent_copy_atom(bf16)
-        vec = cute.make_layout(((1, BF16_PER_VECTOR),))
 
-        flat = cute.make_layout((BF16_PER_VECTOR,))
-        for j in cutlass.range_constexpr(V):
-            src = gW[(None, (row, kv0 + j * RT))]
-            cute.copy(w_atom, cute.make_tensor(src.iterator, flat), vW[(None, r * KV + kv0 + j * RT)])
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, bidx * P.rows + r, vW, r * P.kv, kv0)
         early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
         if cutlass.const_expr(early_x):
-            self._stream_copy_x(gX, vX, x_atom, r, kv0)
+            self._stream_copy_x(mX, vX, r, kv0)
         self._pdl_wait()  # only static weights are read before it
         if cutlass.const_expr(not early_x):
-            self._stream_copy_x(gX, vX, x_atom, r, kv0)
+            self._stream_copy_x(mX, vX, r, kv0)
         cute.arch.cp_async_commit_group()
         self._pdl_trigger()
         cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # x was copied by row 0's threads
+
+        acc = stream.dot(P, vW, r * P.kv, vX, [b * P.kv for b in range(B)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
-
-        acc = [f32(0.0) for _ in range(B)]
-        for j in cutlass.range_constexpr(V):
-            wt = cute.make_rmem_tensor(flat, bf16)
-            cute.copy(v_atom, vW[(None, r * KV + kv0 + j * RT)], wt)
-            wf = wt.load().to(f32)
-            for b in cutlass.range_constexpr(B):
-                xt = cute.make_rmem_tensor(flat, bf16)
-                cute.copy(v_atom, vX[(None, b * KV + kv0 + j * RT)], xt)
-                xf = xt.load().to(f32)
-                for e in cutlass.range_constexpr(BF16_PER_VECTOR):
-                    acc[b] = acc[b] + wf[e] * xf[e]
-        for b in cutlass.range_constexpr(B):
-            acc[b] = warp_allreduce_sum(acc[b])
-
-        if cutlass.const_expr(WPR == 1):
-            if lane == 0:
-                for b in cutlass.range_constexpr(B):
-                    mY[b, row] = acc[b].to(mY.element_type)
-        else:
-            if lane == 0:
-                for b in cutlass.range_constexpr(B):
-                    sP[b, warp] = acc[b]
-            cute.arch.sync_threads()
-            if tidx < R * B:
-                rr = tidx // B
-                bb = tidx % B
-                s = sP[bb, rr * WPR]
-                for wi in cutlass.range_constexpr(1, WPR):
-                    s = s + sP[bb, rr * WPR + wi]
-                mY[bb, bidx * R + rr] = s.to(mY.element_type)
+        if tidx < P.rows * B:
+            for rr in cutlass.range_constexpr(P.rows):
+                for bb in cutlass.range_constexpr(B):
+                    if tidx == rr * B + bb:
+                        mY[bb, bidx * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
 
     @cute.jit
-    def _stream_copy_x(self, gX, vX, x_atom, r, kv0):
+    def _stream_copy_x(self, mX, vX, r, kv0):
         """Trace-time helper of `_stream_body`: the threads of row 0 copy x into shared memory."""
-        RT = self.row_threads
-        KV = self.k // BF16_PER_VECTOR
-        flat = cute.make_layout((BF16_PER_VECTOR,))
+        gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
+        atom = stream.activation_copy_atom(cutlass.BFloat16)
         if r == 0:
             for b in cutlass.range_constexpr(self.batch):
-                for j in cutlass.range_constexpr(self.vectors):
-                    src = gX[(None, (b, kv0 + j * RT))]
-                    cute.copy(x_atom, cute.make_tensor(src.iterator, flat), vX[(None, b * KV + kv0 + j * RT)])
+                stream.copy_row(self.plan, atom, gX, b, vX, b * self.plan.kv, kv0)
 
     def _alloc_steps(self, count, x_rows):
         """Trace-time helper: register buffers for `count` k steps, shaped as `_load_steps`
