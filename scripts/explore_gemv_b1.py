@@ -69,7 +69,9 @@ def main(argv=None) -> int:
 
     def record(name, n, k, nbytes, t):
         us = t.median_us
-        row = {"case": name, "n": n, "k": k, "bytes": nbytes, **t.summary(),
+        summary = t.summary()
+        summary["samples"] = summary.pop("n")  # the summary's n is its sample count, not the rows
+        row = {"case": name, "n": n, "k": k, "bytes": nbytes, **summary,
                "tbps": nbytes / us / 1e6, "of_read": nbytes / us / 1e6 / tb}
         doc["cases"].append(row)
         print(f"{n:5d}x{k:5d} {name:24s} {us:7.2f} us  {row['tbps']:.3f} TB/s  {100 * row['of_read']:5.1f}%",
