@@ -232,10 +232,19 @@ def _sha256_file(path: Path) -> str:
 
 
 def dsl_version() -> str:
+    """The DSL's version and those of its backend packages, e.g. "4.8.1 (libs-base 4.8.1,
+    libs-core 4.8.1, libs-cu12 4.8.1)". Part of every build key: the backend (cu12 or cu13
+    libraries, installed beside the same front-end version) decides the compiler that emits the
+    cubin, so two backends must never share a cache entry."""
     try:
-        return importlib.metadata.version("nvidia-cutlass-dsl")
+        front = importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
         raise BuildError("nvidia-cutlass-dsl is not installed; the build needs it (pip install -e .)") from None
+    prefix = "nvidia-cutlass-dsl-"
+    backends = sorted({(d.metadata["Name"].lower().removeprefix(prefix), d.version)
+                       for d in importlib.metadata.distributions()
+                       if (d.metadata["Name"] or "").lower().startswith(prefix)})
+    return front + (" (" + ", ".join(f"{n} {v}" for n, v in backends) + ")" if backends else "")
 
 
 # -- variants and keys ------------------------------------------------------------------------

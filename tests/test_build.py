@@ -341,3 +341,28 @@ def test_relative_root_compiles_and_hits(manifest, tmp_path, monkeypatch):
     assert (art.dir / "kernel.cubin").is_file()
     again = build_variant("scale", {"rows": 2, "cols": 64}, root=Path("rel_build"), manifest=manifest)
     assert again.cache_hit and again.meta["hashes"]["cubin_sha256"] == art.meta["hashes"]["cubin_sha256"]
+
+
+def test_dsl_version_names_the_backend_packages(monkeypatch):
+    """The build key's DSL version includes the backend libraries: the same front-end version
+    with the cu12 or the cu13 backend must give different keys (different compilers)."""
+    import importlib.metadata as md
+
+    class Dist:
+        def __init__(self, name, version):
+            self.metadata = {"Name": name}
+            self.version = version
+
+    def with_backend(tag):
+        monkeypatch.setattr(md, "version", lambda name: "4.8.1")
+        monkeypatch.setattr(md, "distributions", lambda: [Dist("nvidia-cutlass-dsl", "4.8.1"),
+                                                          Dist(f"nvidia-cutlass-dsl-libs-{tag}", "4.8.1"),
+                                                          Dist("torch", "2.13.0")])
+        return build.dsl_version()
+
+    cu12, cu13 = with_backend("cu12"), with_backend("cu13")
+    assert cu12 == "4.8.1 (libs-cu12 4.8.1)" and cu13 == "4.8.1 (libs-cu13 4.8.1)"
+    spec = load_manifest().kernel("rmsnorm")
+    shape = spec.shapes[0]
+    assert build.content_key(spec, shape, {}, {"a.py": "0" * 64}, cu12) != \
+        build.content_key(spec, shape, {}, {"a.py": "0" * 64}, cu13)
