@@ -169,3 +169,22 @@ def test_cp_async_of_an_activation_before_griddep_wait_is_flagged():
     assert len(hits) == 1 and hits[0].params == ["x"], [str(f) for f in bad.findings]
     assert "cp.async" in hits[0].ptx and "LDGSTS" in hits[0].sass
     assert hits[0].source.startswith("tests/fixtures/cpasync_pdl_op.py:")
+
+
+@pytest.mark.slow
+def test_prodcons_handshake_through_an_undeclared_buffer_is_flagged():
+    """The real producer/consumer kernel with its flags declared an activation instead of sync
+    (a manifest that hides the handshake): the consumers' spin is flagged in PTX and SASS at its
+    source line; declared sync, it is clean."""
+    from validation.race.audit import audit_ptx
+
+    spec = load_manifest().kernel("prodcons")
+    art = build_variant_of(spec)
+    ptx, sass = (Path(art.paths[k]).read_text() for k in ("ptx", "sass"))
+    names = [p.name for p in spec.params]
+    roles = {p.name: p.role for p in spec.params}
+    assert roles["flags"] == "sync" and audit_ptx(ptx, roles, sass_text=sass, param_names=names).clean
+    rep = audit_ptx(ptx, {**roles, "flags": "activation"}, sass_text=sass, param_names=names)
+    hits = [f for f in rep.findings if f.rule == "undeclared-sync"]
+    assert hits and {tuple(f.params) for f in hits} == {("flags",)}, [str(f) for f in rep.findings]
+    assert all(f.ptx and f.sass and f.source.startswith("kernels/ops/prodcons.py:") for f in hits)

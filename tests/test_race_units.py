@@ -253,3 +253,51 @@ def test_nc_load_of_unknown_provenance_is_an_error():
     plain = body.replace("ld.global.nc.b32", "ld.global.b32")
     rep = audit_ptx(_ptx(plain), ["static", "activation", "scalar"])
     assert rep.clean and rep.rules_hit() == {"unknown-provenance"}
+
+
+# A loop over param 1's words whose bound is param 2. SPIN: each iteration reloads param 0's
+# word and exits when it is non-zero (a wait on memory). BOUND: the same loop with the word
+# loaded once before the loop (a bound read from memory, not a wait).
+_SPIN = """
+	mov.u32 %r2, 0;
+$L_top:
+	ld.global.u32 %r3, [%rd1];
+	ld.global.u32 %r4, [%rd2];
+	add.s32 %r2, %r2, %r4;
+	setp.eq.s32 %p1, %r3, 0;
+	@%p1 bra $L_top;
+	st.global.u32 [%rd2], %r2;"""
+_BOUND = """
+	mov.u32 %r2, 0;
+	mov.u32 %r5, 0;
+	ld.global.u32 %r3, [%rd1];
+$L_top:
+	ld.global.u32 %r4, [%rd2];
+	add.s32 %r2, %r2, %r4;
+	add.s32 %r5, %r5, 1;
+	setp.lt.u32 %p1, %r5, %r3;
+	@%p1 bra $L_top;
+	st.global.u32 [%rd2], %r2;"""
+
+
+@pytest.mark.parametrize("role", ["activation", "scratch"])
+def test_a_wait_on_a_buffer_not_declared_sync_is_an_error(role):
+    """A loop that exits on a value it reloads from an activation/scratch buffer is a
+    handshake the manifest hides from the ordering rules: undeclared-sync names the buffer."""
+    rep = audit_ptx(_ptx(_SPIN), [role, "activation", "scalar"], param_names=["flag", "data", "n"])
+    f = [x for x in rep.findings if x.rule == "undeclared-sync"]
+    assert len(f) == 1 and f[0].params == ["flag"] and f[0].severity == "error", rep.findings
+    assert "bra" in f[0].ptx
+
+
+def test_declared_static_or_sync_waits_and_bounds_read_before_the_loop_are_not_flagged():
+    # declared sync: the ordering rules own it (this spin has no acquire, so they fire instead)
+    rep = audit_ptx(_ptx(_SPIN), ["sync", "activation", "scalar"])
+    assert "undeclared-sync" not in rep.rules_hit() and rep.rules_hit()
+    # static: cannot change during the launch, so the loop cannot be waiting on it
+    assert "undeclared-sync" not in audit_ptx(_ptx(_SPIN), ["static", "activation", "scalar"]).rules_hit()
+    # a bound loaded once before the loop decides the exit: no wait
+    assert "undeclared-sync" not in audit_ptx(_ptx(_BOUND), ["activation", "activation", "scalar"]).rules_hit()
+    # ... but the same bound reloaded inside the loop is one
+    inside = _BOUND.replace("\tld.global.u32 %r3, [%rd1];\n$L_top:\n", "$L_top:\n\tld.global.u32 %r3, [%rd1];\n")
+    assert "undeclared-sync" in audit_ptx(_ptx(inside), ["activation", "activation", "scalar"]).rules_hit()

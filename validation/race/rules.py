@@ -12,6 +12,9 @@ analyses are small data-flows over the CFG:
   publish (an elected publisher counts for the whole CTA);
 * unbarriered access (forward): did threads other than an elected publisher touch cross-CTA
   data since the last CTA barrier?
+* undeclared handshake (forward, per loop, any kernel): does a loop's exit depend on a value
+  it loads from an activation or scratch buffer? That is a wait on memory; the ordering rules
+  above run only on buffers the manifest declares `sync`, so such a loop must be declared.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("load-before-griddep-wait", ERROR,
          "in a kernel with griddepcontrol.wait (programmatic dependent launch): a load from a "
          "parameter that is not static, or any global write, not dominated by the wait"),
+    Rule("undeclared-sync", ERROR,
+         "a loop whose exit depends on a value it loads from a buffer the manifest does not "
+         "declare `sync` (a cross-CTA handshake the ordering rules would not check)"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -141,6 +147,68 @@ def _sync_loops(cfg: CFG, prov: Provenance, roles: Roles) -> set[int]:
                 heads.add(lp.header)
                 break
     return heads
+
+
+def _undeclared_spins(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFinding]:
+    """Loops that wait on memory through a buffer not declared `sync`: an exit branch whose
+    predicate depends on a value loaded (or returned by an atomic) inside the same loop from an
+    activation or scratch buffer. Such a loop reads what another thread or CTA writes during
+    the launch, i.e. a handshake; without the `sync` role the ordering rules (acquire before the
+    data, release after it) never run on it. Static buffers cannot change during the launch and
+    `sync` ones are checked by those rules, so neither counts.
+
+    The dependence is tracked inside each loop only (values from before the loop carry no tag),
+    so a loop bound read once before the loop, or per-item metadata that does not decide the
+    exit, is not a spin."""
+    fn = cfg.fn
+    out: list[RawFinding] = []
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for lp in cfg.loops:
+        body = lp.body
+        order = [b for b in cfg.rpo if b in body]
+        end: dict[int, dict] = {}
+        guard_tags: dict[int, frozenset] = {}
+        changed = True
+        while changed:
+            changed = False
+            for b in order:
+                st: dict = {}
+                for p in cfg.blocks[b].preds:
+                    if p in body and p in end:  # the header's entry edge brings no tags
+                        for r, t in end[p].items():
+                            st[r] = st.get(r, frozenset()) | t
+                blk = cfg.blocks[b]
+                for k in range(blk.start, blk.end):
+                    ins = fn.instrs[k]
+                    if ins.guard:
+                        guard_tags[k] = st.get(ins.guard, frozenset())
+                    if ins.kind in (ir.LOAD, ir.ATOM):
+                        val = frozenset(p for p in _buffer_params(prov, k, roles)
+                                        if roles.by_index.get(p, "activation") in ("activation", "scratch"))
+                    else:
+                        val = frozenset().union(*(st.get(r, frozenset()) for r in ins.srcs))
+                    for d in ins.dests:
+                        st[d] = val
+                if end.get(b) != st:
+                    end[b] = st
+                    changed = True
+        for b in order:
+            blk = cfg.blocks[b]
+            if blk.end <= blk.start or not any(sc not in body for sc in blk.succs):
+                continue
+            last = fn.instrs[blk.end - 1]
+            if last.kind not in (ir.BRANCH, ir.EXIT) or not last.guard:
+                continue
+            hit = tuple(sorted(guard_tags.get(last.index, frozenset())))
+            if hit and (last.index, hit) not in seen:
+                seen.add((last.index, hit))
+                names = ", ".join(f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})" for p in hit)
+                out.append(RawFinding(
+                    "undeclared-sync", last,
+                    f"this loop exits on a value it loads from {names}: a wait on memory another "
+                    "thread or CTA writes. Declare the buffer `sync` in the manifest so the ordering "
+                    "rules check the handshake", hit))
+    return out
 
 
 def _touches_sync(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
@@ -248,6 +316,9 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
             if cfg.block_of[ins.index] in td or (ins.guard and prov.guard_is_thread_varying(ins.index)):
                 findings.append(RawFinding("barrier-divergent", ins,
                                            "CTA barrier reached by only some threads of the CTA"))
+
+    # -- handshakes through buffers not declared sync (any kernel) -----------------------------
+    findings += _undeclared_spins(cfg, prov, roles)
 
     if not syncs:
         return findings
