@@ -16,13 +16,23 @@ gate/up projection depends only on h, so the block can run it beside the routed 
 are half gate rows, half the matching up rows, SiTU in fp32 in the epilogue, `a_s` rounded to bf16
 as the reference does. Both kernels use the decode mma scheme of kernels/ops/decode_mma.py with
 the warps' partials summed in warp order (deterministic).
+
+At the smallest batches (batch <= `stream_max_batch`, default 1) both kernels use instead the
+"stream" design of kernels/ops/stream.py (the gemv's at batch 1): no tensor cores, a CTA owns
+whole output rows and is split into sections of whole warps, one per weight matrix it reads
+(shared_gate_up: the gate rows and the matching up rows; latent_out: the W_up rows and the
+matching W_sd rows). Every thread issues all of its 16-byte `cp.async` copies (its weight
+vectors, and for a section's first row the activation) before the CTA waits once; then fp32
+FMAs from shared memory and a warp-order reduction per section, and the epilogue combines the
+sections' row totals (SiTU; residual + both projections) with the same roundings as above.
 """
 
 from __future__ import annotations
 
 from kernels import reference
+from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import WARP, ceil_div, cute, cutlass
+from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
@@ -37,13 +47,21 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
+from kernels.ops.stream import StreamPlan
 
 MAX_BATCH = 64
 LOAD_GROUP_VECTORS = 16
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-SHARED_GATE_UP_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8}
-LATENT_OUT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8}
+STREAM_SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's shared memory (the launcher opts in past 48 KB)
+
+# Host-side tunables; must equal the manifest's defaults ([kernels.shared_gate_up], [kernels.latent_out]).
+# stream_*: the stream design up to `stream_max_batch` tokens: `stream_rows` output rows per CTA,
+# `stream_threads` (`stream_up_threads`, `stream_down_threads`) threads per weight row.
+SHARED_GATE_UP_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8,
+                           "stream_max_batch": 1, "stream_rows": 1, "stream_threads": 128}
+LATENT_OUT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8,
+                       "stream_max_batch": 1, "stream_rows": 1, "stream_up_threads": 64, "stream_down_threads": 128}
 
 
 def _plan(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> MmaPlan:
@@ -51,6 +69,54 @@ def _plan(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> MmaP
     xv = sum(1 for t in range(mb) for h in range(2) if t * BATCH_PER_TILE + h * 8 < batch)
     u = max(1, min(k_unroll, LOAD_GROUP_VECTORS // (row_tiles + xv)))
     return MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=mb, k=k, k_unroll=u)
+
+
+def _stream_plan(name: str, n: int, k: int, rows: int, row_threads: int) -> StreamPlan:
+    """The stream plan of one CTA section: `rows` whole rows of k bf16 (of n), `row_threads`
+    threads per row (fewer whole warps when they do not divide the row's 16-byte vectors)."""
+    if rows < 1 or rows & (rows - 1) or n % rows:
+        raise ValueError(f"{name}: stream_rows {rows} must be a power of two dividing {n}")
+    if row_threads < WARP or row_threads % WARP:
+        raise ValueError(f"{name}: stream threads per row {row_threads} must be a multiple of {WARP}")
+    plan = StreamPlan(n=n, k=k, threads=rows * row_threads, cta_bytes=rows * k * 2)
+    if plan.rows != rows:
+        raise ValueError(f"{name}: {row_threads} threads per row cannot hold {rows} rows of {k} per CTA")
+    return plan
+
+
+def _check_stream_cta(name: str, threads: int, smem: int) -> None:
+    if threads > 1024:
+        raise ValueError(f"{name}: the stream CTA would have {threads} threads (at most 1024)")
+    if smem > STREAM_SMEM_LIMIT:
+        raise ValueError(f"{name}: the stream CTA would need {smem} B of shared memory (at most "
+                         f"{STREAM_SMEM_LIMIT}); lower stream_max_batch or stream_rows")
+
+
+@cute.jit
+def _copy_section(plan: StreamPlan, gW, w_row0, vW, gX, vX, batch: int, t):
+    """Issue section thread `t`'s copies: its vectors of weight row `w_row0 + t // row_threads`
+    (into the section's shared rows) and, for the section's first row, of every activation row."""
+    r = t // plan.row_threads
+    kv0 = t % plan.row_threads
+    stream.copy_row(plan, stream.weight_copy_atom(cutlass.BFloat16), gW, w_row0 + r, vW, r * plan.kv, kv0)
+    if r == 0:
+        for b in cutlass.range_constexpr(batch):
+            stream.copy_row(plan, stream.activation_copy_atom(cutlass.BFloat16), gX, b, vX, b * plan.kv, kv0)
+
+
+@cute.jit
+def _dot_section(plan: StreamPlan, vW, vX, batch: int, sP, t):
+    """Section thread `t`'s dot products over its shared vectors, published per warp to sP[b, warp]."""
+    r = t // plan.row_threads
+    kv0 = t % plan.row_threads
+    acc = stream.dot(plan, vW, r * plan.kv, vX, [b * plan.kv for b in range(batch)], kv0)
+    stream.publish_partials(acc, sP, t // WARP, t % WARP)
+
+
+def _smem_rows(smem, k: int, rows: int):
+    """A shared-memory buffer of `rows` rows of k bf16, as 16-byte vectors (((8), vectors))."""
+    s = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * k,)), byte_alignment=16)
+    return cute.zipped_divide(s, (BF16_PER_VECTOR,))
 
 
 def _tunables(name: str, defaults: dict, tunables: dict) -> dict:
@@ -73,6 +139,10 @@ class SharedGateUpOp(OpBase):
             raise ValueError(f"shared_gate_up: shape needs batch, hidden and shared_inter; missing {e}") from None
         if not 1 <= self.batch <= MAX_BATCH:
             raise ValueError(f"shared_gate_up: batch {self.batch} outside 1..{MAX_BATCH}")
+        self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        if self.stream:
+            self._plan_stream()
+            return
         self.warps = int(self.tunables["warps_per_cta"])
         self.row_tiles = int(self.tunables["row_tiles"])
         if self.row_tiles % 2:
@@ -84,6 +154,20 @@ class SharedGateUpOp(OpBase):
         self.threads = self.warps * WARP
         self.pb = padded_batch(self.batch)
         self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
+        self.grid = self.inter // self.half_rows
+
+    def _plan_stream(self) -> None:
+        """Stream design: a CTA owns `stream_rows` gate rows and the same up rows, so SiTU needs
+        no second pass; its first section (`stream_threads` threads per row) copies and reduces
+        the gate rows and h, the second the up rows. Shared memory: both row sets, h, partials."""
+        t = self.tunables
+        self.sp = _stream_plan(self.kernel_name, self.inter, self.hidden, int(t["stream_rows"]),
+                               int(t["stream_threads"]))
+        self.half_rows = self.sp.rows
+        self.threads = 2 * self.sp.threads
+        self.smem_bytes = (self.sp.smem_bytes(2 * self.sp.rows, self.batch, 2 * self.batch * self.sp.warps))
+        self.grid = self.sp.ctas
+        _check_stream_cta(self.kernel_name, self.threads, self.smem_bytes)
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, H, S = self.batch, self.hidden, self.inter
@@ -94,8 +178,7 @@ class SharedGateUpOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        return LaunchConfig(grid=(self.inter // self.half_rows, 1, 1), block=(self.threads, 1, 1),
-                            smem_bytes=self.smem_bytes)
+        return LaunchConfig(grid=(self.grid, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
     def reference(self, *, h, w_gate_up, a=None, compute_dtype=None):
         """a = SiTU(h @ W_sgu.T): bf16 (float64 for the oracle)."""
@@ -113,6 +196,53 @@ class SharedGateUpOp(OpBase):
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor):
+        if cutlass.const_expr(self.stream):
+            self._stream_body(mH, mW, mA)
+        else:
+            self._mma_body(mH, mW, mA)
+
+    @cute.jit
+    def _stream_body(self, mH, mW, mA):
+        """Trace-time body of the stream design (see `_plan_stream`)."""
+        P = self.sp
+        B, S = self.batch, self.inter
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        vG = _smem_rows(smem, P.k, P.rows)
+        vU = _smem_rows(smem, P.k, P.rows)
+        vH = _smem_rows(smem, P.k, B)
+        sPg = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
+        sPu = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
+        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+        gH = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
+        row0 = bidx * P.rows
+
+        if tidx < P.threads:  # gate section: gate rows and h
+            _copy_section(P, gW, row0, vG, gH, vH, B, tidx)
+        else:  # up section: the matching up rows
+            _copy_section(P, gW, S + row0, vU, gH, vH, 0, tidx - P.threads)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # h was copied by the gate section's first row
+        if tidx < P.threads:
+            _dot_section(P, vG, vH, B, sPg, tidx)
+        else:
+            _dot_section(P, vU, vH, B, sPu, tidx - P.threads)
+        cute.arch.sync_threads()
+        if tidx < P.rows * B:
+            for rr in cutlass.range_constexpr(P.rows):
+                for bb in cutlass.range_constexpr(B):
+                    if tidx == rr * B + bb:
+                        a = situ(stream.row_total(P, sPg, rr, bb), stream.row_total(P, sPu, rr, bb),
+                                 GATE_LIMIT, UP_LIMIT)
+                        mA[bb, row0 + rr] = a.to(cutlass.BFloat16)
+
+    @cute.jit
+    def _mma_body(self, mH, mW, mA):
+        """Trace-time body of the mma design (batches past `stream_max_batch`)."""
         T, S = self.batch, self.inter
         Rh = self.half_rows
         NH = self.row_tiles // 2
@@ -127,7 +257,7 @@ class SharedGateUpOp(OpBase):
         g = lane // 4
         q = lane % 4
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
         gW = vector_view(mW)
         w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
@@ -162,6 +292,10 @@ class LatentOutOp(OpBase):
             raise ValueError(f"latent_out: shape needs batch, hidden, latent and shared_inter; missing {e}") from None
         if not 1 <= self.batch <= MAX_BATCH:
             raise ValueError(f"latent_out: batch {self.batch} outside 1..{MAX_BATCH}")
+        self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        if self.stream:
+            self._plan_stream()
+            return
         self.warps = int(self.tunables["warps_per_cta"])
         self.row_tiles = int(self.tunables["row_tiles"])
         self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
@@ -173,6 +307,24 @@ class LatentOutOp(OpBase):
         self.threads = self.warps * WARP
         self.pb = padded_batch(self.batch)
         self.smem_bytes = 2 * self.rows_per_cta * self.pb * self.warps * 4 + 64
+        self.grid = self.hidden // self.rows_per_cta
+
+    def _plan_stream(self) -> None:
+        """Stream design: a CTA owns `stream_rows` output rows; its first section
+        (`stream_up_threads` threads per row) copies and reduces those rows of W_up and n, the
+        second (`stream_down_threads` per row) the same rows of W_sd and a_s (7 KB + 12 KB a
+        row at k3). Shared memory: both row sets, n, a_s, partials."""
+        t = self.tunables
+        rows = int(t["stream_rows"])
+        self.sp_up = _stream_plan(self.kernel_name, self.hidden, self.latent, rows, int(t["stream_up_threads"]))
+        self.sp_down = _stream_plan(self.kernel_name, self.hidden, self.inter, rows, int(t["stream_down_threads"]))
+        B = self.batch
+        self.rows_per_cta = rows
+        self.threads = self.sp_up.threads + self.sp_down.threads
+        self.smem_bytes = (self.sp_up.smem_bytes(rows, B, B * self.sp_up.warps)
+                           + self.sp_down.smem_bytes(rows, B, B * self.sp_down.warps))
+        self.grid = self.sp_up.ctas
+        _check_stream_cta(self.kernel_name, self.threads, self.smem_bytes)
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, H, L, S = self.batch, self.hidden, self.latent, self.inter
@@ -186,8 +338,7 @@ class LatentOutOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        return LaunchConfig(grid=(self.hidden // self.rows_per_cta, 1, 1), block=(self.threads, 1, 1),
-                            smem_bytes=self.smem_bytes)
+        return LaunchConfig(grid=(self.grid, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
     def reference(self, *, x, n, w_up, a, w_down, out=None, compute_dtype=None):
         """out = x + r + shared (kernels.reference: linear, the shared expert's down half, residual)."""
@@ -208,6 +359,55 @@ class LatentOutOp(OpBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mN: cute.Tensor, mWu: cute.Tensor, mA: cute.Tensor, mWd: cute.Tensor,
                mOut: cute.Tensor):
+        if cutlass.const_expr(self.stream):
+            self._stream_body(mX, mN, mWu, mA, mWd, mOut)
+        else:
+            self._mma_body(mX, mN, mWu, mA, mWd, mOut)
+
+    @cute.jit
+    def _stream_body(self, mX, mN, mWu, mA, mWd, mOut):
+        """Trace-time body of the stream design (see `_plan_stream`)."""
+        Pu, Pd = self.sp_up, self.sp_down
+        B = self.batch
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        vWu = _smem_rows(smem, Pu.k, Pu.rows)
+        vN = _smem_rows(smem, Pu.k, B)
+        vWd = _smem_rows(smem, Pd.k, Pd.rows)
+        vA = _smem_rows(smem, Pd.k, B)
+        sPu = smem.allocate_tensor(f32, cute.make_layout((B, Pu.warps)), byte_alignment=16)
+        sPd = smem.allocate_tensor(f32, cute.make_layout((B, Pd.warps)), byte_alignment=16)
+        row0 = bidx * Pu.rows
+
+        if tidx < Pu.threads:  # up section: W_up rows and n
+            _copy_section(Pu, cute.zipped_divide(mWu, (1, BF16_PER_VECTOR)), row0, vWu,
+                          cute.zipped_divide(mN, (1, BF16_PER_VECTOR)), vN, B, tidx)
+        else:  # down section: W_sd rows and a_s
+            _copy_section(Pd, cute.zipped_divide(mWd, (1, BF16_PER_VECTOR)), row0, vWd,
+                          cute.zipped_divide(mA, (1, BF16_PER_VECTOR)), vA, B, tidx - Pu.threads)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # n and a_s were copied by each section's first row
+        if tidx < Pu.threads:
+            _dot_section(Pu, vWu, vN, B, sPu, tidx)
+        else:
+            _dot_section(Pd, vWd, vA, B, sPd, tidx - Pu.threads)
+        cute.arch.sync_threads()
+        if tidx < Pu.rows * B:
+            for rr in cutlass.range_constexpr(Pu.rows):
+                for bb in cutlass.range_constexpr(B):
+                    if tidx == rr * B + bb:
+                        up = stream.row_total(Pu, sPu, rr, bb).to(bf16).to(f32)
+                        sh = stream.row_total(Pd, sPd, rr, bb).to(bf16).to(f32)
+                        mOut[bb, row0 + rr] = (mX[bb, row0 + rr].to(f32) + up + sh).to(bf16)
+
+    @cute.jit
+    def _mma_body(self, mX, mN, mWu, mA, mWd, mOut):
+        """Trace-time body of the mma design (batches past `stream_max_batch`)."""
         T = self.batch
         R = self.rows_per_cta
         NT = self.row_tiles
@@ -223,7 +423,7 @@ class LatentOutOp(OpBase):
         q = lane % 4
         row0 = bidx * R
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sP = smem.allocate_tensor(f32, partials_layout(2 * R, self.pb, W), byte_alignment=16)
         rows = x_row_slots(self.plan_up.batch_tiles, T, g, lambda i: i)
         gWu = vector_view(mWu)
