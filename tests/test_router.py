@@ -1,6 +1,7 @@
 """The router op (kernels/ops/router.py): the grouping it promises (torch model of phase 2), its
-contract with the manifest, the reference on the tiny preset, its k3 build (mma logits, read-only
-path only for weights, the acq_rel arrival and release reset), and on a GPU its numerics."""
+contract with the manifest, the reference on the tiny preset, its two designs (stream at batch 1:
+plan, shared-memory union, the SASS order of its copies; mma above), its k3 builds (read-only or
+L2-only paths for weights, the acq_rel arrival and release reset)."""
 
 from pathlib import Path
 
@@ -104,14 +105,40 @@ def test_default_tunables_and_params_follow_the_manifest():
     for shape in SPEC.shapes:
         op = RT.RouterOp(shape)
         assert list(op.tensor_specs()) == [p.name for p in SPEC.params]
-        assert op.launch_config().grid[0] == 896 // 8 + 3584 // 16
+        if shape["batch"] == 1:  # stream: one CTA per row of W_g, then of W_down
+            assert op.stream and op.launch_config().grid[0] == 896 + 3584
+        else:
+            assert not op.stream and op.launch_config().grid[0] == 896 // 8 + 3584 // 16
+
+
+def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
+    """Batch 1: router rows first (CTAs 0..895, they arrive), then W_down's; 128 threads, 7
+    vectors each; shared memory = one weight row + h (the phase-2 arrays reuse it) + partials."""
+    op = RT.RouterOp(K3)
+    assert op.stream and (op.ctas, op.down_ctas, op.threads) == (896, 3584, 128)
+    assert op.plan.vectors == op.down_plan.vectors == 7 and op.plan.rows == 1
+    assert op.union_elems == 2 * 7168 and op.smem_bytes == 2 * 7168 * 2 + 16 + 16 + 64
+    o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union
+    assert all(v % 4 == 0 for v in o.values()) and 2 * (o["sel"] + op.slots) <= op.union_elems
+    assert op.launch_config().pdl is False and RT.RouterOp(K3, pdl=1).launch_config().pdl is True
+    assert RT.RouterOp({**K3, "batch": 2}, pdl=1).launch_config().pdl is False  # mma: plain launch
+    assert not RT.RouterOp(K3, stream_max_batch=0).stream
+    assert RT.RouterOp({**K3, "batch": 4}, stream_max_batch=4).stream
+    wide = RT.RouterOp(K3, stream_cta_kib=32)  # two rows per CTA: 64 threads each
+    assert (wide.rows_per_cta, wide.down_rows_per_cta, wide.ctas, wide.plan.row_threads) == (2, 2, 448, 64)
+    # the union also holds phase 2 where rows are tiny (mini-like shapes)
+    small = RT.RouterOp({"batch": 3, "n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512},
+                        stream_max_batch=4)
+    assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["sel"] + small.slots)
 
 
 @pytest.mark.parametrize("shape, fragment", [
     ({**K3, "batch": 65}, "batch 65"),
     ({**K3, "top_k": 0}, "top_k 0"),
-    ({**K3, "n_experts": 900}, "multiple of 8"),
     ({k: v for k, v in K3.items() if k != "latent"}, "missing"),
+    ({**K3, "n_experts": 900, "batch": 2}, "multiple of 8"),  # the mma design's rows per CTA
+    ({**K3, "n_experts": 898}, "not a multiple of 4"),  # stream: 16-byte logit copies
+    ({**K3, "hidden": 7164}, "not a multiple of 8"),  # stream: 16-byte weight vectors
 ])
 def test_rejects_what_it_cannot_compute(shape, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -119,12 +146,55 @@ def test_rejects_what_it_cannot_compute(shape, fragment):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 64])
-def test_k3_build_ptx(tmp_path, batch):
+def test_k3_build_ptx_mma_design(tmp_path):
     cute = pytest.importorskip("cutlass.cute")
-    op = RT.RouterOp({**K3, "batch": batch})
+    op = RT.RouterOp({**K3, "batch": 64})
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(Path(tmp_path).glob("*.ptx")).read_text()
     assert "mma.sync.aligned.m16n8k16" in ptx
     assert "ld.global.nc.v4" in ptx  # weights through the read-only path
     assert "atom.global.acq_rel" in ptx and "st.release.gpu" in ptx  # arrival, counter reset
+
+
+def _sass_ops(art) -> list[str]:
+    return [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
+            if l.strip().startswith("/*") and "*/" in l and ";" in l]
+
+
+@pytest.mark.slow
+def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
+    """Through the real build, batch 1, pdl 0 and 1: each streaming body (router rows, down
+    rows) issues its 7 weight copies (LDGSTS, L2 only) and h's 7 before its one wait (DEPBAR)
+    and before any shared load or FMA; nothing is loaded into registers before the arrival
+    (ATOMG, acq_rel) and its reset (release store); the last CTA stages logits and bias by
+    L2-only copies after it; with pdl the weight copies precede ACQBULK and h's follow it."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    for pdl in (0, 1):
+        art = build_variant("router", K3, {"pdl": pdl}, root=tmp_path)
+        ops = _sass_ops(art)
+        arrive = next(i for i, o in enumerate(ops) if "ATOMG.E.ADD.STRONG.GPU" in o)
+        assert any("STG.E.STRONG.GPU" in o for o in ops[arrive:arrive + 20])  # the reset
+        assert not any(o.split()[-1].startswith("LDG.") or o.split()[0].startswith("LDG.")
+                       for o in ops[:arrive] if o.split())
+        waits = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
+        assert len(waits) == 3  # router rows, phase 2 staging, down rows
+        bodies = 0
+        for lo, hi in zip([0] + waits, waits):
+            seg = [(i, o) for i, o in enumerate(ops[lo:hi], lo) if "LDGSTS" in o]
+            if seg[0][0] > arrive and hi < ops.index("EXIT", arrive):  # phase 2 staging: L2 only
+                assert seg and all("BYPASS" in o for _, o in seg)
+                continue
+            bodies += 1
+            w = [i for i, o in seg if "BYPASS" in o]
+            x = [i for i, o in seg if "BYPASS" not in o]
+            assert len(w) == 7 and len(x) == 7, seg
+            first_use = min(i for i, o in enumerate(ops) if i > seg[0][0] and o.split()[0] in ("LDS.128", "FFMA"))
+            assert first_use > hi
+            acq = [i for i in range(lo, hi) if "ACQBULK" in ops[i]]
+            if pdl:
+                assert len(acq) == 1 and max(w) < acq[0] < min(x)
+            else:
+                assert not acq
+        assert bodies == 2

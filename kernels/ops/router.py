@@ -4,17 +4,35 @@ grouped by expert for the expert kernels (kernels/ops/moe_experts.py). The laten
 z = h @ W_down.T (bf16 out) runs alongside, in the same launch: both read h, and the down CTAs
 keep the SMs streaming while the router's last CTA selects and groups.
 
-CTAs 0 .. n_experts/8-1 are router CTAs (phase 1, then the arrival); the others are down CTAs,
-16 rows of W_down each, same mma scheme, no arrival.
+Two designs, chosen at build time from the batch (both deterministic, same phase 2):
+  * batch <= `stream_max_batch` (default 1), "stream" (kernels/ops/stream.py, as the batch-1
+    gemv): one grid of short CTAs over the rows of W_g then of W_down (the router CTAs first, so
+    they are dispatched first), each owning whole rows (`stream_cta_kib` KiB of weights, at
+    least one row, `stream_threads` threads). Every thread issues all of its 16-byte `cp.async`
+    copies of its weight rows (`.cg`) and of h (`.ca`) into shared memory before it waits once,
+    then fp32 FMAs from shared memory and the warp-order reduction of stream.py. Router CTAs
+    store fp32 logits and arrive (below); down CTAs store bf16 z. Phase 2 reuses the streaming
+    buffers of the last router CTA, so a CTA costs only what it streams and more fit per SM. Why
+    it is fast: the memory system sees one stream of 64 MB with every byte of a CTA in flight at
+    once, and the router's 896 rows are the first CTAs of the grid, so the last of them selects
+    and groups while the down CTAs still stream: the serial top-k tail is hidden. With `pdl` 1
+    (stream design only) the launcher sets programmatic stream serialization: each CTA copies
+    its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
+    next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
+    comes after the wait, so a launch never arrives before the previous one has reset it.
+  * larger batches, "mma": CTAs 0 .. n_experts/8-1 are router CTAs (phase 1, then the arrival);
+    the others are down CTAs, 16 rows of W_down each, same mma scheme, no arrival.
 
-Phase 1, every CTA: `8 * row_tiles` router rows for every token on the tensor cores (the decode
-mma scheme of kernels/ops/decode_mma.py; W_g through the read-only path), partials summed in warp
-order in shared memory, fp32 logits stored. Then thread 0 adds 1 to a gpu-scope counter with
-acq_rel semantics after a CTA barrier (the split-K pattern of kernels/ops/splitk_gemv.py): the CTA
-that arrives last resets the counter (release store; the host zeroes it once) and alone runs
-phase 2 over everybody's logits.
+Phase 1 of the mma design, every router CTA: `8 * row_tiles` router rows for every token on
+the tensor cores (the decode mma scheme of kernels/ops/decode_mma.py; W_g through the read-only
+path), partials summed in warp order in shared memory, fp32 logits stored.
 
-Phase 2, the last CTA:
+Arrival (both designs): after a CTA barrier that follows its logit stores, thread 0 of each
+router CTA adds 1 to a gpu-scope counter with acq_rel semantics (the split-K pattern of
+kernels/ops/splitk_gemv.py): the CTA that arrives last resets the counter (release store; the
+host zeroes it once) and alone runs phase 2 over everybody's logits.
+
+Phase 2, the last router CTA (both designs):
   * one warp per token: each lane holds n_experts/32 biased scores s + b in registers; top_k
     rounds of a warp argmax (butterfly over (score, index): greater score wins, equal scores go
     to the LOWER expert index, exactly the reference's stable descending sort); the winner's lane
@@ -36,8 +54,9 @@ Phase 2, the last CTA:
 from __future__ import annotations
 
 from kernels import reference
+from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import WARP, ceil_div, cute, cutlass
+from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
@@ -52,13 +71,16 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
+from kernels.ops.stream import StreamPlan
 
 MAX_BATCH = 64
 WEIGHT_EPS = 1e-20  # kernels.reference.router
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
 
-# Host-side tunables; must equal the manifest's defaults ([kernels.router]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8}
+# Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
+# row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <= stream_max_batch).
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 1,
+                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 0}
 DOWN_ROW_TILES = 2  # 16 rows of W_down per down CTA
 
 
@@ -95,8 +117,8 @@ def _token_count(sMask, e, E: int, words: int):
 
 
 class RouterOp(OpBase):
-    """One variant of the router: shape {"batch", "n_experts", "hidden", "top_k"} plus tunables;
-    `scale` (routed_scale) is baked in (default 1.0)."""
+    """One variant of the router: shape {"batch", "n_experts", "hidden", "top_k", "latent"} plus
+    tunables; `scale` (routed_scale) is baked in (default 1.0). `stream` says which design."""
 
     kernel_name = "router"
 
@@ -114,12 +136,28 @@ class RouterOp(OpBase):
         except KeyError as e:
             raise ValueError(f"router: shape needs batch, n_experts, hidden, top_k and latent; missing {e}") from None
         self.scale = float(shape.get("scale", 1.0))
-        self.warps = int(self.tunables["warps_per_cta"])
-        self.row_tiles = int(self.tunables["row_tiles"])
         if not 1 <= self.batch <= MAX_BATCH:
             raise ValueError(f"router: batch {self.batch} outside 1..{MAX_BATCH}")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"router: top_k {self.top_k} outside 1..n_experts ({self.n_experts})")
+        self.pdl = int(self.tunables["pdl"])
+        if self.pdl not in (0, 1):
+            raise ValueError("router: pdl must be 0 or 1")
+        self.slots = self.batch * self.top_k
+        self.groups = min(self.slots, self.n_experts)
+        self.per_lane = ceil_div(self.n_experts, WARP)
+        self.mask_words = ceil_div(self.batch, WARP)  # per expert: a bit per token
+        self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        if self.stream:
+            self._plan_stream()
+        else:
+            self._plan_mma()
+
+    def _plan_mma(self) -> None:
+        """Larger batches: router CTAs of `8 * row_tiles` rows, down CTAs of 16 rows, on the
+        tensor cores (kernels/ops/decode_mma.py)."""
+        self.warps = int(self.tunables["warps_per_cta"])
+        self.row_tiles = int(self.tunables["row_tiles"])
         self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
         if self.n_experts % self.rows_per_cta:
             raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of {self.rows_per_cta} rows per CTA")
@@ -142,15 +180,42 @@ class RouterOp(OpBase):
                                  k=self.hidden, k_unroll=du)
         self.partial_rows = max(self.rows_per_cta, self.down_rows_per_cta)
         self.threads = self.warps * WARP
-        self.slots = self.batch * self.top_k
-        self.groups = min(self.slots, self.n_experts)
-        self.per_lane = ceil_div(self.n_experts, WARP)
         self.pb = padded_batch(self.batch)
-        self.mask_words = ceil_div(self.batch, WARP)  # per expert: a bit per token
         self.smem_bytes = (self.partial_rows * self.pb * self.warps * 4 + 16
                            + 2 * ceil_div(self.slots * 4, 16) * 16
                            + ceil_div(self.mask_words * self.n_experts * 4, 16) * 16
                            + ceil_div(self.n_experts * 4, 16) * 16 + 64)
+
+    def _plan_stream(self) -> None:
+        """Smallest batches (kernels/ops/stream.py): the router's rows and W_down's as one grid
+        of short whole-row CTAs of the same thread count; shared memory holds a CTA's weight
+        rows and h, or, in the last router CTA after its own rows, phase 2's arrays."""
+        t = self.tunables
+        threads, cta_bytes = int(t["stream_threads"]), int(t["stream_cta_kib"]) * 1024
+        self.plan = StreamPlan(n=self.n_experts, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
+        self.down_plan = StreamPlan(n=self.latent, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
+        if self.plan.threads != self.down_plan.threads:
+            raise ValueError(f"router: the stream plans of W_g ({self.plan.threads} threads) and W_down "
+                             f"({self.down_plan.threads}) need the same CTA size; change stream_cta_kib")
+        self.threads = self.plan.threads
+        self.warps = self.plan.warps
+        self.rows_per_cta = self.plan.rows
+        self.down_rows_per_cta = self.down_plan.rows
+        self.ctas = self.plan.ctas
+        self.down_ctas = self.down_plan.ctas
+        # bf16 elements of the union: (weight rows + h rows) of either plan, or phase 2's arrays
+        B, k = self.batch, self.hidden
+        self.phase2_offsets = {}
+        off = 0
+        if self.n_experts % 4:
+            raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of 4 (16-byte logit copies)")
+        for name, words in (("logits", B * self.n_experts), ("bias", self.n_experts),
+                            ("mask", self.mask_words * self.n_experts), ("start", self.n_experts),
+                            ("ids", self.slots), ("sel", self.slots)):
+            self.phase2_offsets[name] = off
+            off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
+        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
+        self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -172,7 +237,8 @@ class RouterOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        return LaunchConfig(grid=(self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
+        return LaunchConfig(grid=(self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
+                            smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
         """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
@@ -196,19 +262,24 @@ class RouterOp(OpBase):
                mIds: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mCounter: cute.Tensor, mWd: cute.Tensor,
                mZ: cute.Tensor):
+        outs = (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted)
+        if cutlass.const_expr(self.stream):
+            self._stream_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
+        else:
+            self._mma_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
+
+    @cute.jit
+    def _mma_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
+        """Trace-time body of the mma design (larger batches)."""
         T = self.batch
         E = self.n_experts
-        K = self.top_k
+        TK = self.slots
         R = self.rows_per_cta
         W = self.warps
         NT = self.row_tiles
-        TK = self.slots
-        V = self.per_lane
-        MW = self.mask_words
-        CH = self.per_lane
         f32 = cutlass.Float32
         i32 = cutlass.Int32
-        neg_inf = f32(float("-inf"))
+        mLogits = outs[0]
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -218,12 +289,12 @@ class RouterOp(OpBase):
         q = lane % 4
         row0 = bidx * R
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sP = smem.allocate_tensor(f32, partials_layout(self.partial_rows, self.pb, W), byte_alignment=16)
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         sIds = smem.allocate_tensor(i32, cute.make_layout(TK), byte_alignment=16)
         sSel = smem.allocate_tensor(f32, cute.make_layout(TK), byte_alignment=16)
-        sMask = smem.allocate_tensor(i32, cute.make_layout(MW * E), byte_alignment=16)
+        sMask = smem.allocate_tensor(i32, cute.make_layout(self.mask_words * E), byte_alignment=16)
         sStart = smem.allocate_tensor(i32, cute.make_layout(E), byte_alignment=16)
 
         if bidx < self.ctas:
@@ -242,118 +313,10 @@ class RouterOp(OpBase):
                     b = idx // R
                     r = idx % R
                     mLogits[b, row0 + r] = sum_partials(sP, r, b, W)
-
             # --- arrival: the last CTA runs phase 2 ----------------------------------------------
-            cute.arch.sync_threads()
-            if tidx == 0:
-                old = cute.arch.atomic_add(mCounter.iterator, i32(1), sem="acq_rel", scope="gpu")
-                last = i32(0)
-                if old == self.ctas - 1:
-                    last = i32(1)
-                    # Every CTA has arrived: nothing reads the counter again this launch.
-                    cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
-                sLast[0] = last
-            cute.arch.sync_threads()
+            self._arrive(mCounter, sLast, tidx)
             if sLast[0] == 1:
-                for i in cutlass.range(tidx, MW * E, self.threads, unroll=1):
-                    sMask[i] = i32(0)
-                cute.arch.sync_threads()
-                # --- top-k: one warp per token ---------------------------------------------------
-                for t in cutlass.range(warp, T, W, unroll=1):
-                    vals = cute.make_rmem_tensor(cute.make_layout(V), f32)
-                    for i in cutlass.range_constexpr(V):
-                        vals[i] = neg_inf
-                        if lane + i * WARP < E:
-                            vals[i] = sigmoid(mLogits[t, lane + i * WARP]) + mBias[lane + i * WARP]
-                    for j in cutlass.range_constexpr(K):
-                        bv = neg_inf
-                        bi = i32(E)
-                        for i in cutlass.range_constexpr(V):  # ascending index: strict > keeps the lowest
-                            if vals[i] > bv:
-                                bv = vals[i]
-                                bi = lane + i * WARP
-                        for sh in cutlass.range_constexpr(5):
-                            ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
-                            oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
-                            if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
-                                bv = ov
-                                bi = oi
-                        for i in cutlass.range_constexpr(V):
-                            if lane + i * WARP == bi:
-                                vals[i] = neg_inf
-                        if lane == 0:
-                            mIds[t, j] = bi
-                            sIds[t * K + j] = bi
-                            # token t's bit in expert bi's token mask (a token's experts are distinct)
-                            cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + bi, i32(1) << (t % WARP))
-                    # The selected unbiased scores again (same input, same function: bitwise the
-                    # ones ranked), one lane per selection so the loads overlap, rather than
-                    # carrying every lane's scores in registers through the rounds.
-                    cute.arch.sync_warp()
-                    for j0 in cutlass.range_constexpr(0, K, WARP):
-                        if j0 + lane < K:
-                            sSel[t * K + j0 + lane] = sigmoid(mLogits[t, sIds[t * K + j0 + lane]])
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        total = sSel[t * K]
-                        for j in cutlass.range_constexpr(1, K):
-                            total = total + sSel[t * K + j]
-                        total = total + f32(WEIGHT_EPS)
-                        for j in cutlass.range_constexpr(K):
-                            mWeights[t, j] = sSel[t * K + j] / total * f32(self.scale)
-                cute.arch.sync_threads()
-
-                # --- grouping by expert: a counting sort over the token masks --------------------
-                # Warp 0: each lane takes CH consecutive experts; counts and group flags are
-                # scanned across the lanes, so expert e's slots start at sStart[e] and its group
-                # index is the number of lower experts chosen.
-                if warp == 0:
-                    slots_here = i32(0)
-                    groups_here = i32(0)
-                    for i in cutlass.range_constexpr(CH):
-                        e = lane * CH + i
-                        if e < E:
-                            c = _token_count(sMask, e, E, MW)
-                            slots_here = slots_here + c
-                            if c > 0:
-                                groups_here = groups_here + 1
-                    slots_incl = slots_here
-                    groups_incl = groups_here
-                    for sh in cutlass.range_constexpr(5):
-                        os_ = cute.arch.shuffle_sync_up(slots_incl, offset=1 << sh)
-                        og = cute.arch.shuffle_sync_up(groups_incl, offset=1 << sh)
-                        if lane >= (1 << sh):
-                            slots_incl = slots_incl + os_
-                            groups_incl = groups_incl + og
-                    pos = slots_incl - slots_here
-                    u = groups_incl - groups_here
-                    for i in cutlass.range_constexpr(CH):
-                        e = lane * CH + i
-                        if e < E:
-                            c = _token_count(sMask, e, E, MW)
-                            sStart[e] = pos
-                            if c > 0:
-                                mGroupExpert[u] = e
-                                mGroupStart[u] = pos
-                                u = u + 1
-                            pos = pos + c
-                    if lane == WARP - 1:
-                        mNGroups[0] = u
-                        mGroupStart[u] = i32(TK)
-                cute.arch.sync_threads()
-                # each slot's sorted position: its expert's start plus the earlier tokens of it
-                for p in cutlass.range(tidx, TK, self.threads, unroll=1):
-                    e = sIds[p]
-                    t = p // K
-                    rank = i32(0)
-                    for w in cutlass.range_constexpr(MW):
-                        m = sMask[w * E + e]
-                        if t >= (w + 1) * WARP:
-                            rank = rank + cute.arch.popc(m)
-                        elif t > w * WARP:
-                            rank = rank + cute.arch.popc(m & ((i32(1) << (t - w * WARP)) - 1))
-                    mSorted[sStart[e] + rank] = p
-
+                self._select_and_group(mLogits, mBias, outs, sMask, sStart, sIds, sSel, tidx)
         else:
             # --- down CTAs: z = h @ W_down.T for 16 rows --------------------------------------
             RD = self.down_rows_per_cta
@@ -370,3 +333,237 @@ class RouterOp(OpBase):
                     b = idx // RD
                     r = idx % RD
                     mZ[b, d0 + r] = sum_partials(sP, r, b, W).to(cutlass.BFloat16)
+
+    @cute.jit
+    def _stream_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
+        """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/stream.py)."""
+        B = self.batch
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        sU = smem.allocate_tensor(bf16, cute.make_layout((self.union_elems,)), byte_alignment=16)
+        sP = smem.allocate_tensor(f32, cute.make_layout((B, self.warps)), byte_alignment=16)
+        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
+        vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
+
+        if bidx < self.ctas:
+            self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
+            self._arrive(mCounter, sLast, tidx)
+            if sLast[0] == 1:
+                # the streaming buffers are dead (every thread passed the arrival's barriers)
+                base = cute.recast_ptr(sU.iterator, dtype=i32)
+                o = self.phase2_offsets
+                E = self.n_experts
+                sLg = cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
+                                       cute.make_layout((B, E), stride=(E, 1)))
+                sBias = cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E))
+                sMask = cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E))
+                sStart = cute.make_tensor(base + o["start"], cute.make_layout(E))
+                sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
+                sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
+                self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
+                self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx)
+        else:
+            self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
+
+    @cute.jit
+    def _stream_rows(self, P, mW, mX, mY, blk, vU, sP, tidx):
+        """Trace-time: CTA `blk` of plan `P` computes its rows of y = x @ W.T (stream.py): all
+        its weight copies, then (after the pdl wait) x's, one wait, fp32 dots, stored in y's
+        dtype in fixed order. Weight rows fill vU from vector 0, x rows follow them."""
+        B = self.batch
+        bf16 = cutlass.BFloat16
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        x_base = P.rows * P.kv
+        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # only static weights are read before it
+        if r == 0:  # row 0's threads copy x for every row of the CTA
+            gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
+            for b in cutlass.range_constexpr(B):
+                stream.copy_row(P, stream.activation_copy_atom(bf16), gX, b, vU, x_base + b * P.kv, kv0)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # x was copied by row 0's threads
+
+        acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        if tidx < P.rows * B:
+            for rr in cutlass.range_constexpr(P.rows):
+                for bb in cutlass.range_constexpr(B):
+                    if tidx == rr * B + bb:
+                        mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
+
+    @cute.jit
+    def _arrive(self, mCounter, sLast, tidx):
+        """Trace-time: after this CTA's logit stores (a CTA barrier first), thread 0 adds 1 to
+        the counter (gpu scope, acq_rel); the last of the `ctas` router CTAs resets it (release)
+        and sLast[0] says, after a second barrier, whether this CTA runs phase 2."""
+        i32 = cutlass.Int32
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mCounter.iterator, i32(1), sem="acq_rel", scope="gpu")
+            last = i32(0)
+            if old == self.ctas - 1:
+                last = i32(1)
+                # Every CTA has arrived: nothing reads the counter again this launch.
+                cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
+            sLast[0] = last
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _stage_scores(self, mLogits, mBias, sLg, sBias, tidx):
+        """Trace-time, stream design, last router CTA: every logit and bias value into shared
+        memory by 16-byte cp.async through L2 (`.cg`: where the other CTAs' released logits
+        are), all issued before one wait. (Plain loads here were sunk to their first use by
+        ptxas: one L2 round trip per 32 experts, serial, several microseconds.)"""
+        f32 = cutlass.Float32
+        atom = stream.weight_copy_atom(f32)
+        T, E = self.batch, self.n_experts
+        flat = cute.make_layout((4,))
+        srcs = ((cute.make_tensor(mLogits.iterator, cute.make_layout(T * E)), sLg),
+                (cute.make_tensor(mBias.iterator, cute.make_layout(E)), sBias))
+        for g_, s_ in srcs:
+            n = cute.size(g_) // 4
+            gv = cute.zipped_divide(g_, (4,))
+            sv = cute.zipped_divide(cute.make_tensor(s_.iterator, cute.make_layout(n * 4)), (4,))
+            for j in cutlass.range_constexpr(ceil_div(n, self.threads)):
+                v = tidx + j * self.threads
+                if v < n:
+                    cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), sv[(None, v)])
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _select_and_group(self, lg, bias, outs, sMask, sStart, sIds, sSel, tidx):
+        """Trace-time phase 2 of the last router CTA (module docstring): top-k per token, the
+        weights, then the grouping by expert (counting sort over per-expert token masks).
+        `lg` [T, E] and `bias` [E] are the logits and bias, in global or shared memory."""
+        _, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = outs
+        T = self.batch
+        E = self.n_experts
+        K = self.top_k
+        W = self.warps
+        NTH = self.threads
+        TK = self.slots
+        V = self.per_lane
+        MW = self.mask_words
+        CH = self.per_lane
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        neg_inf = f32(float("-inf"))
+        warp = tidx // WARP
+        lane = tidx % WARP
+
+        for i in cutlass.range(tidx, MW * E, NTH, unroll=1):
+            sMask[i] = i32(0)
+        cute.arch.sync_threads()
+        # --- top-k: one warp per token -----------------------------------------------------------
+        for t in cutlass.range(warp, T, W, unroll=1):
+            vals = cute.make_rmem_tensor(cute.make_layout(V), f32)
+            for i in cutlass.range_constexpr(V):
+                if cutlass.const_expr((i + 1) * WARP <= E):  # no guard (nor branch) where all lanes hold one
+                    vals[i] = sigmoid(lg[t, lane + i * WARP]) + bias[lane + i * WARP]
+                else:
+                    vals[i] = neg_inf
+                    if lane + i * WARP < E:
+                        vals[i] = sigmoid(lg[t, lane + i * WARP]) + bias[lane + i * WARP]
+            for j in cutlass.range_constexpr(K):
+                bv = neg_inf
+                bi = i32(E)
+                for i in cutlass.range_constexpr(V):  # ascending index: strict > keeps the lowest
+                    if vals[i] > bv:
+                        bv = vals[i]
+                        bi = lane + i * WARP
+                for sh in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
+                    if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
+                        bv = ov
+                        bi = oi
+                for i in cutlass.range_constexpr(V):
+                    if lane + i * WARP == bi:
+                        vals[i] = neg_inf
+                if lane == 0:
+                    mIds[t, j] = bi
+                    sIds[t * K + j] = bi
+                    # token t's bit in expert bi's token mask (a token's experts are distinct)
+                    cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + bi, i32(1) << (t % WARP))
+            # The selected unbiased scores again (same input, same function: bitwise the
+            # ones ranked), one lane per selection so the loads overlap, rather than
+            # carrying every lane's scores in registers through the rounds.
+            cute.arch.sync_warp()
+            for j0 in cutlass.range_constexpr(0, K, WARP):
+                if j0 + lane < K:
+                    sSel[t * K + j0 + lane] = sigmoid(lg[t, sIds[t * K + j0 + lane]])
+            cute.arch.sync_warp()
+            if lane == 0:
+                total = sSel[t * K]
+                for j in cutlass.range_constexpr(1, K):
+                    total = total + sSel[t * K + j]
+                total = total + f32(WEIGHT_EPS)
+                for j in cutlass.range_constexpr(K):
+                    mWeights[t, j] = sSel[t * K + j] / total * f32(self.scale)
+        cute.arch.sync_threads()
+
+        # --- grouping by expert: a counting sort over the token masks ----------------------------
+        # Warp 0: each lane takes CH consecutive experts; counts and group flags are
+        # scanned across the lanes, so expert e's slots start at sStart[e] and its group
+        # index is the number of lower experts chosen.
+        if warp == 0:
+            slots_here = i32(0)
+            groups_here = i32(0)
+            for i in cutlass.range_constexpr(CH):
+                e = lane * CH + i
+                if e < E:
+                    c = _token_count(sMask, e, E, MW)
+                    slots_here = slots_here + c
+                    if c > 0:
+                        groups_here = groups_here + 1
+            slots_incl = slots_here
+            groups_incl = groups_here
+            for sh in cutlass.range_constexpr(5):
+                os_ = cute.arch.shuffle_sync_up(slots_incl, offset=1 << sh)
+                og = cute.arch.shuffle_sync_up(groups_incl, offset=1 << sh)
+                if lane >= (1 << sh):
+                    slots_incl = slots_incl + os_
+                    groups_incl = groups_incl + og
+            pos = slots_incl - slots_here
+            u = groups_incl - groups_here
+            for i in cutlass.range_constexpr(CH):
+                e = lane * CH + i
+                if e < E:
+                    c = _token_count(sMask, e, E, MW)
+                    sStart[e] = pos
+                    if c > 0:
+                        mGroupExpert[u] = e
+                        mGroupStart[u] = pos
+                        u = u + 1
+                    pos = pos + c
+            if lane == WARP - 1:
+                mNGroups[0] = u
+                mGroupStart[u] = i32(TK)
+        cute.arch.sync_threads()
+        # each slot's sorted position: its expert's start plus the earlier tokens of it
+        for p in cutlass.range(tidx, TK, NTH, unroll=1):
+            e = sIds[p]
+            t = p // K
+            rank = i32(0)
+            for w in cutlass.range_constexpr(MW):
+                m = sMask[w * E + e]
+                if t >= (w + 1) * WARP:
+                    rank = rank + cute.arch.popc(m)
+                elif t > w * WARP:
+                    rank = rank + cute.arch.popc(m & ((i32(1) << (t - w * WARP)) - 1))
+            mSorted[sStart[e] + rank] = p
