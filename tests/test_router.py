@@ -120,7 +120,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     assert op.union_elems == 2 * 7168 and op.smem_bytes == 2 * 7168 * 2 + 16 + 16 + 64
     o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union
     assert all(v % 4 == 0 for v in o.values()) and 2 * (o["sel"] + op.slots) <= op.union_elems
-    assert op.launch_config().pdl is False and RT.RouterOp(K3, pdl=1).launch_config().pdl is True
+    assert op.launch_config().pdl is True and RT.RouterOp(K3, pdl=0).launch_config().pdl is False
     assert RT.RouterOp({**K3, "batch": 2}, pdl=1).launch_config().pdl is False  # mma: plain launch
     assert not RT.RouterOp(K3, stream_max_batch=0).stream
     assert RT.RouterOp({**K3, "batch": 4}, stream_max_batch=4).stream

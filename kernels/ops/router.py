@@ -80,7 +80,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
 # row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <= stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 1,
-                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 0}
+                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1}
 DOWN_ROW_TILES = 2  # 16 rows of W_down per down CTA
 
 
