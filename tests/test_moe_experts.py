@@ -1,7 +1,9 @@
 """Routed experts (kernels/ops/moe_experts.py): the two ops' references compose to the project's
 routed_experts for every routing pattern on the mini preset (tiny's widths are not multiples of
-the 32-wide k step the ops are planned for); contract with the manifest; plans;
-k3 builds (64-bit expert offsets, both batch paths)."""
+the 32-wide k step the ops are planned for); contract with the manifest; plans (per-item,
+pipelined, stream); k3 builds (64-bit expert offsets, every path); the stream path's SASS issues
+every copy before its one wait and, with pdl, reads no routing before griddepcontrol.wait (the
+audit flags a planted mutant that does)."""
 
 from pathlib import Path
 
@@ -32,8 +34,8 @@ def test_up_then_down_references_equal_routed_experts(pattern, T):
     z = torch.randn(T, CFG.latent, generator=g).to(torch.bfloat16)
     wts = torch.rand(T, CFG.top_k, generator=g) + 0.05
     wts = wts / wts.sum(-1, keepdim=True)
-    up = MX.ExpertsUpOp(_shape(T), warps_per_cta=4, row_tiles=2)
-    down = MX.ExpertsDownOp(_shape(T), warps_per_cta=4, row_tiles=1)
+    up = MX.ExpertsUpOp(_shape(T), warps_per_cta=4, row_tiles=2, stream=0)
+    down = MX.ExpertsDownOp(_shape(T), warps_per_cta=4, row_tiles=1, stream=0)  # mini's 384: no stream plan
     meta = up.routing_tensors(ids)
     act = up.reference(z=z, w13=w.w13, ids=ids, **meta)["act"]
     c = down.reference(act=act, w2=w.w2, weights=wts, ids=ids, **meta)["c"]
@@ -48,7 +50,37 @@ def test_default_tunables_and_params_follow_the_manifest():
         for shape in spec.shapes:
             op = cls(shape)
             assert list(op.tensor_specs()) == [p.name for p in spec.params]
-            assert op.launch_config().grid[0] <= 2 * MX.SMS  # persistent
+            lc = op.launch_config()
+            assert op.streamed == (shape["batch"] == 1) and not lc.pdl  # pdl is off by default
+            if not op.streamed:
+                assert lc.grid[0] <= 2 * MX.SMS  # persistent
+
+
+def test_stream_plans_at_batch_1():
+    """moe_w13: a CTA per (expert, act column): its gate row and its up row (7 KB each), 64
+    threads per row; moe_w2: a CTA per (expert, W2 row) by default, two rows from 16 KiB."""
+    up = MX.ExpertsUpOp(K3)
+    P = up.stream_plan
+    assert (P.rows, P.row_threads, P.vectors, up.stream_cols) == (2, 64, 7, 1)
+    assert up.launch_config().grid == (16 * 3072, 1, 1) and up.threads == 128
+    assert up.smem_bytes >= 3 * 3584 * 2  # two weight rows and z
+    two = MX.ExpertsUpOp(K3, stream_cta_kib=32)
+    assert (two.stream_plan.rows, two.stream_cols, two.ctas) == (4, 2, 16 * 1536)
+    down = MX.ExpertsDownOp(K3)
+    assert (down.stream_plan.rows, down.stream_plan.vectors, down.ctas) == (1, 3, 16 * 3584)
+    assert down.tensor_specs()["counters"].shape == (3584,)  # one per row block, as the block allocates
+    wide = MX.ExpertsDownOp(K3, stream_cta_kib=16)
+    assert (wide.rows_per_cta, wide.row_blocks, wide.ctas) == (2, 1792, 16 * 1792)
+    assert wide.tensor_specs()["counters"].shape == (1792,)
+
+
+@pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
+def test_stream_only_at_batch_1_and_pdl_only_where_the_kernel_waits(cls):
+    assert cls(K3, pdl=1).launch_config().pdl
+    assert not cls(K3, stream=0, pdl=1).launch_config().pdl  # the persistent paths never wait
+    b2 = cls({**K3, "batch": 2}, pdl=1, pipeline=1, row_tiles=4, warps_per_cta=4)
+    assert not b2.streamed and b2.pipelined and not b2.launch_config().pdl
+    assert not cls(K3, pipeline=1, row_tiles=4, warps_per_cta=4).streamed  # an explicit pipeline wins
 
 
 def test_plans_add_a_one_tile_path_past_batch_16():
@@ -97,6 +129,9 @@ def test_pipelined_chunks_cover_every_item_once_in_order(n_items, grid):
     (MX.ExpertsUpOp, K3, {"row_tiles": 3}, "even"),
     (MX.ExpertsDownOp, {**K3, "latent": 3580}, {}, "multiple of 16"),
     (MX.ExpertsDownOp, K3, {"splits": 2}, "unknown tunables"),
+    (MX.ExpertsUpOp, K3, {"stream_threads": 32}, "at least 64 threads"),
+    (MX.ExpertsDownOp, K3, {"pdl": 2}, "pdl must be 0 or 1"),
+    (MX.ExpertsDownOp, {**K3, "expert_inter": 384}, {}, "stream=0 takes"),  # 48 vectors: no whole warps
 ])
 def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -108,10 +143,55 @@ def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
 @pytest.mark.parametrize("batch", [1, 64])
 def test_k3_build_ptx(tmp_path, cls, batch):
     cute = pytest.importorskip("cutlass.cute")
-    op = cls({**K3, "batch": batch})
+    op = cls({**K3, "batch": batch}, stream=0)  # batch 1: the pipelined path (the stream path below)
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(Path(tmp_path).glob("*.ptx")).read_text()
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.global.nc.v4" in ptx
     # expert offsets in 64 bits: k3's experts hold 2^34 elements
     per_expert = (2 * 3072 * 3584 if cls is MX.ExpertsUpOp else 3584 * 3072) * 2
     assert f"mul.wide.s32" in ptx and str(per_expert) in ptx
+
+
+def _sass_ops(art):
+    text = Path(art.paths["sass"]).read_text()
+    return [l.split("*/", 1)[1].split(";")[0].strip() for l in text.splitlines()
+            if l.strip().startswith("/*") and "*/" in l and ";" in l]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel, w_copies", [("moe_w13", 7), ("moe_w2", 3)])
+def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_first_use(tmp_path, kernel, w_copies):
+    """Through the real build with pdl, batch 1 on k3: griddepcontrol.wait (ACQBULK) precedes
+    every global load (the routing, z and act are earlier kernels' outputs); every 16-byte copy
+    of W (L2 only) and of the activation row is issued before the one wait (DEPBAR) and the first
+    shared load; 64-bit expert offsets; the static audit is clean."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+    from kernels.manifest import load_manifest
+    from validation.race.artifacts import audit_artifact
+
+    art = build_variant(kernel, K3, {"pdl": 1}, root=tmp_path)
+    ops = _sass_ops(art)
+    acq = [i for i, o in enumerate(ops) if o.startswith("ACQBULK")]
+    loads = [i for i, o in enumerate(ops) if o.split()[0].startswith(("LDG", "LDGSTS"))]
+    copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
+    w = [i for i in copies if "BYPASS" in ops[i]]
+    wait = min(i for i, o in enumerate(ops) if o.startswith("DEPBAR"))
+    first_use = min(i for i, o in enumerate(ops) if o.split()[0].startswith(("LDS", "FFMA")) and "RZ, [RZ]" not in o)
+    assert len(acq) == 1 and acq[0] < min(loads)
+    assert len(w) == w_copies and len(copies) == 2 * w_copies, [ops[i] for i in copies]
+    assert max(copies) < wait < first_use
+    assert "mul.wide.s32" in Path(art.paths["ptx"]).read_text()
+    assert audit_artifact(art, load_manifest().kernel(kernel)).clean
+
+
+@pytest.mark.slow
+def test_audit_flags_a_routing_read_before_the_pdl_wait():
+    """The planted mutant reads group_expert before griddepcontrol.wait: the static audit must
+    name that load (the unmutated kernel is clean in the test above)."""
+    pytest.importorskip("cutlass")
+    from validation.race.artifacts import audit_kernel
+
+    rep = audit_kernel("moe_w13", mutant="routing_before_wait")
+    assert not rep.clean and "load-before-griddep-wait" in rep.rules_hit()
+    assert "group_expert" in str([f for f in rep.findings if f.rule == "load-before-griddep-wait"])

@@ -22,13 +22,30 @@ kernels/ops/splitk_gemv.py, thread 0 adds 1 to the row block's gpu-scope counter
 semantics after a CTA barrier; the CTA that completes the row block's n_groups-th item resets the
 counter (release) and sums, for every token, w_k * o[t * top_k + k] over k in order 0..top_k-1
 (fixed order: bitwise deterministic), rounding c to bf16 once. The host zeroes the counters once.
+
+Batch 1, tunable `stream` (the design of kernels/ops/stream.py, read its docstring): no
+persistent loop and no tensor cores. At batch 1 every group is one token and a weight byte feeds
+one FMA, so all that matters is how many bytes are in flight. The grid has one short CTA per
+(group, block of whole weight rows): it reads the group's expert id (after
+`griddepcontrol.wait` with `pdl`: the routing is the router's output), issues every 16-byte
+`cp.async` of its rows (`.cg`) and of the one activation row (`.ca`) into shared memory, waits
+once, and runs fp32 FMAs with a warp-shuffle and warp-order reduction (bitwise deterministic).
+  moe_w13: a CTA owns R gate rows and the R matching up rows (R = stream rows / 2) and writes
+  R columns of act after SiTU.
+  moe_w2: a CTA owns a block of W2_e's rows and writes them to o[slot] in fp32, then arrives on
+  the row block's counter exactly as the per-item path (one arrival per group, acq_rel); the
+  CTA that completes the row block combines it in slot order 0..top_k-1.
+Why moe_w2 keeps the counters rather than a CTA that streams one output row of all 16 experts
+(16 x 6 KB): that CTA needs the 16 activation rows beside them (another 96 KB), 192 KB of shared
+memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, several per SM.
 """
 
 from __future__ import annotations
 
 from kernels import reference
+from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import WARP, ceil_div, cute, cutlass
+from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     K_STEP,
@@ -51,6 +68,7 @@ from kernels.ops.decode_mma import (
     zero_accumulators,
 )
 from kernels.ops.router import routing_groups_ref
+from kernels.ops.stream import StreamPlan
 
 SMS = 132  # SMs of an H100/H200 SXM: the persistent grid is a multiple of it
 MAX_BATCH = 64
@@ -60,7 +78,12 @@ GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
 PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
 
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0}
+STREAM_BATCH = 1  # the stream path's batch: one token, so every group is one activation row
+
+# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream` and
+# `pdl` act at batch 1 only (the stream path); `pipeline` up to batch 16 (and wins over `stream`).
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
+                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 8, "pdl": 0}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
@@ -97,6 +120,8 @@ def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
 class _GroupedBase(OpBase):
     """Shape {"batch", "n_experts", "latent", "expert_inter", "top_k"} plus tunables."""
 
+    mutant: str | None = None  # set only by the audit's planted mutants (end of this module)
+
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
         if unknown:
@@ -122,7 +147,41 @@ class _GroupedBase(OpBase):
         # The pipelined path: each CTA takes a contiguous chunk of the work items and streams
         # them as one flattened loop of load groups, double-buffered across item boundaries, so
         # the next loads are in flight during an item's epilogue (batch <= 16 only).
+        # An explicit `pipeline` 1 keeps the pipelined path at batch 1 too (the stream path is the default).
         self.pipelined = bool(int(self.tunables["pipeline"])) and self.batch <= PIPELINE_MAX_BATCH
+        self.streamed = bool(int(self.tunables["stream"])) and self.batch == STREAM_BATCH and not self.pipelined
+        self.pdl = int(self.tunables["pdl"])
+        if self.pdl not in (0, 1):
+            raise ValueError(f"{self.kernel_name}: pdl must be 0 or 1")
+
+    def _stream_plan(self, n: int, k: int, min_rows: int) -> StreamPlan:
+        """The stream path's CTA: whole rows of k bf16, at least `min_rows` of them, within
+        `stream_cta_kib` KiB otherwise, of `stream_threads` threads."""
+        t = self.tunables
+        try:
+            return StreamPlan(n=n, k=k, threads=int(t["stream_threads"]),
+                              cta_bytes=max(int(t["stream_cta_kib"]) * 1024, min_rows * k * 2))
+        except ValueError as e:
+            raise ValueError(f"{self.kernel_name}: batch 1's stream path: {e} (stream=0 takes the "
+                             f"persistent path)") from None
+
+    def _stream_launch(self, ctas: int) -> LaunchConfig:
+        # pdl only where the kernel waits (griddepcontrol.wait is in the stream path alone)
+        return LaunchConfig(grid=(ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes,
+                            pdl=bool(self.pdl))
+
+    def _pdl_wait(self):
+        """Trace-time helper: with pdl, wait until the previous grid has completed and its
+        writes are visible (the routing, z and act are earlier kernels' outputs, so no load of
+        them may come before this)."""
+        if self.pdl:
+            cute.arch.griddepcontrol_wait()
+
+    def _pdl_trigger(self):
+        """Trace-time helper: with pdl, let the next launch start once this CTA's copies are
+        issued (a hint: it changes when the next grid starts, never what it reads)."""
+        if self.pdl:
+            cute.arch.griddepcontrol_launch_dependents()
 
     def _grid(self, row_blocks: int) -> int:
         return max(1, min(int(self.tunables["ctas_per_sm"]) * SMS, self.groups * row_blocks))
@@ -145,6 +204,9 @@ class ExpertsUpOp(_GroupedBase):
         if self.inter % self.half_rows:
             raise ValueError(f"moe_w13: expert_inter {self.inter} is not a multiple of {self.half_rows}")
         self.row_blocks = self.inter // self.half_rows
+        if self.streamed:
+            self._plan_up_stream()
+            return
         self.plans = make_plans(self.batch, self.latent, self.warps, self.row_tiles,
                                 int(self.tunables["k_unroll"]))
         if self.pipelined:
@@ -152,6 +214,18 @@ class ExpertsUpOp(_GroupedBase):
                                                          int(self.tunables["k_unroll"]))}
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
+
+    def _plan_up_stream(self) -> None:
+        """Batch 1: a CTA per (group, block of `stream_cols` act columns): its gate rows and the
+        matching up rows of W13_e (at least one pair), one group per selected expert."""
+        P = self.stream_plan = self._stream_plan(2 * self.inter, self.latent, 2)
+        if P.rows % 2:
+            raise ValueError("moe_w13: the stream path needs at least 64 threads (a gate and an up row)")
+        self.stream_cols = P.rows // 2
+        self.col_blocks = self.inter // self.stream_cols
+        self.threads = P.threads
+        self.ctas = self.groups * self.col_blocks
+        self.smem_bytes = P.smem_bytes(P.rows, 1, P.warps)
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I = self.batch, self.n_experts, self.latent, self.inter
@@ -166,6 +240,8 @@ class ExpertsUpOp(_GroupedBase):
         }
 
     def launch_config(self) -> LaunchConfig:
+        if self.streamed:
+            return self._stream_launch(self.ctas)
         return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
     def reference(self, *, z, w13, sorted_slots, compute_dtype=None, **_rest):
@@ -198,6 +274,62 @@ class ExpertsUpOp(_GroupedBase):
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
+        if cutlass.const_expr(self.streamed):
+            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mAct)
+        else:
+            self._up_grouped(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+
+    @cute.jit
+    def _up_stream(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mAct):
+        """Batch 1 (see the module docstring): CTA (group u, column block cb) copies gate rows
+        cb*R .. cb*R+R-1 and up rows I + cb*R .. of expert group_expert[u] and z, then writes
+        act[group_start[u], cb*R + r] = bf16(SiTU(gate . z, up . z))."""
+        P = self.stream_plan
+        L, I, R = self.latent, self.inter, self.stream_cols
+        bf16 = cutlass.BFloat16
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        r = tidx // P.row_threads  # the CTA's row: gate rows first, then the up rows
+        kv0 = tidx % P.row_threads
+        u = bidx // self.col_blocks
+        cb = bidx % self.col_blocks
+
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((P.k,)), byte_alignment=16)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, P.warps)), byte_alignment=16)
+        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
+        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
+
+        early = None
+        if cutlass.const_expr(self.mutant == "routing_before_wait"):
+            early = mGroupExpert[u]  # the planted hazard the audit must flag
+        self._pdl_wait()  # the routing and z are the router's outputs
+        if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
+            gW = vector_view(expert_view(mW, mGroupExpert[u] if early is None else early, 2 * I, L))
+            row = (r // R) * I + cb * R + r % R
+            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, row, vW, r * P.kv, kv0)
+            if r == 0:  # batch 1: the one token's z, copied by the first row's threads
+                stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mZ), 0, vX, 0, kv0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # z was copied by the first row's threads
+
+            acc = stream.dot(P, vW, r * P.kv, vX, [0], kv0)
+            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+            cute.arch.sync_threads()
+            pos = mGroupStart[u]
+            for c in cutlass.range_constexpr(R):
+                if tidx == c:
+                    gv = stream.row_total(P, sP, c, 0)
+                    uv = stream.row_total(P, sP, R + c, 0)
+                    mAct[pos, cb * R + c] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
+
+    @cute.jit
+    def _up_grouped(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+        """The per-item and pipelined paths (persistent over (group, row block) items)."""
         T, K, L, I = self.batch, self.top_k, self.latent, self.inter
         Rh = self.half_rows
         NH = self.row_tiles // 2
@@ -214,7 +346,7 @@ class ExpertsUpOp(_GroupedBase):
         g = lane // 4
         q = lane % 4
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
         gX = vector_view(mZ)
         n_items = mNGroups[0] * RB
@@ -300,6 +432,9 @@ class ExpertsDownOp(_GroupedBase):
         if self.latent % self.rows_per_cta:
             raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta}")
         self.row_blocks = self.latent // self.rows_per_cta
+        if self.streamed:
+            self._plan_down_stream()
+            return
         self.plans = make_plans(self.batch, self.inter, self.warps, self.row_tiles,
                                 int(self.tunables["k_unroll"]))
         if self.pipelined:
@@ -307,6 +442,16 @@ class ExpertsDownOp(_GroupedBase):
                                                          int(self.tunables["k_unroll"]))}
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
+
+    def _plan_down_stream(self) -> None:
+        """Batch 1: a CTA per (group, block of whole W2_e rows); its row block's counter takes one
+        arrival per group."""
+        P = self.stream_plan = self._stream_plan(self.latent, self.inter, 1)
+        self.rows_per_cta = P.rows
+        self.row_blocks = self.latent // P.rows
+        self.threads = P.threads
+        self.ctas = self.groups * self.row_blocks
+        self.smem_bytes = P.smem_bytes(P.rows, 1, P.warps) + 16  # + the last-CTA verdict
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
@@ -324,6 +469,8 @@ class ExpertsDownOp(_GroupedBase):
         }
 
     def launch_config(self) -> LaunchConfig:
+        if self.streamed:
+            return self._stream_launch(self.ctas)
         return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
     def reference(self, *, act, w2, weights, sorted_slots, compute_dtype=None, **_rest):
@@ -354,6 +501,82 @@ class ExpertsDownOp(_GroupedBase):
     def kernel(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
                mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
                mCounters: cute.Tensor, mC: cute.Tensor):
+        if cutlass.const_expr(self.streamed):
+            self._down_stream(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
+        else:
+            self._down_grouped(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
+                               mC)
+
+    @cute.jit
+    def _down_stream(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
+        """Batch 1 (see the module docstring): CTA (group u, row block rb) copies W2_e rows
+        rb*R .. rb*R+R-1 of expert group_expert[u] and act[group_start[u]], writes
+        o[slot, rows] in fp32 and arrives on counters[rb]; the CTA that completes the row block
+        resets its counter and writes c[0, rows] = bf16(sum_k w[0, k] o[k, rows]), k in order."""
+        P = self.stream_plan
+        K, L, I, R = self.top_k, self.latent, self.inter, self.rows_per_cta
+        bf16 = cutlass.BFloat16
+        i32 = cutlass.Int32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        u = bidx // self.row_blocks
+        rb = bidx % self.row_blocks
+
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((P.k,)), byte_alignment=16)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, P.warps)), byte_alignment=16)
+        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
+        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
+        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
+
+        self._pdl_wait()  # the routing and act are earlier kernels' outputs
+        n_groups = mNGroups[0]
+        if u < n_groups:  # CTA-uniform: every thread takes the same branch
+            gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
+            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
+            start = mGroupStart[u]
+            if r == 0:  # batch 1: the group's one act row, copied by the first row's threads
+                stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mAct), start, vX, 0, kv0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # act was copied by the first row's threads
+
+            acc = stream.dot(P, vW, r * P.kv, vX, [0], kv0)
+            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+            cute.arch.sync_threads()
+            slot = mSorted[start]
+            for c in cutlass.range_constexpr(R):
+                if tidx == c:
+                    mO[slot, rb * R + c] = stream.row_total(P, sP, c, 0)
+            # Arrival on the row block (after the barrier that orders every o write before it);
+            # the CTA that completes the row block combines it.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
+                last = i32(0)
+                if old == n_groups - 1:
+                    last = i32(1)
+                    # Every group has arrived: nothing reads the counter again this launch.
+                    cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
+                sLast[0] = last
+            cute.arch.sync_threads()
+            if sLast[0] == 1:
+                for c in cutlass.range_constexpr(R):
+                    if tidx == c:
+                        col = rb * R + c
+                        s = mWeights[0, 0] * mO[0, col]
+                        for k in cutlass.range_constexpr(1, K):
+                            s = s + mWeights[0, k] * mO[k, col]
+                        mC[0, col] = s.to(bf16)
+
+    @cute.jit
+    def _down_grouped(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
+        """The per-item and pipelined paths (persistent over (group, row block) items)."""
         T, K, L, I = self.batch, self.top_k, self.latent, self.inter
         R = self.rows_per_cta
         NT = self.row_tiles
@@ -371,7 +594,7 @@ class ExpertsDownOp(_GroupedBase):
         g = lane // 4
         q = lane % 4
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sP = smem.allocate_tensor(f32, partials_layout(R, self.pb, W), byte_alignment=16)
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         gX = vector_view(mAct)
@@ -563,3 +786,12 @@ def _down_epilogue(op, plan, sP, sLast, acc, item, n_groups, mWeights, mGroupSta
                 for k in cutlass.range_constexpr(1, K):
                     s = s + mWeights[t, k] * mO[t * K + k, col]
                 mC[t, col] = s.to(cutlass.BFloat16)
+
+
+# The audit's planted mutant (`fasttrack audit moe_w13 --mutant routing_before_wait`): the stream
+# path with pdl reads the group's expert id, the router's output, before griddepcontrol.wait.
+class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit finds it by this name)
+    mutant = "routing_before_wait"
+
+    def __init__(self, shape: dict, **tunables):
+        super().__init__(shape, **{**tunables, "pdl": 1})
