@@ -5,6 +5,7 @@ shared_gate_up (a_s = SiTU(h @ W_sgu.T), 7168 -> 2 x 6144) and latent_out (out =
 
   python scripts/dense_b1.py plan [--root .devcarry/dense]       # CPU host with the DSL: build
   PYTHONPATH=. python3 scripts/dense_b1.py run --out DIR          # GPU host (no DSL), carrying ROOT
+  PYTHONPATH=. python3 scripts/dense_b1.py block --out DIR        # the same, the whole block
 
 Per variant (k3 widths, batch 1 unless --batches says more): outputs poisoned with NaN, checked
 finite, relative Frobenius error against the float64 oracle within block_proof's policy
@@ -174,6 +175,86 @@ def run(args) -> int:
     return 0 if doc["passed_numerics"] else 1
 
 
+BLOCK_CONFIGS = {  # name: (shared_gate_up variant, latent_out variant, concurrent)
+    "mma concurrent": ("sgu_b1_mma", "lo_b1_mma", True),
+    "stream concurrent": ("sgu_b1_default", "lo_b1_default", True),
+    "mma sequential": ("sgu_b1_mma", "lo_b1_mma", False),
+    "stream sequential": ("sgu_b1_default", "lo_b1_default", False),
+    "stream sgu r2t128 concurrent": ("sgu_b1_r2t128", "lo_b1_default", True),
+}
+
+
+def block(args) -> int:
+    """The whole block at batch 1 (kernels.block.MoEBlock, the other kernels as the block builds
+    them under `build`) with each dense design, shared_gate_up on its side stream or not: one
+    CUDA graph of `calls` steps on distinct inputs each, configurations interleaved, `rounds`
+    rounds, min of the rounds' medians (block_proof's measure)."""
+    import torch
+
+    from benchmarks.common import gpu_environment, read_bandwidth
+    from block_proof import block_bytes, graph_time, judge
+    from kernels import reference as R
+    from kernels.block import BlockKernels, MoEBlock, load_block_kernels
+    from kernels.config import get_config
+    from kernels.launch import CubinKernel
+
+    cfg = get_config("k3")
+    T = 1
+    plan_doc = json.loads((Path(args.root) / "dense_plan.json").read_text())
+    dirs = {c["id"]: c for c in plan_doc["cases"]}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+           "commit": plan_doc["commit"], "environment": gpu_environment(), "configs": {}}
+    doc["read_ceiling"] = read_bandwidth(reps=20)
+    tb = doc["read_ceiling"]["tbps"]
+    w = R.make_weights(cfg, "cuda", seed=0)
+    base = load_block_kernels(cfg, T, root=REPO / "build")
+    doc["other_cubins"] = base.hashes()
+
+    def dense(vid):
+        k = CubinKernel.from_dir(REPO / dirs[vid]["dir"])
+        k.load()
+        return k
+
+    torch.manual_seed(7)
+    xs = [torch.randn(T, cfg.hidden, device="cuda").to(torch.bfloat16) for _ in range(args.calls)]
+    blocks = {}
+    for name, (sgu, lo, conc) in BLOCK_CONFIGS.items():
+        kern = BlockKernels(**{**vars(base), "shared_gate_up": dense(sgu), "latent_out": dense(lo)})
+        blk = MoEBlock(cfg, T, w, kernels=kern, concurrent=conc)
+        outs = [torch.full_like(x, float("nan")) for x in xs]
+        uniq = []
+        for x, o in zip(xs, outs):
+            blk.launch(x, o)
+            torch.cuda.synchronize()
+            uniq.append(int(blk.buf["n_groups"][0].item()))
+        ids = blk.buf["ids"].clone()
+        row = judge(name, outs[-1], R.moe_block(xs[-1], w, cfg, compute_dtype=torch.float64, ids=ids),
+                    R.moe_block(xs[-1], w, cfg, ids=ids))
+        doc["configs"][name] = {"shared_gate_up": sgu, "latent_out": lo, "concurrent": conc,
+                                "cubins": {"shared_gate_up": dirs[sgu]["cubin_sha256"],
+                                           "latent_out": dirs[lo]["cubin_sha256"]},
+                                "numerics_last_step": row, "rounds": [],
+                                "bytes_per_step": block_bytes(cfg, T, sum(uniq) / len(uniq))}
+        blocks[name] = (blk, outs)
+    for _ in range(args.rounds):  # interleaved
+        for name, (blk, outs) in blocks.items():
+            def steps(blk=blk, outs=outs):
+                for x, o in zip(xs, outs):
+                    blk.launch(x, o)
+            doc["configs"][name]["rounds"].append(graph_time(steps))
+    for name, c in doc["configs"].items():
+        us = min(r["median_us"] for r in c["rounds"]) / args.calls
+        c.update(us=us, fraction_of_read=c["bytes_per_step"] / us / 1e6 / tb)
+        print(f"{name:32s} {us:7.1f} us {100 * c['fraction_of_read']:5.1f}% of read  rounds "
+              f"{[round(r['median_us'] / args.calls, 1) for r in c['rounds']]}  numerics "
+              f"{'ok' if c['numerics_last_step']['passed'] else 'FAIL'}", flush=True)
+    (out_dir / "dense_block_b1.json").write_text(json.dumps(doc, indent=1))
+    return 0 if all(c["numerics_last_step"]["passed"] for c in doc["configs"].values()) else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="step", required=True)
@@ -184,8 +265,13 @@ def main(argv=None) -> int:
     pr.add_argument("--root", default=".devcarry/dense")
     pr.add_argument("--out", required=True)
     pr.add_argument("--replays", type=int, default=30)
+    pb = sub.add_parser("block", help="the whole block at batch 1 with each dense design (GPU host)")
+    pb.add_argument("--root", default=".devcarry/dense")
+    pb.add_argument("--out", required=True)
+    pb.add_argument("--calls", type=int, default=8)
+    pb.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    return plan(args) if args.step == "plan" else run(args)
+    return {"plan": plan, "run": run, "block": block}[args.step](args)
 
 
 if __name__ == "__main__":
