@@ -41,8 +41,19 @@ PIPELINED_EXPERTS = {
 }
 
 
+# At batch 1 the routed experts take the stream design instead (kernels/ops/moe_experts.py: a
+# short CTA per expert and block of whole weight rows, every cp.async issued before one wait),
+# chosen on an H200 by scripts/experts_b1_explore.py (evidence_reports/moe_block/round3/experts).
+STREAM_EXPERTS = {
+    "moe_w13": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1},
+    "moe_w2": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1},
+}
+
+
 def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
+    if batch == 1 and kernel in STREAM_EXPERTS:
+        return dict(STREAM_EXPERTS[kernel])
     return dict(PIPELINED_EXPERTS.get(kernel, {})) if batch <= 16 else {}
 
 

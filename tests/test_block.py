@@ -29,7 +29,9 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
         for name, shape in block_variants(K3, T):
             tun = block_tunables(name, T)
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
-            assert bool(tun.get("pipeline")) == (name in ("moe_w13", "moe_w2") and T <= 16), (name, T)
+            experts = name in ("moe_w13", "moe_w2")
+            assert bool(tun.get("pipeline")) == (experts and 1 < T <= 16), (name, T)
+            assert bool(tun.get("stream")) == (experts and T == 1), (name, T)  # batch 1: the stream path
 
 
 def test_block_imports_without_the_dsl():
