@@ -398,11 +398,10 @@ class RouterOp(OpBase):
         acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
-        if tidx < P.rows * B:
-            for rr in cutlass.range_constexpr(P.rows):
-                for bb in cutlass.range_constexpr(B):
-                    if tidx == rr * B + bb:
-                        mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
+        if tidx < P.rows * B:  # one thread per (row, token), indices computed: no switch over them
+            rr = tidx // B
+            bb = tidx % B
+            mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
 
     @cute.jit
     def _arrive(self, mCounter, sLast, tidx):
