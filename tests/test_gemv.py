@@ -33,6 +33,10 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
             assert shape["batch"] == 1 and lc.grid[0] * op.rows_per_cta == shape["n"]
             assert op.plan.row_threads * op.plan.vectors * 8 == shape["k"] and op.plan.row_threads % 32 == 0
             assert lc.smem_bytes <= G.SMEM_LIMIT
+        elif op.staged:  # grid (splits, row blocks); the splits cover k in whole stages
+            assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
+            assert op.splits * op.groups * op.stage_k == shape["k"] and 2 <= op.stages <= op.groups + 1
+            assert lc.smem_bytes <= G.STAGED_SMEM_LIMIT
         elif op.tiled:  # grid (splits, row blocks); the splits cover k exactly
             assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
             assert op.splits * op.k_chunk == shape["k"] and op.k_chunk % (32 * op.k_unroll) == 0
@@ -68,6 +72,10 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
     ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 3}, "prefetch must be"),
     ({"batch": 1, "n": 64, "k": 512}, {"pdl": 2}, "pdl must be"),
+    ({"batch": 16, "n": 128, "k": 544}, {"staged_from_batch": 16}, "multiple of 64 \\(staged_k\\)"),
+    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "staged_k": 96}, "staged_k must be"),
+    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "staged_stages": 1}, "at least 2"),
+    ({"batch": 64, "n": 128, "k": 4096}, {"staged_from_batch": 16, "staged_k": 1024}, "shared memory"),
 ])
 def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -151,6 +159,64 @@ def test_tiled_design_from_batch_32():
     assert G.GemvOp({"batch": 32, "n": 8, "k": 256}).rows_per_cta == 8  # rows shrink to divide n
     with pytest.raises(ValueError, match="multiple of 128"):
         G.GemvOp({"batch": 32, "n": 64, "k": 96})
+
+
+def test_staged_design_plan():
+    """From staged_from_batch: 128-row CTAs of 4 warps along the rows, a 4-slot ring of 64-k
+    stages, k split over the fewest CTAs reaching 132 in whole stages; more warps split the
+    batch where that reads fewer fragments from shared memory; the stage count is clamped to
+    the CTA's stages + 1 and to the shared-memory limit."""
+    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16)
+    assert b64.staged and not b64.tiled and not b64.stream
+    assert (b64.rows_per_cta, b64.warps, b64.warp_rows, b64.warp_batch, b64.row_tiles) == (128, 4, 4, 1, 4)
+    assert (b64.splits, b64.groups, b64.stages) == (7, 16, 4)  # 28 blocks x 4 = 112 < 132; 5 and 6 do not divide 112
+    assert b64.launch_config().grid == (7, 28, 1) and b64.threads == 128
+    assert b64.smem_bytes == 4 * (128 + 64) * 64 * 2 + 16 + 256
+    assert b64.tensor_specs()["partials"].shape == (7, 64, 3584)
+    wide = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    assert (wide.warp_rows, wide.warp_batch, wide.row_tiles, wide.warp_batch_tiles) == (4, 2, 4, 2)
+    b16 = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    assert (b16.warp_rows, b16.warp_batch) == (8, 1)  # one batch tile: the warps split the rows
+    odd = G.GemvOp({"batch": 20, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    assert odd.warp_batch == 1  # a partly filled batch tile is never split across warps
+    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, staged_from_batch=16,
+                      staged_rows=256)
+    assert router.rows_per_cta == 128 and router.splits == 28 and router.groups == 4  # rows shrink to divide n
+    short = G.GemvOp({"batch": 16, "n": 16384, "k": 128}, staged_from_batch=16, staged_stages=8,
+                     staged_min_ctas=66)
+    assert (short.splits, short.groups, short.stages) == (1, 2, 3)  # 128 row blocks need no split
+    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, staged_stages=8, staged_k=128)
+    assert deep.stages == 4 and deep.smem_bytes <= G.STAGED_SMEM_LIMIT < 5 * (128 + 64) * 128 * 2
+    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, staged_from_batch=16).staged is False
+
+
+@pytest.mark.slow
+def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
+    """Through the real build, batch 64 on 7168 -> 3584: W reaches shared memory only through
+    16-byte L2-only copies (LDGSTS.BYPASS; no register load of W at all), the prologue issues
+    3 stages x 8 of them per thread before the first wait, the loop issues the next stage's 8
+    before the stage's first mma, and nothing spills. With pdl, every prologue W copy
+    precedes griddepcontrol.wait (ACQBULK) and every x copy follows it."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    shape = {"batch": 64, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
+    for pdl in (0, 1):
+        art = build_variant("gemv", shape, {"staged_from_batch": 16, "pdl": pdl}, root=tmp_path)
+        assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
+        flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
+                if l.strip().startswith("/*") and "*/" in l and ";" in l]
+        opc = [o.split()[1] if o.startswith("@") else o.split()[0] for o in flat]
+        w_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" in o]
+        x_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" not in o]
+        mmas = [i for i, o in enumerate(opc) if o.startswith("HMMA")]
+        first_wait = min(i for i, o in enumerate(opc) if o.startswith("DEPBAR"))
+        assert len(w_copies) == 32 and len(x_copies) == 16  # 4 stages' worth: 3 in the prologue, 1 in the loop
+        assert sum(i < first_wait for i in w_copies) == 24 and max(w_copies) < min(mmas)
+        assert not any(o.startswith("LDG") and "CONSTANT" in o for o in opc)  # no nc register load of W
+        if pdl:
+            acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
+            assert len(acq) == 1 and sorted(w_copies)[23] < acq[0] < min(x_copies)
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])

@@ -18,7 +18,7 @@ Layout of one warp's work, per 32-wide k step:
     shared memory in the same permutation); W goes through the read-only path (`ld.global.nc`),
     x through plain loads.
 
-Three designs, chosen at build time from the batch:
+Four designs, chosen at build time from the batch:
   * batch <= `stream_max_batch` (default 1), "stream": no tensor cores. The weights are read
     the way the read-only ceiling reads a buffer: many short CTAs of whole rows (one 14 KB row
     of k=7168 per CTA by default), every byte of W and x a CTA needs copied into shared memory
@@ -39,7 +39,14 @@ Three designs, chosen at build time from the batch:
     split across CTAs to keep >= `tile_min_ctas` of them, the fp32 partials go to global scratch
     and the last CTA of a row block (gpu-scope acq_rel counter, reset by that CTA for the next
     launch) sums them in split order. See `_plan_tiled`.
-Both are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
+  * from `staged_from_batch` on ("staged"): the tiled design's CTA (row block x k chunk, x
+    crossing L2 once per row block, split-K with the last-CTA reduction), but W and x reach
+    shared memory only through 16-byte `cp.async`, in a multi-stage ring: each thread issues
+    every copy of a stage at once, `staged_stages - 1` stages ahead of the mmas, which read
+    their fragments from shared memory (XOR-swizzled, conflict-free) in the same k
+    permutation. No weight byte passes through a register load that ptxas could sink. See
+    `_plan_staged`.
+All are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
 
 Programmatic dependent launch (`pdl` 1): a decode step is a chain of kernels, and each launch
 pays a ramp (CTAs start, first loads in flight) and a drain (the last CTAs finish). With pdl the
@@ -80,6 +87,8 @@ MAX_BATCH = 64
 SMEM_LIMIT = 48 * 1024  # the small-batch design's partials stay under the no-opt-in limit
 TILED_SMEM_LIMIT = 96 * 1024  # the tiled design's x ring (the launcher opts in past 48 KB)
 MAX_SPLITS = 32
+STAGED_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
+SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the staged design's swizzle period
 FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
 
@@ -87,7 +96,8 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live w
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1, "k_order": 0,
                     "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
                     "tile_min_ctas": 264, "pdl": 0, "stream_max_batch": 1, "stream_threads": 128,
-                    "stream_cta_kib": 8}
+                    "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
+                    "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -127,10 +137,13 @@ class GemvOp(OpBase):
             raise ValueError("gemv: pdl must be 0 or 1")
 
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
-        self.tiled = not self.stream and self.batch >= int(self.tunables["tiled_from_batch"])
+        self.staged = not self.stream and self.batch >= int(self.tunables["staged_from_batch"])
+        self.tiled = not (self.stream or self.staged) and self.batch >= int(self.tunables["tiled_from_batch"])
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
         if self.stream:
             self._plan_stream()
+        elif self.staged:
+            self._plan_staged()
         elif self.tiled:
             self._plan_tiled()
         else:
@@ -224,6 +237,59 @@ class GemvOp(OpBase):
         self.threads = WARP * self.warps
         self.smem_bytes = self._ring_bytes() + 16  # + the last-CTA verdict
 
+    def _plan_staged(self) -> None:
+        """Larger batches, "staged": CTA (split s, row block) owns `staged_rows` weight rows and
+        a k chunk; W and x reach shared memory only through 16-byte `cp.async` (the stream
+        design's lesson: copies issued together stay in flight together, register loads do
+        not), in a ring of `staged_stages` slots of `staged_k` k each: every thread issues all
+        of its copies of a stage at once, `stages - 1` stages ahead of the mmas. The warps form
+        a `warp_rows x warp_batch` grid over (rows, batch tiles), the split with the fewest
+        shared-memory fragment reads; x crosses L2 once per row block. k is split over the
+        fewest CTAs that reach `staged_min_ctas` (a divisor of the stage count); the partials
+        meet as in the tiled design (last CTA of a row block sums them in split order)."""
+        t = self.tunables
+        rows, warps = int(t["staged_rows"]), int(t["staged_warps"])
+        stages, self.stage_k, min_ctas = int(t["staged_stages"]), int(t["staged_k"]), int(t["staged_min_ctas"])
+        if min(rows, warps, min_ctas) < 1 or stages < 2:
+            raise ValueError("gemv: staged tunables must be positive, staged_stages at least 2")
+        if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or rows % ROWS_PER_TILE:
+            raise ValueError(f"gemv: staged_k must be a multiple of {SWIZZLE_CHUNKS * BF16_PER_VECTOR} "
+                             f"and staged_rows of {ROWS_PER_TILE}")
+        while rows > ROWS_PER_TILE and self.n % rows:
+            rows //= 2  # fewer rows per CTA rather than a ragged row block
+        if self.n % rows:
+            raise ValueError(f"gemv: n={self.n} is not a multiple of {rows} rows per CTA")
+        if self.k % self.stage_k:
+            raise ValueError(f"gemv: k={self.k} is not a multiple of {self.stage_k} (staged_k)")
+        self.rows_per_cta = rows
+        grid = None
+        while grid is None:
+            grid = _staged_warp_grid(warps, rows, self.batch)
+            if grid is None:
+                warps //= 2  # more warps than row tiles x batch tiles: fewer warps
+        self.warps = warps
+        self.warp_rows, self.warp_batch = grid
+        self.row_tiles = rows // (ROWS_PER_TILE * self.warp_rows)  # per warp
+        self.warp_batch_tiles = self.batch_tiles // self.warp_batch
+        total = self.k // self.stage_k
+        blocks = self.n // rows
+        fits = [s for s in range(1, min(total, MAX_SPLITS) + 1) if total % s == 0]
+        self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
+        self.k_chunk = self.k // self.splits
+        self.groups = total // self.splits  # stages of this CTA's k chunk
+        self.stages = min(stages, self.groups + 1)  # the prologue fills stages - 1 slots
+        while self.stages > 2 and self._staged_smem() > STAGED_SMEM_LIMIT:
+            self.stages -= 1
+        self.threads = WARP * self.warps
+        self.smem_bytes = self._staged_smem()
+        if self.smem_bytes > STAGED_SMEM_LIMIT:
+            raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
+                             f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
+
+    def _staged_smem(self) -> int:
+        # ring (W and x slots, 128-byte aligned) + the last-CTA verdict + the allocator's slack
+        return self.stages * (self.rows_per_cta + self.batch) * self.stage_k * 2 + 16 + 256
+
     def _ring_bytes(self) -> int:
         return 2 * self.batch * self._ring_row_elems() * 2
 
@@ -247,7 +313,7 @@ class GemvOp(OpBase):
         # Tiled: the splits of one row block are neighbours in launch order (x fastest), so
         # they run together and the last one reduces partials that are still in L2.
         return LaunchConfig(
-            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled
+            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled or self.staged
             else (self.n // self.rows_per_cta, 1, 1),
             block=(self.threads, 1, 1),
             smem_bytes=self.smem_bytes,
@@ -275,6 +341,8 @@ class GemvOp(OpBase):
                mC: cute.Tensor):
         if cutlass.const_expr(self.stream):
             self._stream_body(mX, mW, mY)
+        elif cutlass.const_expr(self.staged):
+            self._staged_body(mX, mW, mY, mP, mC)
         elif cutlass.const_expr(self.tiled):
             self._tiled_body(mX, mW, mY, mP, mC)
         else:
@@ -634,42 +702,49 @@ class GemvOp(OpBase):
                             if g < B - b_off:
                                 self._tiled_out(mY, mP, split, b_off + g, r, v)
         if cutlass.const_expr(S > 1):
-            # Arrival: this CTA's partials are written (barrier), then one acq_rel add that
-            # releases them and acquires the other splits'. The last arrival resets the counter
-            # for the next launch (nothing reads it again in this one) and reduces.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                last = cutlass.Int32(0)
-                if old == S - 1:
-                    last = cutlass.Int32(1)
-                    cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
-                sLast[0] = last
-            cute.arch.sync_threads()
-            if sLast[0] == 1:
-                # Each thread sums 4 consecutive rows of one batch row over the splits, in split
-                # order 0..S-1: the same bits whichever CTA arrives last.
-                gP = cute.zipped_divide(mP, (1, 1, 4))
-                gY = cute.zipped_divide(mY, (1, 4))
-                p_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
-                y_bits = 4 * mY.element_type.width
-                y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
-                                             num_bits_per_copy=y_bits)
-                quads = B * R // 4
-                for j in cutlass.range_constexpr(ceil_div(quads, T)):
-                    idx = tidx + j * T
-                    if idx < quads:
-                        b = idx // (R // 4)
-                        rq = block * (R // 4) + idx % (R // 4)
-                        tot = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
-                        cute.copy(p_atom, gP[(None, (0, b, rq))], tot)
-                        for s in cutlass.range_constexpr(1, S):
-                            part = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
-                            cute.copy(p_atom, gP[(None, (s, b, rq))], part)
-                            tot.store(tot.load() + part.load())
-                        out = cute.make_rmem_tensor(cute.make_layout(((1, 4),)), mY.element_type)
-                        out.store(tot.load().to(mY.element_type))
-                        cute.copy(y_atom, out, gY[(None, (b, rq))])
+            self._reduce_splits(mY, mP, mC, sLast, tidx, block)
+
+    @cute.jit
+    def _reduce_splits(self, mY, mP, mC, sLast, tidx, block):
+        """After a split's partials are written: the last CTA of row block `block` to arrive
+        (tiled and staged designs) sums every split's partials into y, in split order."""
+        f32 = cutlass.Float32
+        # Arrival: this CTA's partials are written (barrier), then one acq_rel add that
+        # releases them and acquires the other splits'. The last arrival resets the counter
+        # for the next launch (nothing reads it again in this one) and reduces.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            last = cutlass.Int32(0)
+            if old == self.splits - 1:
+                last = cutlass.Int32(1)
+                cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
+            sLast[0] = last
+        cute.arch.sync_threads()
+        if sLast[0] == 1:
+            # Each thread sums 4 consecutive rows of one batch row over the splits, in split
+            # order 0..S-1: the same bits whichever CTA arrives last.
+            gP = cute.zipped_divide(mP, (1, 1, 4))
+            gY = cute.zipped_divide(mY, (1, 4))
+            p_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
+            y_bits = 4 * mY.element_type.width
+            y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
+                                         num_bits_per_copy=y_bits)
+            quads = self.batch * self.rows_per_cta // 4
+            for j in cutlass.range_constexpr(ceil_div(quads, self.threads)):
+                idx = tidx + j * self.threads
+                if idx < quads:
+                    b = idx // (self.rows_per_cta // 4)
+                    rq = block * (self.rows_per_cta // 4) + idx % (self.rows_per_cta // 4)
+                    tot = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
+                    cute.copy(p_atom, gP[(None, (0, b, rq))], tot)
+                    for s in cutlass.range_constexpr(1, self.splits):
+                        part = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
+                        cute.copy(p_atom, gP[(None, (s, b, rq))], part)
+                        tot.store(tot.load() + part.load())
+                    out = cute.make_rmem_tensor(cute.make_layout(((1, 4),)), mY.element_type)
+                    out.store(tot.load().to(mY.element_type))
+                    cute.copy(y_atom, out, gY[(None, (b, rq))])
 
     # Trace-time helpers of the tiled design: plain Python, every branch decided at trace time.
     def _x_rows(self, g):
@@ -768,6 +843,171 @@ class GemvOp(OpBase):
                         b32[1] = w32[nt][2 * half + 1]
                         cute.gemm(c.mma, c.acc[mb][nt], a, bfrag, c.acc[mb][nt])
 
+    # -- staged design (batch >= staged_from_batch) ------------------------------------------
+    @cute.jit
+    def _staged_body(self, mX, mW, mY, mP, mC):
+        """Trace-time body of the staged design (see `_plan_staged`).
+
+        Shared layout: slot j of the W ring holds the CTA's rows x `stage_k` k (row pitch 128 B
+        per 64 k), the x ring the batch rows the same way; 16-byte chunk c of row r sits at
+        c ^ 4 * (r % 2), so the eight lanes of a fragment read phase (rows g, g + 1, chunks
+        4s..4s+3) and of a copy phase (one row, eight chunks) each hit 32 distinct banks."""
+        S = self.stages
+        G = self.groups
+        NT = self.row_tiles
+        MBW = self.warp_batch_tiles
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        split, block, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        g = lane // 4
+        q = lane % 4
+
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, cute.make_layout((S * self.rows_per_cta * self.stage_k,)), byte_alignment=128)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((S * self.batch * self.stage_k,)), byte_alignment=128)
+        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+        acc = [[cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), f32) for _ in range(NT)]
+               for _ in range(MBW)]
+        for mb in cutlass.range_constexpr(MBW):
+            for nt in cutlass.range_constexpr(NT):
+                acc[mb][nt].fill(0.0)
+        b_base = 0 if self.warp_batch == 1 else (warp // self.warp_rows) * (MBW * BATCH_PER_TILE)
+        c = _TiledContext(
+            gW=cute.zipped_divide(mW, (1, BF16_PER_VECTOR)), gX=cute.zipped_divide(mX, (1, BF16_PER_VECTOR)),
+            vW=cute.zipped_divide(sW, (BF16_PER_VECTOR,)), vX=cute.zipped_divide(sX, (BF16_PER_VECTOR,)),
+            w_atom=stream.weight_copy_atom(bf16), x_atom=stream.activation_copy_atom(bf16),
+            v_atom=coherent_copy_atom(bf16), mma=cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16))),
+            acc=acc, tidx=tidx, g=g, q=q, row0=block * self.rows_per_cta,
+            kv0=split * (self.k_chunk // BF16_PER_VECTOR),
+            wrow=(warp % self.warp_rows) * (NT * ROWS_PER_TILE) + g, b_base=b_base,
+            x_rows=self._staged_x_rows(g, b_base))
+
+        # --- prologue: W of the first stages - 1 stages (static: before a pdl wait), then x ----
+        for st in cutlass.range_constexpr(S - 1):
+            self._s_copy(c, True, st, st)
+        self._pdl_wait()
+        for st in cutlass.range_constexpr(S - 1):
+            self._s_copy(c, False, st, st)
+            cute.arch.cp_async_commit_group()  # group st holds x of stage st (and W of stage st or earlier)
+
+        # --- main loop: one barrier per stage ----------------------------------------------------
+        # The wait leaves S - 2 groups in flight: this thread's stage `it` has landed; the
+        # barrier makes every thread's copies visible and orders every warp's reads of stage
+        # it - 1 (slot (it + S - 1) % S) before this iteration's copies overwrite that slot.
+        for it in cutlass.range(G, unroll=1):
+            cute.arch.cp_async_wait_group(S - 2)
+            cute.arch.sync_threads()
+            nxt = it + (S - 1)
+            if nxt < G:
+                self._s_copy(c, True, nxt, nxt % S)
+                self._s_copy(c, False, nxt, nxt % S)
+            cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per stage
+            self._s_mma_stage(c, it % S)
+        self._pdl_trigger()
+
+        # --- epilogue: acc[mb][nt][i] is batch row b_base + mb*16 + (i // 2)*8 + g, weight row
+        # row0 + wrow - g + nt*8 + 2q + i % 2 --------------------------------------------------
+        B = self.batch
+        for mb in cutlass.range_constexpr(MBW):
+            for nt in cutlass.range_constexpr(NT):
+                for i in cutlass.range_constexpr(4):
+                    b_off = mb * BATCH_PER_TILE + (i // 2) * 8
+                    if cutlass.const_expr(b_off < B):
+                        r = c.row0 + c.wrow - g + nt * ROWS_PER_TILE + 2 * q + (i % 2)
+                        v = acc[mb][nt][i]
+                        if cutlass.const_expr(b_off + 8 <= B):
+                            self._tiled_out(mY, mP, split, b_base + b_off + g, r, v)
+                        else:
+                            if g < B - b_off:
+                                self._tiled_out(mY, mP, split, b_off + g, r, v)
+        if cutlass.const_expr(self.splits > 1):
+            self._reduce_splits(mY, mP, mC, sLast, tidx, block)
+
+    def _staged_x_rows(self, g, b_base):
+        """The x rows this lane reads per (batch tile of its warp, half): with one warp along
+        the batch as in the tiled design (`_x_rows`), else every tile is full."""
+        if self.warp_batch == 1:
+            return self._x_rows(g)
+        return [b_base + mb * BATCH_PER_TILE + h * 8 + g for mb in range(self.warp_batch_tiles) for h in range(2)]
+
+    @cute.jit
+    def _s_copy(self, c, weights, stage, slot):
+        """Issue this thread's 16-byte cp.async copies of one stage (W rows or x rows) into ring
+        slot `slot`; the caller commits. Consecutive threads copy consecutive chunks of a row."""
+        rows = self.rows_per_cta if weights else self.batch
+        cpr = self.stage_k // BF16_PER_VECTOR
+        count = rows * cpr
+        flat = cute.make_layout((BF16_PER_VECTOR,))
+        for i in cutlass.range_constexpr(ceil_div(count, self.threads)):
+            v = c.tidx + i * self.threads
+            if cutlass.const_expr((i + 1) * self.threads <= count):
+                self._s_copy_one(c, weights, stage, slot, v, flat)
+            else:
+                if v < count:
+                    self._s_copy_one(c, weights, stage, slot, v, flat)
+
+    def _s_copy_one(self, c, weights, stage, slot, v, flat):
+        cpr = self.stage_k // BF16_PER_VECTOR
+        row = v // cpr
+        ch = v % cpr
+        kv = c.kv0 + stage * cpr + ch
+        phys = ch ^ ((row % 2) * 4)
+        if weights:
+            src = c.gW[(None, (c.row0 + row, kv))]
+            dst = c.vW[(None, slot * (self.rows_per_cta * cpr) + row * cpr + phys)]
+            atom = c.w_atom
+        else:
+            src = c.gX[(None, (row, kv))]
+            dst = c.vX[(None, slot * (self.batch * cpr) + row * cpr + phys)]
+            atom = c.x_atom
+        cute.copy(atom, cute.make_tensor(src.iterator, flat), dst)
+
+    def _s_mma_stage(self, c, slot):
+        """The mmas of one stage: per 32-wide k step, this lane's W vectors (row wrow + 8 nt) and
+        x vectors (its rows of each batch tile) from shared memory, in the global layout's k
+        permutation (see the module docstring), then 2 x batch tiles x row tiles mmas."""
+        bf16 = cutlass.BFloat16
+        u32 = cutlass.Uint32
+        NT = self.row_tiles
+        cpr = self.stage_k // BF16_PER_VECTOR
+        w_slot = slot * (self.rows_per_cta * cpr)
+        x_slot = slot * (self.batch * cpr)
+        for s in range(self.stage_k // K_STEP):
+            ch = s * (K_STEP // BF16_PER_VECTOR) + c.q
+            w32 = []
+            for nt in range(NT):
+                row = c.wrow + nt * ROWS_PER_TILE
+                t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
+                cute.copy(c.v_atom, c.vW[(None, w_slot + row * cpr + (ch ^ ((row % 2) * 4)))], t)
+                w32.append(cute.recast_tensor(t, u32))
+            xs = []
+            for row in c.x_rows:
+                if row is None:
+                    xs.append(None)
+                else:
+                    t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
+                    cute.copy(c.v_atom, c.vX[(None, x_slot + row * cpr + (ch ^ ((row % 2) * 4)))], t)
+                    xs.append(cute.recast_tensor(t, u32))
+            for mb in range(self.warp_batch_tiles):
+                lo32, hi32 = xs[2 * mb], xs[2 * mb + 1]
+                for half in range(2):
+                    a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
+                    a32 = cute.recast_tensor(a, u32)
+                    a32[0] = lo32[2 * half]
+                    a32[2] = lo32[2 * half + 1]
+                    a32[1] = u32(0) if hi32 is None else hi32[2 * half]
+                    a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
+                    for nt in range(NT):
+                        bfrag = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
+                        b32 = cute.recast_tensor(bfrag, u32)
+                        b32[0] = w32[nt][2 * half]
+                        b32[1] = w32[nt][2 * half + 1]
+                        cute.gemm(c.mma, c.acc[mb][nt], a, bfrag, c.acc[mb][nt])
+
     def _tiled_out(self, mY, mP, split, b, r, v):
         """One accumulator value: straight to y without a split, else to this split's partials."""
         if cutlass.const_expr(self.splits == 1):
@@ -775,6 +1015,25 @@ class GemvOp(OpBase):
         else:
             mP[split, b, r] = v
 
+
+
+def _staged_warp_grid(warps: int, rows: int, batch: int):
+    """(warp_rows, warp_batch) with warp_rows * warp_batch == warps that covers `rows` weight
+    rows in whole 8-row tiles and the batch in whole 16-row tiles with the fewest 16-byte
+    shared-memory reads per k step (each warp reads its rows' W and its batch tiles' x; a warp
+    grid that splits the batch needs full batch tiles), more warps along the rows on a tie;
+    None when no grid fits."""
+    tiles = ceil_div(batch, BATCH_PER_TILE)
+    best = None
+    for wb in range(1, warps + 1):
+        wr = warps // wb
+        if wr * wb != warps or rows % (ROWS_PER_TILE * wr) or tiles % wb or (wb > 1 and batch % BATCH_PER_TILE):
+            continue
+        reads = (rows // wr) // ROWS_PER_TILE + 2 * (tiles // wb)  # per lane and k step
+        cost = (reads * warps, wb)
+        if best is None or cost < best[0]:
+            best = (cost, (wr, wb))
+    return None if best is None else best[1]
 
 
 class _TiledContext:
