@@ -62,14 +62,17 @@ def variants() -> list[tuple[str, str, dict, dict]]:
         for pdl in (0, 1):
             v.append((f"w2_s{threads}_{kib}_p{pdl}", "moe_w2", K3,
                       {"stream": 1, "stream_threads": threads, "stream_cta_kib": kib, "pdl": pdl}))
+    for threads, kib in ((64, 16), (256, 32)):  # 2 rows of 32 threads, 4 rows of 64
+        v.append((f"w2_s{threads}_{kib}_p1", "moe_w2", K3,
+                  {"stream": 1, "stream_threads": threads, "stream_cta_kib": kib, "pdl": 1}))
     for pdl in (0, 1):
         v.append((f"small_w13_p{pdl}", "moe_w13", SMALL, {"stream": 1, "pdl": pdl}))
         v.append((f"small_w2_p{pdl}", "moe_w2", SMALL, {"stream": 1, "pdl": pdl}))
     return v
 
 
-DEFAULT_W13 = "w13_s128_8_p0"  # the manifest's defaults: feeds every moe_w2 variant's oracle check
-DEFAULT_W2 = "w2_s128_8_p0"
+DEFAULT_W13 = "w13_s128_32_p1"  # the manifest's defaults: feeds every moe_w2 variant's oracle check
+DEFAULT_W2 = "w2_s128_32_p1"
 
 
 # -- CPU: build, audit, copy ----------------------------------------------------------------------

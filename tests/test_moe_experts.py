@@ -51,27 +51,28 @@ def test_default_tunables_and_params_follow_the_manifest():
             op = cls(shape)
             assert list(op.tensor_specs()) == [p.name for p in spec.params]
             lc = op.launch_config()
-            assert op.streamed == (shape["batch"] == 1) and not lc.pdl  # pdl is off by default
+            assert op.streamed == lc.pdl == (shape["batch"] == 1)  # pdl only where the kernel waits
             if not op.streamed:
                 assert lc.grid[0] <= 2 * MX.SMS  # persistent
 
 
 def test_stream_plans_at_batch_1():
-    """moe_w13: a CTA per (expert, act column): its gate row and its up row (7 KB each), 64
-    threads per row; moe_w2: a CTA per (expert, W2 row) by default, two rows from 16 KiB."""
+    """moe_w13: a CTA per (expert, block of act columns): their gate rows and up rows (7 KB
+    each), 32 threads per row by default (2 pairs), 64 with one pair; moe_w2: a CTA per (expert,
+    block of W2 rows), 4 rows by default, one counter per row block."""
     up = MX.ExpertsUpOp(K3)
     P = up.stream_plan
-    assert (P.rows, P.row_threads, P.vectors, up.stream_cols) == (2, 64, 7, 1)
-    assert up.launch_config().grid == (16 * 3072, 1, 1) and up.threads == 128
-    assert up.smem_bytes >= 3 * 3584 * 2  # two weight rows and z
-    two = MX.ExpertsUpOp(K3, stream_cta_kib=32)
-    assert (two.stream_plan.rows, two.stream_cols, two.ctas) == (4, 2, 16 * 1536)
+    assert (P.rows, P.row_threads, P.vectors, up.stream_cols) == (4, 32, 14, 2)
+    assert up.launch_config().grid == (16 * 1536, 1, 1) and up.threads == 128
+    assert up.smem_bytes >= 5 * 3584 * 2  # four weight rows and z
+    one = MX.ExpertsUpOp(K3, stream_cta_kib=8)
+    assert (one.stream_plan.rows, one.stream_plan.row_threads, one.stream_cols, one.ctas) == (2, 64, 1, 16 * 3072)
     down = MX.ExpertsDownOp(K3)
-    assert (down.stream_plan.rows, down.stream_plan.vectors, down.ctas) == (1, 3, 16 * 3584)
-    assert down.tensor_specs()["counters"].shape == (3584,)  # one per row block, as the block allocates
-    wide = MX.ExpertsDownOp(K3, stream_cta_kib=16)
-    assert (wide.rows_per_cta, wide.row_blocks, wide.ctas) == (2, 1792, 16 * 1792)
-    assert wide.tensor_specs()["counters"].shape == (1792,)
+    assert (down.stream_plan.rows, down.stream_plan.vectors, down.ctas) == (4, 12, 16 * 896)
+    assert down.tensor_specs()["counters"].shape == (896,)  # one per row block, as the block allocates
+    narrow = MX.ExpertsDownOp(K3, stream_cta_kib=8)
+    assert (narrow.rows_per_cta, narrow.row_blocks, narrow.ctas) == (1, 3584, 16 * 3584)
+    assert narrow.tensor_specs()["counters"].shape == (3584,)
 
 
 @pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
@@ -159,7 +160,7 @@ def _sass_ops(art):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel, w_copies", [("moe_w13", 7), ("moe_w2", 3)])
+@pytest.mark.parametrize("kernel, w_copies", [("moe_w13", 14), ("moe_w2", 12)])
 def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_first_use(tmp_path, kernel, w_copies):
     """Through the real build with pdl, batch 1 on k3: griddepcontrol.wait (ACQBULK) precedes
     every global load (the routing, z and act are earlier kernels' outputs); every 16-byte copy

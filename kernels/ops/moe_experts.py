@@ -83,7 +83,7 @@ STREAM_BATCH = 1  # the stream path's batch: one token, so every group is one ac
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream` and
 # `pdl` act at batch 1 only (the stream path); `pipeline` up to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
-                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 8, "pdl": 0}
+                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
