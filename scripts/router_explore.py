@@ -1,0 +1,376 @@
+"""One GPU call's worth of evidence for the router + latent down-projection (kernels/ops/router.py)
+at the smallest batches: the stream design's variants beside the mma design, on k3 shapes; the
+dynamic race audit of the stream design's arrival counter on the mini preset; a stress series.
+
+  python scripts/router_explore.py plan                        # CPU host with the DSL
+  PYTHONPATH=. python3 scripts/router_explore.py gpu --out DIR # GPU host, carrying .devcarry/router_x
+
+`plan` builds every variant of `_variants()` into build/router_explore, audits each statically
+(PTX and SASS against the manifest roles) and copies its cubin and metadata to
+.devcarry/router_x/<id>/ with plan.json. `gpu`, in order:
+  * the read-only ceiling, and a pure streaming read of exactly the router+down weight bytes per
+    launch (benchmarks/read_kernel.py, graph of rotated copies): what any kernel reading those
+    bytes in one launch can reach, ramp and drain included;
+  * k3, per variant: outputs on one h against the float64 oracle (logits; selection re-derived
+    from the kernel's logits by the reference rule; weights; grouping exactly; z beside the bf16
+    torch path's error), counter left zero; time per launch in a CUDA graph of launches on
+    distinct h, weights rotated past the L2 (the per-op condition of scripts/block_proof.py);
+    stress: 16 launches on the same inputs, half beside bf16 matmuls on another stream, bitwise
+    identical, counter zero after each;
+  * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
+    a child that launches the mini stream variants (batch 1 with and without pdl; batch 3,
+    several rows per CTA) and checks them against the reference; then a mini stress series.
+Results: DIR/explore.json, DIR/sanitizers.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+BUILD = ROOT / "build" / "router_explore"
+CARRY = ROOT / ".devcarry" / "router_x"
+K3 = {"n_experts": 896, "hidden": 7168, "top_k": 16, "latent": 3584}
+MINI = {"n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512}
+
+
+def _variants() -> list[tuple[str, dict, dict]]:
+    """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream) or b<batch>_mma."""
+    v = []
+    for t, kib, pdl in ((128, 8, 1), (128, 8, 0), (64, 8, 1), (256, 8, 1), (128, 32, 1), (256, 32, 1)):
+        v.append((f"b1_s{t}_k{kib}_p{pdl}", {"batch": 1, **K3},
+                  {"stream_threads": t, "stream_cta_kib": kib, "pdl": pdl}))
+    # the same launch with one selection round instead of 16: equal times mean the top-k tail is hidden
+    v.append(("b1_s128_k8_p1_top1", {"batch": 1, **K3, "top_k": 1}, {"pdl": 1}))
+    v.append(("b1_mma", {"batch": 1, **K3}, {"stream_max_batch": 0}))
+    for T in (2, 4):
+        v.append((f"b{T}_s128_k8_p1", {"batch": T, **K3}, {"stream_max_batch": T, "pdl": 1}))
+        v.append((f"b{T}_mma", {"batch": T, **K3}, {}))
+    for T, pdl in ((1, 0), (1, 1), (3, 1)):
+        v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
+    return v
+
+
+MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
+
+
+# -- CPU: build, audit, copy ----------------------------------------------------------------------
+
+
+def plan(jobs: int) -> int:
+    import concurrent.futures
+
+    from kernels.build import build_variant
+    from kernels.manifest import load_manifest
+    from validation.race.artifacts import audit_artifact
+
+    spec = load_manifest().kernel("router")
+    variants = _variants()
+    if CARRY.exists():
+        shutil.rmtree(CARRY)
+    CARRY.mkdir(parents=True)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
+        arts = list(pool.map(lambda v: build_variant("router", v[1], v[2], root=BUILD), variants))
+    entries = []
+    for (ident, shape, _), art in zip(variants, arts):
+        rep = audit_artifact(art, spec, kernel=ident)
+        d = CARRY / ident
+        d.mkdir()
+        for f in ("kernel.cubin", "meta.json"):
+            shutil.copy2(Path(art.dir) / f, d / f)
+        r = art.meta["resources"]
+        entries.append({"id": ident, "shape": shape, "tunables": art.tunables, "cubin_sha256": art.cubin_sha256,
+                        "registers": r["registers"], "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
+                        "launch": art.meta["launch"],
+                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
+        print(f"{ident:22s} regs {r['registers']:3d} grid {art.meta['launch']['grid'][0]:5d} "
+              f"block {art.meta['launch']['block'][0]:3d} smem {art.meta['launch']['smem_bytes']:6d} "
+              f"audit {'clean' if rep.clean else sorted(rep.rules_hit())}", flush=True)
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(git + ["status", "--porcelain", "--", "kernels", "scripts"],
+                                capture_output=True, text=True).stdout.strip())
+    (CARRY / "plan.json").write_text(json.dumps({"commit": commit, "dirty": dirty, "entries": entries}, indent=1))
+    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
+    print(f"{len(entries)} variants -> {CARRY.relative_to(ROOT)}; static audit not clean: {bad or 'none'}")
+    return 1 if bad else 0
+
+
+# -- GPU helpers -----------------------------------------------------------------------------------
+
+
+def _entries() -> dict:
+    return {e["id"]: e for e in json.loads((CARRY / "plan.json").read_text())["entries"]}
+
+
+def _load(e):
+    from kernels.launch import CubinKernel
+    from kernels.ops.router import RouterOp
+
+    k = CubinKernel.from_dir(CARRY / e["id"])
+    k.load()
+    return RouterOp(e["shape"], **e["tunables"]), k
+
+
+def _check(op, b, h, w_gate, bias, w_down, scale: float) -> dict:
+    """The outputs of one launch against the oracle and the reference rules."""
+    import torch
+
+    from block_explore import _rel
+    from block_proof import check_grouping, check_selection, judge
+    from kernels import reference as R
+
+    F64 = torch.float64
+    sel = check_selection(b["logits"], bias, b["ids"], b["weights"], op.top_k, scale)
+    grp = check_grouping(b, op.n_experts)
+    logits_err = _rel(b["logits"], R.linear(h, w_gate, compute_dtype=F64))
+    z = judge("z", b["z"], R.linear(h, w_down, compute_dtype=F64), R.linear(h, w_down))
+    counter_zero = int(b["counter"][0].item()) == 0
+    finite = bool(torch.isfinite(b["logits"]).all() and torch.isfinite(b["weights"]).all())
+    ok = sel["passed"] and grp["passed"] and logits_err < 1e-5 and z["passed"] and counter_zero and finite
+    return {"passed": ok, "selection": sel, "grouping": grp, "logits_rel_err_vs_f64": logits_err, "z": z,
+            "counter_zero": counter_zero, "finite": finite}
+
+
+def _poison(b) -> None:
+    for n in ("logits", "weights", "z"):
+        b[n].fill_(float("nan"))
+    for n in ("ids", "n_groups", "group_expert", "group_start", "sorted_slots"):
+        b[n].fill_(-7)
+
+
+def _stress(op, k, h, w, runs: int = 16) -> dict:
+    """`runs` launches on the same inputs (the second half beside bf16 matmuls on another
+    stream): outputs bitwise identical to the first, counter zero after each."""
+    import torch
+
+    from block_explore import Occupier, _launch_router, _router_buffers, _same_bits
+
+    occ = Occupier()
+    b = _router_buffers(op, op.batch, "cuda")
+    first, mism, nonzero = None, 0, 0
+    for r in range(runs):
+        if r >= runs // 2:
+            occ.start()
+        _poison(b)
+        _launch_router(k, op, h, w.w_gate, w.bias, w.w_down, b)
+        torch.cuda.synchronize()
+        cur = [b[n].clone() for n in ("logits", "ids", "weights", "n_groups", "group_expert", "group_start",
+                                      "sorted_slots", "z")]
+        nonzero += int(b["counter"][0].item() != 0)
+        if first is None:
+            first = cur
+        elif not all(_same_bits(a, c) for a, c in zip(cur, first)):
+            mism += 1
+    return {"runs": runs, "with_concurrent_matmul": runs - runs // 2, "not_bitwise_identical": mism,
+            "counters_left_nonzero": nonzero}
+
+
+def _read_same_bytes(nbytes: int, replays: int = 20) -> dict:
+    """A pure streaming read of `nbytes` per launch (the ceiling's Triton kernel), chained in a
+    graph over rotated copies: the best any one launch reading these bytes reaches."""
+    import torch
+    import triton
+
+    from benchmarks.common import l2_bytes, rotation_count, time_graph
+    from benchmarks.read_kernel import read_sum_kernel
+
+    nel = nbytes // 4
+    copies = rotation_count(nbytes, l2_bytes())
+    bufs = [torch.randint(0, 1 << 20, (nel,), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    best = None
+    for it in (4, 2, 1):
+        g = (triton.cdiv(nel, 8192 * it),)
+        part = torch.empty(g[0], dtype=torch.int32, device="cuda")
+        t = time_graph(lambda i, g=g, part=part, it=it: read_sum_kernel[g](bufs[i % copies], part, nel, BLOCK=8192,
+                                                                        ITERS=it, num_warps=8),
+                       launches=max(copies, 20), replays=replays)
+        if best is None or t.median_us < best["us"]:
+            best = {"us": t.median_us, "iters": it, "bytes": nbytes, "launches": max(copies, 20)}
+    del bufs
+    return best
+
+
+# -- GPU: k3 -----------------------------------------------------------------------------------------
+
+
+def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
+    import torch
+
+    from benchmarks.common import l2_bytes, rotation_count
+    from block_explore import _launch_router, _rel, _router_buffers, graph_us
+    from block_proof import op_bytes
+    from kernels import reference as R
+    from kernels.config import get_config
+
+    cfg = get_config("k3")
+    ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")}
+    w = R.make_weights(cfg, "cuda", seed=0)
+    torch.cuda.synchronize()
+    wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
+    res["read_same_bytes"] = r = _read_same_bytes(wbytes)
+    r["fraction_of_read"] = wbytes / r["us"] / 1e6 / read_tbps
+    print(f"read of the same {wbytes / 1e6:.1f} MB per launch: {r['us']:.2f} us {r['fraction_of_read']:.1%}",
+          flush=True)
+    nr = min(8, rotation_count(wbytes, l2_bytes()))
+    wg = [w.w_gate] + [w.w_gate.clone() for _ in range(nr - 1)]
+    wd = [w.w_down] + [w.w_down.clone() for _ in range(nr - 1)]
+    res["k3"] = {}
+    firsts = {}
+    for ident, e in ents.items():
+        T = e["shape"]["batch"]
+        op, k = _load(e)
+        g = torch.Generator(device="cpu").manual_seed(100 + T)
+        hs = [R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
+              for _ in range(calls)]
+        b = _router_buffers(op, T, "cuda")
+        _poison(b)
+        _launch_router(k, op, hs[0], w.w_gate, w.bias, w.w_down, b)
+        torch.cuda.synchronize()
+        row = _check(op, b, hs[0], w.w_gate, w.bias, w.w_down, cfg.routed_scale)
+        out = {n: b[n].clone() for n in ("logits", "ids", "z")}
+        if T in firsts:  # another variant, same inputs: same selection, sums in another order
+            f = firsts[T]
+            row["vs_first_of_batch"] = {"first": f["id"], "ids_equal": bool(torch.equal(out["ids"], f["ids"])),
+                                        "logits_rel_diff": _rel(out["logits"], f["logits"]),
+                                        "z_rel_diff": _rel(out["z"], f["z"])}
+        else:
+            firsts[T] = {"id": ident, **out}
+        us = graph_us(lambda i: _launch_router(k, op, hs[i % calls], wg[i % nr], w.bias, wd[i % nr], b),
+                      max(calls, nr), replays=20)
+        n_groups = int(b["n_groups"][0].item())
+        nb = op_bytes(cfg, T, n_groups)["router+down"]
+        row.update({"us": us, "bytes": nb, "fraction_of_read": nb / us / 1e6 / read_tbps,
+                    "vs_read_same_bytes": res["read_same_bytes"]["us"] / us, "registers": e["registers"],
+                    "launch": e["launch"], "tunables": e["tunables"]})
+        row["stress"] = _stress(op, k, hs[0], w)
+        res["k3"][ident] = row
+        print(f"{ident:20s} {us:7.2f} us {row['fraction_of_read']:6.1%} of read "
+              f"(x{row['vs_read_same_bytes']:.3f} of the same-bytes read) ok {row['passed']} "
+              f"logits {row['logits_rel_err_vs_f64']:.1e} z ratio {row['z']['ratio']:.3f} "
+              f"stress {row['stress']['not_bitwise_identical']}/{row['stress']['counters_left_nonzero']}", flush=True)
+    del wg, wd, w
+    torch.cuda.empty_cache()
+
+
+# -- sanitized child (mini) ------------------------------------------------------------------------
+
+
+def child() -> int:
+    """Launch the mini stream variants on fresh inputs, check them, print run markers."""
+    import torch
+
+    from block_explore import _launch_router, _router_buffers
+    from kernels import reference as R
+    from kernels.config import get_config
+    from validation.race.dynamic import marker
+
+    cfg = get_config("mini")
+    ents = _entries()
+    g = torch.Generator(device="cpu").manual_seed(5)
+    w = R.make_weights(cfg, "cuda", seed=3)
+    for ident in MINI_IDS:
+        op, k = _load(ents[ident])
+        T = op.batch
+        h = R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
+        b = _router_buffers(op, T, "cuda")
+        _poison(b)
+        _launch_router(k, op, h, w.w_gate, w.bias, w.w_down, b)
+        torch.cuda.synchronize()
+        r = _check(op, b, h, w.w_gate, w.bias, w.w_down, cfg.routed_scale)
+        print(marker(ident, r["passed"], logits_err=f"{r['logits_rel_err_vs_f64']:.2e}",
+                     z_ratio=f"{r['z']['ratio']:.3f}", selection=r["selection"]["passed"],
+                     grouping=r["grouping"]["passed"], counter_zero=r["counter_zero"]), flush=True)
+    return 0
+
+
+def sanitize(res: dict, out_dir: Path) -> bool:
+    import torch
+
+    from kernels import reference as R
+    from kernels.config import get_config
+    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+
+    san = find_sanitizer()
+    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
+                        .stdout.strip().splitlines()[-1:] if san else None}
+    res["sanitizers"] = {}
+    cmd = [sys.executable, "scripts/router_explore.py", "child"]
+    for tool in TOOLS:
+        r = run_tool(tool, cmd, MINI_IDS, timeout_s=60, log_path=out_dir / "sanitizers.log", sanitizer=san)
+        res["sanitizers"][tool] = r.to_dict()
+        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+    cfg = get_config("mini")
+    w = R.make_weights(cfg, "cuda", seed=4)
+    g = torch.Generator(device="cpu").manual_seed(9)
+    res["mini_stress"] = {}
+    for ident in MINI_IDS:
+        op, k = _load(_entries()[ident])
+        h = R.rmsnorm(torch.randn(op.batch, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
+        res["mini_stress"][ident] = s = _stress(op, k, h, w, runs=24)
+        print(f"stress {ident:14s} {json.dumps(s)}", flush=True)
+    return all(r["clean"] for r in res["sanitizers"].values()) and not any(
+        s["not_bitwise_identical"] or s["counters_left_nonzero"] for s in res["mini_stress"].values())
+
+
+def gpu(out_dir: Path, skip_sanitize: bool) -> int:
+    from benchmarks.common import gpu_environment, read_bandwidth
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
+           "command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "variants": plan_doc["entries"]}
+    path = out_dir / "explore.json"
+    t0 = time.time()
+    res["ceiling_read"] = read_bandwidth(reps=10)
+    read_tbps = res["ceiling_read"]["tbps"]
+    print(f"read-only {read_tbps:.3f} TB/s ({time.time() - t0:.0f} s)", flush=True)
+    try:
+        k3(res, read_tbps)
+    except Exception:  # keep what was measured
+        import traceback
+
+        res["error"] = traceback.format_exc()[-3000:]
+        print(res["error"], flush=True)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    clean = None
+    if not skip_sanitize:
+        clean = sanitize(res, out_dir)
+        res["dynamic_audit_clean"] = clean
+    path.write_text(json.dumps(res, indent=1, default=str))
+    ok = "error" not in res and all(r["passed"] and not r["stress"]["not_bitwise_identical"]
+                                    and not r["stress"]["counters_left_nonzero"] for r in res["k3"].values())
+    print(f"done ({time.time() - t0:.0f} s): k3 {'ok' if ok else 'NOT OK'}, dynamic audit "
+          f"{'skipped' if clean is None else 'CLEAN' if clean else 'NOT CLEAN'} -> {path}")
+    return 0 if ok and clean is not False else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--jobs", type=int, default=2)
+    g = sub.add_parser("gpu")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--skip-sanitize", action="store_true")
+    sub.add_parser("child")
+    a = ap.parse_args(argv)
+    if a.cmd == "plan":
+        return plan(a.jobs)
+    if a.cmd == "child":
+        return child()
+    return gpu(a.out, a.skip_sanitize)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
