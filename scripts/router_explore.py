@@ -18,8 +18,8 @@ dynamic race audit of the stream design's arrival counter on the mini preset; a 
     stress: 16 launches on the same inputs, half beside bf16 matmuls on another stream, bitwise
     identical, counter zero after each;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
-    a child that launches the mini stream variants (batch 1 with and without pdl; batch 3,
-    several rows per CTA) and checks them against the reference; then a mini stress series.
+    a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
+    several rows per CTA; mma: batch 3) and checks them against the reference; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
 """
 
@@ -45,19 +45,22 @@ MINI = {"n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512}
 
 
 def _variants() -> list[tuple[str, dict, dict]]:
-    """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream) or b<batch>_mma."""
-    v = []
-    for t, kib, pdl in ((128, 8, 1), (128, 8, 0), (64, 8, 1), (256, 8, 1), (128, 32, 1), (256, 32, 1)):
+    """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream), b<batch>_mma, or
+    b<batch>_default (the manifest's defaults)."""
+    v = [("b1_default", {"batch": 1, **K3}, {})]
+    for t, kib, pdl in ((128, 8, 0), (64, 8, 1)):
         v.append((f"b1_s{t}_k{kib}_p{pdl}", {"batch": 1, **K3},
                   {"stream_threads": t, "stream_cta_kib": kib, "pdl": pdl}))
     # the same launch with one selection round instead of 16: equal times mean the top-k tail is hidden
-    v.append(("b1_s128_k8_p1_top1", {"batch": 1, **K3, "top_k": 1}, {"pdl": 1}))
+    v.append(("b1_default_top1", {"batch": 1, **K3, "top_k": 1}, {}))
     v.append(("b1_mma", {"batch": 1, **K3}, {"stream_max_batch": 0}))
-    for T in (2, 4):
-        v.append((f"b{T}_s128_k8_p1", {"batch": T, **K3}, {"stream_max_batch": T, "pdl": 1}))
-        v.append((f"b{T}_mma", {"batch": T, **K3}, {}))
+    v.append(("b2_default", {"batch": 2, **K3}, {}))
+    v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
+    for T in (8, 64):
+        v.append((f"b{T}_default", {"batch": T, **K3}, {}))  # the mma design, its phase 2 shared
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
+    v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     return v
 
 

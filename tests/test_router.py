@@ -105,14 +105,14 @@ def test_default_tunables_and_params_follow_the_manifest():
     for shape in SPEC.shapes:
         op = RT.RouterOp(shape)
         assert list(op.tensor_specs()) == [p.name for p in SPEC.params]
-        if shape["batch"] == 1:  # stream: one CTA per row of W_g, then of W_down
+        if shape["batch"] <= 2:  # stream: one CTA per row of W_g, then of W_down
             assert op.stream and op.launch_config().grid[0] == 896 + 3584
         else:
             assert not op.stream and op.launch_config().grid[0] == 896 // 8 + 3584 // 16
 
 
 def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
-    """Batch 1: router rows first (CTAs 0..895, they arrive), then W_down's; 128 threads, 7
+    """Batch 1 (and 2 by default): router rows first (CTAs 0..895, they arrive), then W_down's; 128 threads, 7
     vectors each; shared memory = one weight row + h (the phase-2 arrays reuse it) + partials."""
     op = RT.RouterOp(K3)
     assert op.stream and (op.ctas, op.down_ctas, op.threads) == (896, 3584, 128)
@@ -121,7 +121,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union
     assert all(v % 4 == 0 for v in o.values()) and 2 * (o["sel"] + op.slots) <= op.union_elems
     assert op.launch_config().pdl is True and RT.RouterOp(K3, pdl=0).launch_config().pdl is False
-    assert RT.RouterOp({**K3, "batch": 2}, pdl=1).launch_config().pdl is False  # mma: plain launch
+    assert RT.RouterOp({**K3, "batch": 4}, pdl=1).launch_config().pdl is False  # mma: plain launch
     assert not RT.RouterOp(K3, stream_max_batch=0).stream
     assert RT.RouterOp({**K3, "batch": 4}, stream_max_batch=4).stream
     wide = RT.RouterOp(K3, stream_cta_kib=32)  # two rows per CTA: 64 threads each
@@ -136,7 +136,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     ({**K3, "batch": 65}, "batch 65"),
     ({**K3, "top_k": 0}, "top_k 0"),
     ({k: v for k, v in K3.items() if k != "latent"}, "missing"),
-    ({**K3, "n_experts": 900, "batch": 2}, "multiple of 8"),  # the mma design's rows per CTA
+    ({**K3, "n_experts": 900, "batch": 4}, "multiple of 8"),  # the mma design's rows per CTA
     ({**K3, "n_experts": 898}, "not a multiple of 4"),  # stream: 16-byte logit copies
     ({**K3, "hidden": 7164}, "not a multiple of 8"),  # stream: 16-byte weight vectors
 ])

@@ -5,7 +5,7 @@ z = h @ W_down.T (bf16 out) runs alongside, in the same launch: both read h, and
 keep the SMs streaming while the router's last CTA selects and groups.
 
 Two designs, chosen at build time from the batch (both deterministic, same phase 2):
-  * batch <= `stream_max_batch` (default 1), "stream" (kernels/ops/stream.py, as the batch-1
+  * batch <= `stream_max_batch` (default 2), "stream" (kernels/ops/stream.py, as the batch-1
     gemv): one grid of short CTAs over the rows of W_g then of W_down (the router CTAs first, so
     they are dispatched first), each owning whole rows (`stream_cta_kib` KiB of weights, at
     least one row, `stream_threads` threads). Every thread issues all of its 16-byte `cp.async`
@@ -16,7 +16,7 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
     it is fast: the memory system sees one stream of 64 MB with every byte of a CTA in flight at
     once, and the router's 896 rows are the first CTAs of the grid, so the last of them selects
     and groups while the down CTAs still stream: the serial top-k tail is hidden. With `pdl` 1
-    (stream design only) the launcher sets programmatic stream serialization: each CTA copies
+    (the default; stream design only) the launcher sets programmatic stream serialization: each CTA copies
     its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
     next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
     comes after the wait, so a launch never arrives before the previous one has reset it.
@@ -79,9 +79,10 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
 # row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <= stream_max_batch).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 1,
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1}
 DOWN_ROW_TILES = 2  # 16 rows of W_down per down CTA
+TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -478,13 +479,28 @@ class RouterOp(OpBase):
                     vals[i] = neg_inf
                     if lane + i * WARP < E:
                         vals[i] = sigmoid(lg[t, lane + i * WARP]) + bias[lane + i * WARP]
+            # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
+            # so no round waits on a store or a branch
+            mine = [i32(E)] * ceil_div(K, WARP)
             for j in cutlass.range_constexpr(K):
-                bv = neg_inf
-                bi = i32(E)
-                for i in cutlass.range_constexpr(V):  # ascending index: strict > keeps the lowest
-                    if vals[i] > bv:
-                        bv = vals[i]
-                        bi = lane + i * WARP
+                # This lane's best (greatest score, then lowest index) as TOPK_CHAINS independent
+                # chains over its values (value i in chain i % TOPK_CHAINS, ascending index: strict
+                # > keeps the lowest), merged after: one 28-deep dependent chain per round made the
+                # selection ~10 us at batch 1, longer than the down CTAs' streaming it hides behind.
+                nch = min(TOPK_CHAINS, V)
+                cv = [neg_inf] * nch
+                ci = [i32(E)] * nch
+                for i in cutlass.range_constexpr(V):
+                    c = i % nch
+                    take = vals[i] > cv[c]
+                    cv[c] = cutlass.select_(take, vals[i], cv[c])
+                    ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
+                bv = cv[0]
+                bi = ci[0]
+                for c in cutlass.range_constexpr(1, nch):
+                    take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
+                    bv = cutlass.select_(take, cv[c], bv)
+                    bi = cutlass.select_(take, ci[c], bi)
                 for sh in cutlass.range_constexpr(5):
                     ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
                     oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
@@ -494,11 +510,13 @@ class RouterOp(OpBase):
                 for i in cutlass.range_constexpr(V):
                     if lane + i * WARP == bi:
                         vals[i] = neg_inf
-                if lane == 0:
-                    mIds[t, j] = bi
-                    sIds[t * K + j] = bi
-                    # token t's bit in expert bi's token mask (a token's experts are distinct)
-                    cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + bi, i32(1) << (t % WARP))
+                mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
+            for q in cutlass.range_constexpr(len(mine)):
+                if q * WARP + lane < K:
+                    mIds[t, q * WARP + lane] = mine[q]
+                    sIds[t * K + q * WARP + lane] = mine[q]
+                    # token t's bit in the chosen expert's token mask (a token's experts are distinct)
+                    cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + mine[q], i32(1) << (t % WARP))
             # The selected unbiased scores again (same input, same function: bitwise the
             # ones ranked), one lane per selection so the loads overlap, rather than
             # carrying every lane's scores in registers through the rounds.
