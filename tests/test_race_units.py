@@ -301,3 +301,16 @@ def test_declared_static_or_sync_waits_and_bounds_read_before_the_loop_are_not_f
     # ... but the same bound reloaded inside the loop is one
     inside = _BOUND.replace("\tld.global.u32 %r3, [%rd1];\n$L_top:\n", "$L_top:\n\tld.global.u32 %r3, [%rd1];\n")
     assert "undeclared-sync" in audit_ptx(_ptx(inside), ["activation", "activation", "scalar"]).rules_hit()
+
+
+def test_sass_lines_padded_with_whitespace_parse_fast():
+    """nvdisasm pads some lines with long whitespace runs (no `;`): the line pattern must not
+    backtrack on them (it took 0.4 s a line, 25 s for one router kernel)."""
+    import time
+
+    line = "        /*24ec0*/                   STL [R1+0x1c], R19" + " " * 200
+    text = ".text.k:\n" + "\n".join([line, "        /*24ed0*/   EXIT ;  /* 0x000fea0003800000 */"] * 50)
+    t0 = time.perf_counter()
+    fn = parse_sass(text)[0]
+    assert time.perf_counter() - t0 < 0.5
+    assert [i.opcode for i in fn.instrs[:2]] == ["STL", "EXIT"] and fn.instrs[0].text == "STL [R1+0x1c], R19"

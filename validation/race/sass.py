@@ -18,7 +18,10 @@ from . import ir
 # sm_90: kernel parameters start at this offset of constant bank 0.
 PARAM_BASE = 0x210
 
-_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
+# The instruction text is cut from the rest of the line in code, not by the pattern: a lazy body
+# followed by optional `;`, comment and whitespace backtracks cubically on the long whitespace
+# runs nvdisasm pads some lines with (25 s for one router kernel).
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*)$")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\w+):\s*$")
 _FUNC = re.compile(r"^\s*\.text\.([\w$]+):\s*$")
 _LINEINFO = re.compile(r'^\s*//## File "([^"]*)", line (\d+)')
@@ -185,12 +188,20 @@ def parse_sass(text: str, params: list[ir.ParamDecl] | None = None) -> list[ir.F
         m = _INSTR.match(raw)
         if not m:
             continue
-        ins = _parse_instr(m.group(2), len(cur.instrs), int(m.group(1), 16), lineno, loc, params)
+        ins = _parse_instr(_instr_text(m.group(2)), len(cur.instrs), int(m.group(1), 16), lineno, loc, params)
         if ins is not None:
             cur.instrs.append(ins)
     if not funcs:
         raise SassError("no function found in the disassembly")
     return funcs
+
+
+def _instr_text(rest: str) -> str:
+    """The instruction of a disassembly line's remainder: up to its `/* encoding */` comment,
+    without the trailing `;` and whitespace."""
+    cut = rest.find("/*")
+    body = (rest[:cut] if cut >= 0 else rest).strip()
+    return body[:-1].rstrip() if body.endswith(";") else body
 
 
 def _param_at(offset: int, params: list[ir.ParamDecl]) -> int | None:
