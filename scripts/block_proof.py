@@ -90,7 +90,7 @@ def plan(args) -> int:
     dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")
     doc = {"schema": SCHEMA + "#plan", "commit": _git("rev-parse", "HEAD"), "dirty": bool(dirty),
            "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "batches": list(args.batches),
-           "cases": cases}
+           "root": str(Path(args.root).resolve().relative_to(REPO)), "cases": cases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"plan: {len(cases)} variants -> {args.out}{' (sources dirty)' if dirty else ''}")
@@ -405,7 +405,8 @@ def run(args) -> int:
     for c in plan_doc["cases"]:
         d = REPO / c["dir"]
         if not d.is_dir():
-            raise ProofError(f"build folder {c['dir']} is missing: carry `build` with the run")
+            raise ProofError(f"build folder {c['dir']} is missing: carry `{plan_doc.get('root', 'build')}` "
+                             "with the run")
         if CubinKernel.from_dir(d).sha256 != c["cubin_sha256"]:
             raise ProofError(f"{c['dir']}: cubin sha256 differs from the plan's")
     out_dir = Path(args.out)
@@ -438,7 +439,7 @@ def run(args) -> int:
         row = {}
         doc["batches"][str(T)] = row
         try:
-            kern = load_block_kernels(cfg, T, root=REPO / "build")
+            kern = load_block_kernels(cfg, T, root=REPO / plan_doc.get("root", "build"))
             row["cubins"] = kern.hashes()
             blk = MoEBlock(cfg, T, w, kernels=kern, concurrent=not args.sequential)
             if not args.skip_numerics:
