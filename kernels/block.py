@@ -41,15 +41,20 @@ PIPELINED_EXPERTS = {
 }
 
 
-# At batch 1 the routed experts take the stream design instead (kernels/ops/moe_experts.py: a
-# short CTA per expert and block of whole weight rows, every cp.async issued before one wait),
-# chosen on an H200 by scripts/experts_b1_explore.py (evidence_reports/moe_block/round3/experts).
+# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design instead
+# (kernels/ops/moe_experts.py: a short CTA per expert and block of whole weight rows, every cp.async
+# issued before one wait; past batch 1 a group's tokens go through `stream_slots` activation rows
+# in shared memory a chunk at a time), chosen on an H200 by scripts/experts_b1_explore.py
+# (evidence_reports/moe_block/round3/experts) and, past batch 1, scripts/experts_batch_explore.py
+# (evidence_reports/moe_block/round3/experts_b8).
 STREAM_EXPERTS = {
     # 2 (gate, up) row pairs per CTA; 1 pair measured the same (99.7-100% of read)
     "moe_w13": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1},
     # 4 rows per CTA: 91.7% of read, 2 rows 87.9%, 1 row 82.9% (fewer arrivals and combines)
     "moe_w2": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1},
 }
+STREAM_EXPERTS_MAX_BATCH = 16
+STREAM_SLOTS = 2  # activation rows per CTA past batch 1 (at batch 8 almost every group has 1 token, a few 2-3)
 
 
 # The router's stream design is its default up to batch 2 (faster alone: 24.3 us against the
@@ -62,8 +67,10 @@ def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
     if kernel == "router":
         return dict(ROUTER_IN_BLOCK.get(batch, {}))
-    if batch == 1 and kernel in STREAM_EXPERTS:
-        return dict(STREAM_EXPERTS[kernel])
+    if kernel in STREAM_EXPERTS and batch <= STREAM_EXPERTS_MAX_BATCH:
+        if batch == 1:
+            return dict(STREAM_EXPERTS[kernel])
+        return {**STREAM_EXPERTS[kernel], "stream_max_batch": batch, "stream_slots": STREAM_SLOTS}
     return dict(PIPELINED_EXPERTS.get(kernel, {})) if batch <= 16 else {}
 
 

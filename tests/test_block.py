@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.block_baseline import torch_block
 from kernels import reference
-from kernels.block import block_tunables, block_variants
+from kernels.block import STREAM_EXPERTS_MAX_BATCH, block_tunables, block_variants
 from kernels.config import DECODE_BATCH_SIZES, get_config
 from kernels.manifest import load_manifest
 from scripts import block_proof as BP
@@ -30,8 +30,14 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
             tun = block_tunables(name, T)
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
             experts = name in ("moe_w13", "moe_w2")
-            assert bool(tun.get("pipeline")) == (experts and 1 < T <= 16), (name, T)
-            assert bool(tun.get("stream")) == (experts and T == 1), (name, T)  # batch 1: the stream path
+            stream_max = STREAM_EXPERTS_MAX_BATCH
+            assert bool(tun.get("pipeline")) == (experts and stream_max < T <= 16), (name, T)
+            assert bool(tun.get("stream")) == (experts and T <= stream_max), (name, T)  # the stream path
+            if experts:  # the op takes the path the block asks for at this batch
+                from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
+
+                op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
+                assert op.streamed == (T <= stream_max) and op.pipelined == (stream_max < T <= 16), (name, T)
 
 
 def test_block_imports_without_the_dsl():

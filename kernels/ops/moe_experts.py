@@ -78,12 +78,14 @@ GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
 PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
 
-STREAM_BATCH = 1  # the stream path's batch: one token, so every group is one activation row
+STREAM_LIMIT = 16  # the stream path's largest batch: its token loop is planned for small groups
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream` and
-# `pdl` act at batch 1 only (the stream path); `pipeline` up to batch 16 (and wins over `stream`).
+# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream`,
+# `stream_slots` and `pdl` act up to `stream_max_batch` tokens (the stream path); `pipeline` up
+# to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
-                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1}
+                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
+                    "stream_max_batch": 1, "stream_slots": 2}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
@@ -149,7 +151,15 @@ class _GroupedBase(OpBase):
         # the next loads are in flight during an item's epilogue (batch <= 16 only).
         # An explicit `pipeline` 1 keeps the pipelined path at batch 1 too (the stream path is the default).
         self.pipelined = bool(int(self.tunables["pipeline"])) and self.batch <= PIPELINE_MAX_BATCH
-        self.streamed = bool(int(self.tunables["stream"])) and self.batch == STREAM_BATCH and not self.pipelined
+        smb = int(self.tunables["stream_max_batch"])
+        if not 1 <= smb <= STREAM_LIMIT:
+            raise ValueError(f"{self.kernel_name}: stream_max_batch {smb} outside 1..{STREAM_LIMIT}")
+        self.streamed = bool(int(self.tunables["stream"])) and self.batch <= smb and not self.pipelined
+        # The stream path's activation slots in shared memory: a group's tokens go through them a
+        # chunk at a time (the first chunk is copied with the weights, before the one wait).
+        self.x_slots = min(int(self.tunables["stream_slots"]), self.batch)
+        if self.x_slots < 1:
+            raise ValueError(f"{self.kernel_name}: stream_slots must be at least 1")
         self.pdl = int(self.tunables["pdl"])
         if self.pdl not in (0, 1):
             raise ValueError(f"{self.kernel_name}: pdl must be 0 or 1")
@@ -162,7 +172,7 @@ class _GroupedBase(OpBase):
             return StreamPlan(n=n, k=k, threads=int(t["stream_threads"]),
                               cta_bytes=max(int(t["stream_cta_kib"]) * 1024, min_rows * k * 2))
         except ValueError as e:
-            raise ValueError(f"{self.kernel_name}: batch 1's stream path: {e} (stream=0 takes the "
+            raise ValueError(f"{self.kernel_name}: the stream path: {e} (stream=0 takes the "
                              f"persistent path)") from None
 
     def _stream_launch(self, ctas: int) -> LaunchConfig:
@@ -182,6 +192,16 @@ class _GroupedBase(OpBase):
         issued (a hint: it changes when the next grid starts, never what it reads)."""
         if self.pdl:
             cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _copy_slots(self, P, gX, vX, r, kv0, row_of, c0):
+        """The stream path: issue the copies of a chunk's activation rows (`.ca`): slot s holds
+        row `row_of(s, c0)` of `gX` and is copied by the threads of the CTA's row s % rows (so
+        the slots spread over the rows' threads). The caller commits and waits."""
+        for s in cutlass.range_constexpr(self.x_slots):
+            if r == s % P.rows:
+                stream.copy_row(P, stream.activation_copy_atom(cutlass.BFloat16), gX, row_of(s, c0), vX, s * P.kv,
+                                kv0)
 
     def _grid(self, row_blocks: int) -> int:
         return max(1, min(int(self.tunables["ctas_per_sm"]) * SMS, self.groups * row_blocks))
@@ -216,8 +236,9 @@ class ExpertsUpOp(_GroupedBase):
         self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
 
     def _plan_up_stream(self) -> None:
-        """Batch 1: a CTA per (group, block of `stream_cols` act columns): its gate rows and the
-        matching up rows of W13_e (at least one pair), one group per selected expert."""
+        """A CTA per (group, block of `stream_cols` act columns): its gate rows and the matching
+        up rows of W13_e (at least one pair), one group per selected expert; `x_slots` z rows in
+        shared memory beside them."""
         P = self.stream_plan = self._stream_plan(2 * self.inter, self.latent, 2)
         if P.rows % 2:
             raise ValueError("moe_w13: the stream path needs at least 64 threads (a gate and an up row)")
@@ -225,7 +246,7 @@ class ExpertsUpOp(_GroupedBase):
         self.col_blocks = self.inter // self.stream_cols
         self.threads = P.threads
         self.ctas = self.groups * self.col_blocks
-        self.smem_bytes = P.smem_bytes(P.rows, 1, P.warps)
+        self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps)
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I = self.batch, self.n_experts, self.latent, self.inter
@@ -275,17 +296,18 @@ class ExpertsUpOp(_GroupedBase):
     def kernel(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
         if cutlass.const_expr(self.streamed):
-            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mAct)
+            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
         else:
             self._up_grouped(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
 
     @cute.jit
-    def _up_stream(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mAct):
-        """Batch 1 (see the module docstring): CTA (group u, column block cb) copies gate rows
-        cb*R .. cb*R+R-1 and up rows I + cb*R .. of expert group_expert[u] and z, then writes
-        act[group_start[u], cb*R + r] = bf16(SiTU(gate . z, up . z))."""
+    def _up_stream(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+        """The stream path (see the module docstring): CTA (group u, column block cb) copies gate
+        rows cb*R .. cb*R+R-1 and up rows I + cb*R .. of expert group_expert[u] and the group's
+        first `x_slots` z rows, then, a chunk of tokens at a time, writes
+        act[pos, cb*R + r] = bf16(SiTU(gate . z[token], up . z[token])) for each sorted position."""
         P = self.stream_plan
-        L, I, R = self.latent, self.inter, self.stream_cols
+        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.stream_cols, self.x_slots
         bf16 = cutlass.BFloat16
 
         tidx, _, _ = cute.arch.thread_idx()
@@ -297,8 +319,8 @@ class ExpertsUpOp(_GroupedBase):
 
         smem = cutlass.memory.SmemAllocator()
         sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((P.k,)), byte_alignment=16)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, P.warps)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((S * P.k,)), byte_alignment=16)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S, P.warps)), byte_alignment=16)
         vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
         vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
 
@@ -310,22 +332,49 @@ class ExpertsUpOp(_GroupedBase):
             gW = vector_view(expert_view(mW, mGroupExpert[u] if early is None else early, 2 * I, L))
             row = (r // R) * I + cb * R + r % R
             stream.copy_row(P, stream.weight_copy_atom(bf16), gW, row, vW, r * P.kv, kv0)
-            if r == 0:  # batch 1: the one token's z, copied by the first row's threads
-                stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mZ), 0, vX, 0, kv0)
-            cute.arch.cp_async_commit_group()
-            self._pdl_trigger()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # z was copied by the first row's threads
+            pos0 = mGroupStart[u]
+            if cutlass.const_expr(T == 1):  # one token: z row 0, no sorted slot to read
+                if r == 0:
+                    stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mZ), 0, vX, 0, kv0)
+                cute.arch.cp_async_commit_group()
+                self._pdl_trigger()
+                self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, cb, mAct)
+            else:
+                cnt = mGroupStart[u + 1] - pos0
+                gZ = vector_view(mZ)
 
-            acc = stream.dot(P, vW, r * P.kv, vX, [0], kv0)
-            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-            cute.arch.sync_threads()
-            pos = mGroupStart[u]
-            for c in cutlass.range_constexpr(R):
-                if tidx == c:
-                    gv = stream.row_total(P, sP, c, 0)
-                    uv = stream.row_total(P, sP, R + c, 0)
-                    mAct[pos, cb * R + c] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
+                def z_row(s, c0, pos0=pos0, cnt=cnt):
+                    return mSorted[pos0 + cutlass.min(c0 + s, cnt - 1)] // K
+
+                self._copy_slots(P, gZ, vX, r, kv0, z_row, 0)
+                cute.arch.cp_async_commit_group()
+                self._pdl_trigger()
+                self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, cb, mAct)
+                for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
+                    cute.arch.sync_threads()  # every thread is done with the slots and partials
+                    self._copy_slots(P, gZ, vX, r, kv0, z_row, c0)
+                    cute.arch.cp_async_commit_group()
+                    self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, cb, mAct)
+
+    @cute.jit
+    def _up_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, cb, mAct):
+        """Wait for the copies, then the chunk's tokens c0 .. c0+S-1 (those below cnt): dot
+        products against the weights in shared memory, SiTU, act columns written."""
+        R, S = self.stream_cols, self.x_slots
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # z rows were copied by other rows' threads
+        acc = stream.dot(P, vW, r * P.kv, vX, [s * P.kv for s in range(S)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        for j in cutlass.range_constexpr(ceil_div(R * S, P.threads)):
+            idx = tidx + j * P.threads
+            s = idx // R
+            c = idx % R
+            if idx < R * S:
+                if c0 + s < cnt:
+                    gv = stream.row_total(P, sP, c, s)
+                    uv = stream.row_total(P, sP, R + c, s)
+                    mAct[pos0 + c0 + s, cb * R + c] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(cutlass.BFloat16)
 
     @cute.jit
     def _up_grouped(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
@@ -444,14 +493,14 @@ class ExpertsDownOp(_GroupedBase):
         self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
 
     def _plan_down_stream(self) -> None:
-        """Batch 1: a CTA per (group, block of whole W2_e rows); its row block's counter takes one
-        arrival per group."""
+        """A CTA per (group, block of whole W2_e rows), `x_slots` act rows beside them; its row
+        block's counter takes one arrival per group."""
         P = self.stream_plan = self._stream_plan(self.latent, self.inter, 1)
         self.rows_per_cta = P.rows
         self.row_blocks = self.latent // P.rows
         self.threads = P.threads
         self.ctas = self.groups * self.row_blocks
-        self.smem_bytes = P.smem_bytes(P.rows, 1, P.warps) + 16  # + the last-CTA verdict
+        self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps) + 16  # + the verdict
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
@@ -509,12 +558,13 @@ class ExpertsDownOp(_GroupedBase):
 
     @cute.jit
     def _down_stream(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
-        """Batch 1 (see the module docstring): CTA (group u, row block rb) copies W2_e rows
-        rb*R .. rb*R+R-1 of expert group_expert[u] and act[group_start[u]], writes
-        o[slot, rows] in fp32 and arrives on counters[rb]; the CTA that completes the row block
-        resets its counter and writes c[0, rows] = bf16(sum_k w[0, k] o[k, rows]), k in order."""
+        """The stream path (see the module docstring): CTA (group u, row block rb) copies W2_e rows
+        rb*R .. rb*R+R-1 of expert group_expert[u] and the group's first `x_slots` act rows, then,
+        a chunk of tokens at a time, writes o[slot, rows] in fp32; once all its tokens are written
+        it arrives on counters[rb] (one arrival per group); the CTA that completes the row block
+        resets its counter and writes c[t, rows] = bf16(sum_k w[t, k] o[t*K + k, rows]), k in order."""
         P = self.stream_plan
-        K, L, I, R = self.top_k, self.latent, self.inter, self.rows_per_cta
+        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.rows_per_cta, self.x_slots
         bf16 = cutlass.BFloat16
         i32 = cutlass.Int32
 
@@ -527,8 +577,8 @@ class ExpertsDownOp(_GroupedBase):
 
         smem = cutlass.memory.SmemAllocator()
         sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((P.k,)), byte_alignment=16)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((1, P.warps)), byte_alignment=16)
+        sX = smem.allocate_tensor(bf16, cute.make_layout((S * P.k,)), byte_alignment=16)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S, P.warps)), byte_alignment=16)
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
         vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
@@ -538,23 +588,31 @@ class ExpertsDownOp(_GroupedBase):
         if u < n_groups:  # CTA-uniform: every thread takes the same branch
             gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
             stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
-            start = mGroupStart[u]
-            if r == 0:  # batch 1: the group's one act row, copied by the first row's threads
-                stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mAct), start, vX, 0, kv0)
-            cute.arch.cp_async_commit_group()
-            self._pdl_trigger()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # act was copied by the first row's threads
+            pos0 = mGroupStart[u]
+            gA = vector_view(mAct)
+            if cutlass.const_expr(T == 1):  # one token: the group's one act row
+                if r == 0:
+                    stream.copy_row(P, stream.activation_copy_atom(bf16), gA, pos0, vX, 0, kv0)
+                cute.arch.cp_async_commit_group()
+                self._pdl_trigger()
+                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, rb, mSorted, mO)
+            else:
+                cnt = mGroupStart[u + 1] - pos0
 
-            acc = stream.dot(P, vW, r * P.kv, vX, [0], kv0)
-            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-            cute.arch.sync_threads()
-            slot = mSorted[start]
-            for c in cutlass.range_constexpr(R):
-                if tidx == c:
-                    mO[slot, rb * R + c] = stream.row_total(P, sP, c, 0)
-            # Arrival on the row block (after the barrier that orders every o write before it);
-            # the CTA that completes the row block combines it.
+                def a_row(s, c0, pos0=pos0, cnt=cnt):
+                    return pos0 + cutlass.min(c0 + s, cnt - 1)
+
+                self._copy_slots(P, gA, vX, r, kv0, a_row, 0)
+                cute.arch.cp_async_commit_group()
+                self._pdl_trigger()
+                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, rb, mSorted, mO)
+                for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
+                    cute.arch.sync_threads()  # every thread is done with the slots and partials
+                    self._copy_slots(P, gA, vX, r, kv0, a_row, c0)
+                    cute.arch.cp_async_commit_group()
+                    self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO)
+            # Arrival on the row block (after the barrier that orders every o write of every
+            # chunk before it); the CTA that completes the row block combines it.
             cute.arch.sync_threads()
             if tidx == 0:
                 old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
@@ -566,13 +624,33 @@ class ExpertsDownOp(_GroupedBase):
                 sLast[0] = last
             cute.arch.sync_threads()
             if sLast[0] == 1:
-                for c in cutlass.range_constexpr(R):
-                    if tidx == c:
-                        col = rb * R + c
-                        s = mWeights[0, 0] * mO[0, col]
+                for j in cutlass.range_constexpr(ceil_div(R * T, P.threads)):
+                    idx = tidx + j * P.threads
+                    if idx < R * T:
+                        t = idx // R
+                        col = rb * R + idx % R
+                        s = mWeights[t, 0] * mO[t * K, col]
                         for k in cutlass.range_constexpr(1, K):
-                            s = s + mWeights[0, k] * mO[k, col]
-                        mC[0, col] = s.to(bf16)
+                            s = s + mWeights[t, k] * mO[t * K + k, col]
+                        mC[t, col] = s.to(bf16)
+
+    @cute.jit
+    def _down_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO):
+        """Wait for the copies, then the chunk's tokens c0 .. c0+S-1 (those below cnt): dot
+        products against the weights in shared memory, o rows written in fp32."""
+        R, S = self.rows_per_cta, self.x_slots
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # act rows were copied by other rows' threads
+        acc = stream.dot(P, vW, r * P.kv, vX, [s * P.kv for s in range(S)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        for j in cutlass.range_constexpr(ceil_div(R * S, P.threads)):
+            idx = tidx + j * P.threads
+            s = idx // R
+            c = idx % R
+            if idx < R * S:
+                if c0 + s < cnt:
+                    mO[mSorted[pos0 + c0 + s], rb * R + c] = stream.row_total(P, sP, c, s)
 
     @cute.jit
     def _down_grouped(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):

@@ -1,0 +1,413 @@
+"""The routed experts (moe_w13, moe_w2) at batches 2..16: the stream path with several tokens per
+group (kernels/ops/moe_experts.py, `stream_max_batch`, `stream_slots`) against the block's
+pipelined path, in one GPU call; numerics over the routing patterns; stress; the dynamic race
+audit of the multi-token stream path (its token loop and the moe_w2 counters).
+
+  python scripts/experts_batch_explore.py plan               # CPU host with the DSL: build, audit
+  PYTHONPATH=. python3 scripts/experts_batch_explore.py gpu --out DIR
+                                                             # GPU host (no DSL), carrying .devcarry/experts_bx
+
+`plan` builds every variant of `variants()` into build/experts_bx, audits each statically (PTX and
+SASS against the manifest roles) and copies cubin and metadata to .devcarry/experts_bx/<id>/ with
+plan.json. `gpu`, in order:
+  * the read-only ceiling;
+  * k3, per batch, on 8 "uniform" routings (distinct inputs): every moe_w13 variant (act against
+    the pipelined base's: relative difference), then every moe_w2 variant on the base's act (c the
+    same way, counters left zero), each timed as a CUDA graph of the 8 launches (past the L2);
+  * numerics against the float64 oracle over the routing patterns (uniform, hot, same, distinct;
+    "same" puts every token of the batch in each group: the token loop's longest run), every
+    (moe_w13, moe_w2) pair of one design; the error beside the bf16 torch path's (at most 2x);
+  * stress: every stream moe_w2 variant of batch 8 and 16 launched 16 times on the same "hot"
+    inputs, the second half beside bf16 matmuls on another stream: bitwise identical, counters
+    zero after each launch;
+  * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
+    a child that launches small stream variants at batch 3 with 2 slots (64 experts, latent 512,
+    intermediate 512, top 8, "hot" routing: groups of 3 tokens run the token loop twice) with and
+    without pdl and checks them against the references.
+Results: DIR/experts_bx.json and DIR/sanitizers.log (the JSON is rewritten after every stage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "scripts"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+BUILD = ROOT / "build" / "experts_bx"
+CARRY = ROOT / ".devcarry" / "experts_bx"
+K3 = {"n_experts": 896, "latent": 3584, "expert_inter": 3072, "top_k": 16}
+SMALL = {"batch": 3, "n_experts": 64, "latent": 512, "expert_inter": 512, "top_k": 8}
+BATCHES = (2, 4, 8, 16)
+PIPELINED = {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3, "stream": 0}
+PATTERNS = ("uniform", "hot", "same", "distinct")
+CALLS = 8
+
+
+def stream_tunables(slots: int, kib: int = 32) -> dict:
+    return {"stream": 1, "stream_max_batch": 16, "stream_slots": slots, "stream_threads": 128,
+            "stream_cta_kib": kib, "pdl": 1}
+
+
+def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
+    """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
+    choice before), then the stream candidates."""
+    v = []
+    for T in batches:
+        shape = {"batch": T, **K3}
+        for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
+            v.append((f"b{T}_{tag}_pipe", kern, shape, PIPELINED))
+            for slots in (1, 2, 4):
+                if slots <= T:
+                    v.append((f"b{T}_{tag}_s{slots}", kern, shape, stream_tunables(slots)))
+            v.append((f"b{T}_{tag}_s2_16k", kern, shape, stream_tunables(2, 16)))
+    for pdl in (0, 1):
+        tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": 2, "pdl": pdl}
+        v.append((f"small_w13_p{pdl}", "moe_w13", SMALL, tun))
+        v.append((f"small_w2_p{pdl}", "moe_w2", SMALL, tun))
+    return v
+
+
+# -- CPU: build, audit, copy ----------------------------------------------------------------------
+
+
+def plan(jobs: int, batches) -> int:
+    import concurrent.futures
+
+    from kernels.build import build_variant
+    from kernels.manifest import load_manifest
+    from validation.race.artifacts import audit_artifact
+
+    man = load_manifest()
+    vs = variants(batches)
+    if CARRY.exists():
+        shutil.rmtree(CARRY)
+    CARRY.mkdir(parents=True)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
+        arts = list(pool.map(lambda v: build_variant(v[1], v[2], v[3], root=BUILD), vs))
+    entries = []
+    for (ident, kernel, shape, tun), art in zip(vs, arts):
+        rep = audit_artifact(art, man.kernel(kernel), kernel=ident)
+        d = CARRY / ident
+        d.mkdir()
+        for f in ("kernel.cubin", "meta.json"):
+            shutil.copy2(Path(art.dir) / f, d / f)
+        r = art.meta["resources"]
+        entries.append({"id": ident, "kernel": kernel, "shape": shape, "tunables": art.tunables,
+                        "cubin_sha256": art.cubin_sha256, "registers": r["registers"],
+                        "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
+                        "launch": art.meta["launch"],
+                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
+        print(f"{ident:18s} regs {r['registers']:3d} grid {art.meta['launch']['grid'][0]:6d} "
+              f"smem {art.meta['launch']['smem_bytes']:6d} audit {'clean' if rep.clean else sorted(rep.rules_hit())}",
+              flush=True)
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    doc = {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "kernels", "scripts")),
+           "command": "python scripts/experts_batch_explore.py plan", "batches": list(batches), "entries": entries}
+    (CARRY / "plan.json").write_text(json.dumps(doc, indent=1))
+    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
+    print(f"{len(entries)} variants -> {CARRY.relative_to(ROOT)}; static audit not clean: {bad or 'none'}")
+    return 1 if bad else 0
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+
+def _entries() -> dict:
+    return {e["id"]: e for e in json.loads((CARRY / "plan.json").read_text())["entries"]}
+
+
+def _op(e):
+    from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
+
+    return {"moe_w13": ExpertsUpOp, "moe_w2": ExpertsDownOp}[e["kernel"]](e["shape"], **e["tunables"])
+
+
+class _Experts:
+    """One (moe_w13, moe_w2) variant pair: its kernels, o scratch and counters."""
+
+    def __init__(self, e13, e2):
+        import torch
+
+        from kernels.launch import CubinKernel
+
+        self.up, self.down = _op(e13), _op(e2)
+        self.k13, self.k2 = CubinKernel.from_dir(CARRY / e13["id"]), CubinKernel.from_dir(CARRY / e2["id"])
+        self.k13.load()
+        self.k2.load()
+        s = self.down.tensor_specs()
+        self.o = torch.empty(s["o"].shape, device="cuda")
+        self.counters = torch.zeros(s["counters"].shape, dtype=torch.int32, device="cuda")
+
+    def w13(self, z, w13, m, act):
+        self.k13(z, w13, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], act)
+
+    def w2(self, act, w2, wts, m, c):
+        self.k2(act, w2, wts, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], self.o,
+                self.counters, c)
+
+
+def _inputs(shape: dict, pattern: str, g, dev="cuda"):
+    """One routing of `pattern` at the shape's batch: ids, z, renormalised weights."""
+    import torch
+
+    from validation.numerics import routing_ids
+
+    T = shape["batch"]
+    ids = routing_ids(T, shape["n_experts"], shape["top_k"], pattern, g, dev)
+    z = torch.randn(T, shape["latent"], generator=g).to(torch.bfloat16).to(dev)
+    wts = torch.rand(T, shape["top_k"], generator=g).to(dev) + 0.05
+    return ids, z, wts / wts.sum(-1, keepdim=True)
+
+
+def _pair_ids(ents, T):
+    """(w13 id, w2 id) of each design at batch T, base first."""
+    tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")}, key=lambda t: t != "pipe")
+    return [(f"b{T}_w13_{t}", f"b{T}_w2_{t}") for t in tags]
+
+
+def k3_sweep(res: dict, path: Path, read_tbps: float, batches) -> None:
+    import torch
+
+    from block_explore import _meta_of, _rel, graph_us
+    from block_proof import judge, op_bytes
+    from kernels import reference as R
+    from kernels.config import get_config
+
+    cfg = get_config("k3")
+    ents = _entries()
+    w = R.make_weights(cfg, "cuda", seed=0)
+    torch.cuda.synchronize()
+    kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
+    res["k3"], res["numerics"] = {}, {}
+    for T in batches:
+        shape = {"batch": T, **K3}
+        G = min(T * cfg.top_k, cfg.n_experts)
+        g = torch.Generator(device="cpu").manual_seed(200 + T)
+        steps = []
+        for _ in range(CALLS):
+            ids, z, wts = _inputs(shape, "uniform", g)
+            steps.append({"ids": ids, "z": z, "weights": wts, "m": _meta_of(ids, cfg.n_experts, G)})
+        n_unique = sum(int(s["m"]["n_groups"].item()) for s in steps) / CALLS
+        ob = op_bytes(cfg, T, n_unique)
+        act = torch.empty(T * cfg.top_k, cfg.expert_inter, dtype=torch.bfloat16, device="cuda")
+        c = torch.empty(T, cfg.latent, dtype=torch.bfloat16, device="cuda")
+        row = res["k3"][str(T)] = {"experts_per_step": n_unique, "moe_w13": {}, "moe_w2": {}}
+        pairs = _pair_ids(ents, T)
+        acts = cs = None
+        for a_id, b_id in pairs:
+            x = _Experts(ents[a_id], ents[b_id])
+            outs_a, outs_c = [], []
+            for i, s in enumerate(steps):
+                act.fill_(float("nan"))
+                x.w13(s["z"], w.w13, s["m"], act)
+                torch.cuda.synchronize()
+                outs_a.append(act.clone())
+            acts = acts or outs_a
+            for i, s in enumerate(steps):
+                c.fill_(float("nan"))
+                x.w2(acts[i], w.w2, s["weights"], s["m"], c)  # every moe_w2 on the base's act
+                torch.cuda.synchronize()
+                outs_c.append(c.clone())
+            cs = cs or outs_c
+            us13 = graph_us(lambda i: x.w13(steps[i]["z"], w.w13, steps[i]["m"], act), CALLS)
+            us2 = graph_us(lambda i: x.w2(acts[i], w.w2, steps[i]["weights"], steps[i]["m"], c), CALLS)
+            for kern, ident, us, outs, base in (("moe_w13", a_id, us13, outs_a, acts), ("moe_w2", b_id, us2, outs_c, cs)):
+                r = {"us": us, "fraction_of_read": ob[kern] / us / 1e6 / read_tbps,
+                     "rel_diff_vs_base": max(_rel(p, q) for p, q in zip(outs, base)),
+                     "finite": all(bool(torch.isfinite(p.float()).all()) for p in outs),
+                     "regs": ents[ident]["registers"], "launch": ents[ident]["launch"],
+                     "tunables": ents[ident]["tunables"]}
+                if kern == "moe_w2":
+                    r["counters_zero"] = int((x.counters != 0).sum().item()) == 0
+                row[kern][ident] = r
+                print(f"b{T:<2d} {ident:16s} {us:8.2f} us {r['fraction_of_read']:6.1%} "
+                      f"diff {r['rel_diff_vs_base']:.1e} finite {r['finite']}"
+                      + (f" counters zero {r['counters_zero']}" if kern == "moe_w2" else ""), flush=True)
+            row.setdefault("experts", {})[f"{a_id}+{b_id}"] = {
+                "us": us13 + us2, "fraction_of_read": (ob["moe_w13"] + ob["moe_w2"]) / (us13 + us2) / 1e6 / read_tbps}
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+        # numerics against the float64 oracle, every routing pattern, every design's pair
+        gp = torch.Generator(device="cpu").manual_seed(1000 + T)
+        nrow = res["numerics"][str(T)] = {}
+        for pat in PATTERNS:
+            ids, z, wts = _inputs(shape, pat, gp)
+            m = _meta_of(ids, cfg.n_experts, G)
+            oracle = R.routed_experts(z, ids, wts.double(), w.w13, w.w2, compute_dtype=torch.float64, **kw)
+            path32 = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
+            rows = nrow[pat] = {}
+            for a_id, b_id in pairs:
+                x = _Experts(ents[a_id], ents[b_id])
+                act.fill_(float("nan"))
+                c.fill_(float("nan"))
+                x.w13(z, w.w13, m, act)
+                x.w2(act, w.w2, wts, m, c)
+                torch.cuda.synchronize()
+                j = judge(f"{a_id}+{b_id} {pat}", c, oracle, path32)
+                j["counters_zero"] = int((x.counters != 0).sum().item()) == 0
+                j["passed"] = j["passed"] and j["counters_zero"]
+                rows[f"{a_id}+{b_id}"] = j
+            bad = [k for k, j in rows.items() if not j["passed"]]
+            worst = max(j["ratio"] for j in rows.values())
+            print(f"b{T} oracle {pat:8s}: {len(rows)} pairs, worst ratio {worst:.3f}, failed: {bad or 'none'}",
+                  flush=True)
+        path.write_text(json.dumps(res, indent=1, default=str))
+    res["stress"] = stress(ents, w, cfg, [T for T in batches if T >= 8])
+    path.write_text(json.dumps(res, indent=1, default=str))
+    del w
+    torch.cuda.empty_cache()
+
+
+def stress(ents, w, cfg, batches, runs: int = 16) -> dict:
+    """Every stream moe_w2 variant of `batches`, `runs` launches on the same "hot" inputs (the
+    second half beside matmuls on another stream): bitwise identical, counters zero after each."""
+    import torch
+
+    from block_explore import Occupier, _meta_of, _same_bits
+
+    occ = Occupier()
+    out = {}
+    for T in batches:
+        shape = {"batch": T, **K3}
+        g = torch.Generator(device="cpu").manual_seed(300 + T)
+        ids, z, wts = _inputs(shape, "hot", g)
+        m = _meta_of(ids, cfg.n_experts, min(T * cfg.top_k, cfg.n_experts))
+        act = torch.empty(T * cfg.top_k, cfg.expert_inter, dtype=torch.bfloat16, device="cuda")
+        c = torch.empty(T, cfg.latent, dtype=torch.bfloat16, device="cuda")
+        for a_id, b_id in _pair_ids(ents, T)[1:]:
+            x = _Experts(ents[a_id], ents[b_id])
+            x.w13(z, w.w13, m, act)
+            first, mism, nonzero = None, 0, 0
+            for r in range(runs):
+                c.fill_(float("nan"))
+                if r >= runs // 2:
+                    occ.start()
+                x.w2(act, w.w2, wts, m, c)
+                torch.cuda.synchronize()
+                nonzero += int((x.counters != 0).sum().item() != 0)
+                if first is None:
+                    first = c.clone()
+                elif not _same_bits(c, first):
+                    mism += 1
+            out[b_id] = {"runs": runs, "with_concurrent_matmul": runs - runs // 2, "not_bitwise_identical": mism,
+                         "counters_left_nonzero": nonzero}
+    bad = {i: r for i, r in out.items() if r["not_bitwise_identical"] or r["counters_left_nonzero"]}
+    print(f"stress: {len(out)} moe_w2 variants x {runs} runs; not identical / counters left: {bad or 'none'}",
+          flush=True)
+    return out
+
+
+SMALL_KERNELS = ["small_w13_p0", "small_w2_p0", "small_w13_p1", "small_w2_p1"]
+
+
+def child() -> int:
+    """The sanitized child: each small stream variant on a "hot" routing at batch 3 (groups of
+    3 tokens through 2 slots), checked against the reference (act, then c), a marker per kernel."""
+    import dataclasses
+
+    import torch
+
+    from block_explore import _meta_of, _rel
+    from kernels import reference as R
+    from kernels.config import get_config
+    from validation.race.dynamic import marker
+
+    s = SMALL
+    cfg = dataclasses.replace(get_config("mini"), name="mini_i512", expert_inter=s["expert_inter"])
+    ents = _entries()
+    w = R.make_weights(cfg, "cuda", seed=3)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    ids, z, wts = _inputs(s, "hot", g)
+    kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
+    want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
+    for p in (0, 1):
+        x = _Experts(ents[f"small_w13_p{p}"], ents[f"small_w2_p{p}"])
+        m = _meta_of(ids, cfg.n_experts, x.up.groups)
+        act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        x.w13(z, w.w13, m, act)
+        torch.cuda.synchronize()
+        a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
+        print(marker(f"small_w13_p{p}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
+                     rel_err=f"{a_err:.2e}"), flush=True)
+        c = torch.full((s["batch"], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+        x.w2(act, w.w2, wts, m, c)
+        torch.cuda.synchronize()
+        c_err = _rel(c, want)
+        ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
+        print(marker(f"small_w2_p{p}", ok, rel_err=f"{c_err:.2e}"), flush=True)
+    return 0
+
+
+def sanitize(res: dict, out_dir: Path) -> None:
+    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+
+    san = find_sanitizer()
+    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
+                        .stdout.strip().splitlines()[-1:] if san else None}
+    res["sanitizers"] = {}
+    cmd = [sys.executable, "scripts/experts_batch_explore.py", "child"]
+    for tool in TOOLS:
+        r = run_tool(tool, cmd, SMALL_KERNELS, timeout_s=60, log_path=out_dir / "sanitizers.log", sanitizer=san)
+        res["sanitizers"][tool] = r.to_dict()
+        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+
+
+def gpu(out_dir: Path, skip_sanitizers: bool, batches) -> int:
+    from benchmarks.common import gpu_environment, read_bandwidth
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
+           "command": "PYTHONPATH=. python3 scripts/experts_batch_explore.py gpu --out $OUT/...",
+           "variants": plan_doc["entries"]}
+    path = out_dir / "experts_bx.json"
+    t0 = time.time()
+    res["ceiling_read"] = read_bandwidth(reps=10)
+    read_tbps = res["ceiling_read"]["tbps"]
+    print(f"read-only {read_tbps:.3f} TB/s ({time.time() - t0:.0f} s)", flush=True)
+    try:
+        k3_sweep(res, path, read_tbps, batches)
+    except Exception:  # keep what was measured
+        import traceback
+
+        res["error"] = traceback.format_exc()[-3000:]
+        print(res["error"], flush=True)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"k3 done ({time.time() - t0:.0f} s)", flush=True)
+    if not skip_sanitizers:
+        sanitize(res, out_dir)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"done ({time.time() - t0:.0f} s) -> {path}")
+    return 0 if "error" not in res else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    g = sub.add_parser("gpu")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--skip-sanitizers", action="store_true")
+    g.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    sub.add_parser("child")
+    a = ap.parse_args(argv)
+    if a.cmd == "plan":
+        return plan(a.jobs, a.batches)
+    if a.cmd == "child":
+        return child()
+    return gpu(a.out, a.skip_sanitizers, a.batches)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
