@@ -54,7 +54,10 @@ STREAM_EXPERTS = {
     "moe_w2": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1},
 }
 STREAM_EXPERTS_MAX_BATCH = 16
-STREAM_SLOTS = 2  # activation rows per CTA past batch 1 (at batch 8 almost every group has 1 token, a few 2-3)
+# One activation row per CTA past batch 1 (at batch 8 almost every group has 1 token, a few 2-3:
+# those take a second short round trip). H200, per op at batch 8: 1 slot moe_w13 99.8% / moe_w2
+# 95.5% of read, 2 slots 93.4% / 83.9%, 4 slots 67.8% / 58.4% (fewer CTAs per SM by shared memory).
+STREAM_SLOTS = 1
 
 
 # The router's stream design is its default up to batch 2 (faster alone: 24.3 us against the

@@ -85,7 +85,7 @@ STREAM_LIMIT = 16  # the stream path's largest batch: its token loop is planned 
 # to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
                     "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
-                    "stream_max_batch": 1, "stream_slots": 2}
+                    "stream_max_batch": 16, "stream_slots": 1}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
