@@ -76,12 +76,39 @@ def test_stream_plans_at_batch_1():
 
 
 @pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
-def test_stream_only_at_batch_1_and_pdl_only_where_the_kernel_waits(cls):
+def test_stream_up_to_stream_max_batch_and_pdl_only_where_the_kernel_waits(cls):
     assert cls(K3, pdl=1).launch_config().pdl
     assert not cls(K3, stream=0, pdl=1).launch_config().pdl  # the persistent paths never wait
     b2 = cls({**K3, "batch": 2}, pdl=1, pipeline=1, row_tiles=4, warps_per_cta=4)
     assert not b2.streamed and b2.pipelined and not b2.launch_config().pdl
     assert not cls(K3, pipeline=1, row_tiles=4, warps_per_cta=4).streamed  # an explicit pipeline wins
+    assert cls({**K3, "batch": 8}).streamed and not cls({**K3, "batch": 8}, stream_max_batch=4).streamed
+    assert not cls({**K3, "batch": 32}).streamed  # past 16 tokens: the persistent path
+
+
+def test_stream_plans_past_batch_1_keep_the_cta_and_add_activation_slots():
+    """Batch 8: the same CTAs as batch 1 (rows, threads), one per (possible group, block), and
+    `stream_slots` activation rows (at most the batch) in shared memory beside the weights."""
+    b8 = {**K3, "batch": 8}
+    groups = 8 * 16  # every (token, expert) pair its own group at most: the grid's bound
+    up, down = MX.ExpertsUpOp(b8), MX.ExpertsDownOp(b8)
+    assert up.x_slots == down.x_slots == 1
+    assert (up.stream_plan.rows, up.threads, up.ctas) == (4, 128, groups * 1536)
+    assert (down.stream_plan.rows, down.threads, down.ctas) == (4, 128, groups * 896)
+    two = MX.ExpertsUpOp(b8, stream_slots=2)
+    assert two.smem_bytes - up.smem_bytes == 3584 * 2 + 4 * 4  # one more z row, one more partial per warp
+    assert MX.ExpertsDownOp({**K3, "batch": 2}, stream_slots=4).x_slots == 2  # never more slots than tokens
+    assert up.smem_bytes <= 228 * 1024 // 6  # six CTAs per SM by shared memory
+
+
+def test_the_token_chunks_cover_each_group_once():
+    """The kernel's chunk loop: chunk 0 with the weights, then c0 = S, 2S, ... < cnt; slot s of a
+    chunk holds position min(c0 + s, cnt - 1) and is stored only when c0 + s < cnt."""
+    for S in (1, 2, 4):
+        for cnt in range(1, 17):
+            stored = [c0 + s for c0 in range(0, cnt, S) for s in range(S) if c0 + s < cnt]
+            assert stored == list(range(cnt))
+            assert all(min(c0 + s, cnt - 1) < cnt for c0 in range(0, cnt, S) for s in range(S))
 
 
 def test_plans_add_a_one_tile_path_past_batch_16():
@@ -133,6 +160,8 @@ def test_pipelined_chunks_cover_every_item_once_in_order(n_items, grid):
     (MX.ExpertsUpOp, K3, {"stream_threads": 32}, "at least 64 threads"),
     (MX.ExpertsDownOp, K3, {"pdl": 2}, "pdl must be 0 or 1"),
     (MX.ExpertsDownOp, {**K3, "expert_inter": 384}, {}, "stream=0 takes"),  # 48 vectors: no whole warps
+    (MX.ExpertsUpOp, {**K3, "batch": 8}, {"stream_max_batch": 32}, "outside 1..16"),
+    (MX.ExpertsDownOp, {**K3, "batch": 8}, {"stream_slots": 0}, "at least 1"),
 ])
 def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -154,15 +183,20 @@ def test_k3_build_ptx(tmp_path, cls, batch):
 
 
 def _sass_ops(art):
+    """The SASS instructions in order, each without its guard predicate (`@!P0 LDGSTS ...` ->
+    `LDGSTS ...`: the token loop's copies are predicated on the copying row)."""
     text = Path(art.paths["sass"]).read_text()
-    return [l.split("*/", 1)[1].split(";")[0].strip() for l in text.splitlines()
-            if l.strip().startswith("/*") and "*/" in l and ";" in l]
+    ops = [l.split("*/", 1)[1].split(";")[0].strip() for l in text.splitlines()
+           if l.strip().startswith("/*") and "*/" in l and ";" in l]
+    return [o.split(None, 1)[1] if o.startswith("@") else o for o in ops]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("kernel, w_copies", [("moe_w13", 14), ("moe_w2", 12)])
-def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_first_use(tmp_path, kernel, w_copies):
-    """Through the real build with pdl, batch 1 on k3: griddepcontrol.wait (ACQBULK) precedes
+def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_first_use(tmp_path, kernel, w_copies,
+                                                                                       batch):
+    """Through the real build with pdl, batch 1 and 8 on k3: griddepcontrol.wait (ACQBULK) precedes
     every global load (the routing, z and act are earlier kernels' outputs); every 16-byte copy
     of W (L2 only) and of the activation row is issued before the one wait (DEPBAR) and the first
     shared load; 64-bit expert offsets; the static audit is clean."""
@@ -171,7 +205,7 @@ def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_fir
     from kernels.manifest import load_manifest
     from validation.race.artifacts import audit_artifact
 
-    art = build_variant(kernel, K3, {"pdl": 1}, root=tmp_path)
+    art = build_variant(kernel, {**K3, "batch": batch}, {"pdl": 1}, root=tmp_path)
     ops = _sass_ops(art)
     acq = [i for i, o in enumerate(ops) if o.startswith("ACQBULK")]
     loads = [i for i, o in enumerate(ops) if o.split()[0].startswith(("LDG", "LDGSTS"))]
@@ -180,8 +214,12 @@ def test_stream_sass_waits_for_the_routing_then_issues_every_copy_before_the_fir
     wait = min(i for i, o in enumerate(ops) if o.startswith("DEPBAR"))
     first_use = min(i for i, o in enumerate(ops) if o.split()[0].startswith(("LDS", "FFMA")) and "RZ, [RZ]" not in o)
     assert len(acq) == 1 and acq[0] < min(loads)
-    assert len(w) == w_copies and len(copies) == 2 * w_copies, [ops[i] for i in copies]
-    assert max(copies) < wait < first_use
+    before = [i for i in copies if i < wait]
+    after = [i for i in copies if i > wait]
+    # every W copy and the first chunk's activation row before the first wait and first use;
+    # past batch 1 the token loop's activation copies (one slot: one row) come after it
+    assert len(w) == w_copies and len(before) == 2 * w_copies and max(w) < wait < first_use
+    assert len(after) == (0 if batch == 1 else w_copies) and not set(after) & set(w)
     assert "mul.wide.s32" in Path(art.paths["ptx"]).read_text()
     assert audit_artifact(art, load_manifest().kernel(kernel)).clean
 

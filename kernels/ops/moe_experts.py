@@ -23,17 +23,23 @@ semantics after a CTA barrier; the CTA that completes the row block's n_groups-t
 counter (release) and sums, for every token, w_k * o[t * top_k + k] over k in order 0..top_k-1
 (fixed order: bitwise deterministic), rounding c to bf16 once. The host zeroes the counters once.
 
-Batch 1, tunable `stream` (the design of kernels/ops/stream.py, read its docstring): no
-persistent loop and no tensor cores. At batch 1 every group is one token and a weight byte feeds
-one FMA, so all that matters is how many bytes are in flight. The grid has one short CTA per
-(group, block of whole weight rows): it reads the group's expert id (after
+Up to `stream_max_batch` tokens (default 16), tunable `stream` (the design of
+kernels/ops/stream.py, read its docstring): no persistent loop and no tensor cores. At batch 1
+every group is one token and a weight byte feeds one FMA; at batch 8 almost every group still has
+one token (a few 2-3), so all that matters is how many bytes are in flight. The grid has one short
+CTA per (possible group, block of whole weight rows): it reads the group's expert id (after
 `griddepcontrol.wait` with `pdl`: the routing is the router's output), issues every 16-byte
-`cp.async` of its rows (`.cg`) and of the one activation row (`.ca`) into shared memory, waits
-once, and runs fp32 FMAs with a warp-shuffle and warp-order reduction (bitwise deterministic).
+`cp.async` of its rows (`.cg`) and of the group's first `stream_slots` activation rows (`.ca`)
+into shared memory, waits once, and runs fp32 FMAs with a warp-shuffle and warp-order reduction
+(bitwise deterministic). A group with more tokens than slots then loops: barrier, copy the next
+chunk's rows into the same slots, wait, FMAs against the weights still in shared memory (read
+from DRAM once per group). Slots past the group's tokens repeat its last row and are not stored.
+One slot measured fastest at batches 2-16 (more slots: more shared memory, fewer CTAs per SM).
   moe_w13: a CTA owns R gate rows and the R matching up rows (R = stream rows / 2) and writes
-  R columns of act after SiTU.
-  moe_w2: a CTA owns a block of W2_e's rows and writes them to o[slot] in fp32, then arrives on
-  the row block's counter exactly as the per-item path (one arrival per group, acq_rel); the
+  R columns of act after SiTU for each of the group's tokens.
+  moe_w2: a CTA owns a block of W2_e's rows and writes them to o[slot] in fp32 for each of the
+  group's tokens, then, after a barrier that follows every chunk's writes, arrives on the row
+  block's counter exactly as the per-item path (one arrival per group, acq_rel); the
   CTA that completes the row block combines it in slot order 0..top_k-1.
 Why moe_w2 keeps the counters rather than a CTA that streams one output row of all 16 experts
 (16 x 6 KB): that CTA needs the 16 activation rows beside them (another 96 KB), 192 KB of shared
