@@ -107,30 +107,41 @@ def _load_steps(plan: MmaPlan, w_tiles, gX, x_rows, warp, g, q, first, count):
 def _mma_steps(plan: MmaPlan, mma, acc, frags):
     """The 2 x batch_tiles x row_tiles mmas of each loaded step (k permuted identically in A and B)."""
     wv, xv = frags
-    bf16 = cutlass.BFloat16
     u32 = cutlass.Uint32
     for u in range(len(wv)):
-        w32 = [cute.recast_tensor(t, u32) for t in wv[u]]
-        for mb in range(plan.batch_tiles):
-            lo = xv[u][2 * mb]
-            hi = xv[u][2 * mb + 1]
-            if lo is None:
-                continue  # a wholly padding batch tile: its D rows are never stored
-            lo32 = cute.recast_tensor(lo, u32)
-            hi32 = None if hi is None else cute.recast_tensor(hi, u32)
-            for half in range(2):
-                a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
-                a32 = cute.recast_tensor(a, u32)
-                a32[0] = lo32[2 * half]
-                a32[2] = lo32[2 * half + 1]
-                a32[1] = u32(0) if hi32 is None else hi32[2 * half]
-                a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
-                for nt in range(plan.row_tiles):
-                    b = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
-                    b32 = cute.recast_tensor(b, u32)
-                    b32[0] = w32[nt][2 * half]
-                    b32[1] = w32[nt][2 * half + 1]
-                    cute.gemm(mma, acc[mb][nt], a, b, acc[mb][nt])
+        mma_step(mma, acc, [None if t is None else cute.recast_tensor(t, u32) for t in xv[u]],
+                 [cute.recast_tensor(t, u32) for t in wv[u]])
+
+
+def mma_step(mma, acc, x32, w32):
+    """The mmas of one 32-wide k step, from this lane's 16-byte vectors seen as 4 x u32.
+
+    `x32[2 mb]` / `x32[2 mb + 1]`: activation rows g and g + 8 of batch tile mb (None: padding
+    rows, zero registers; a tile whose first half is None is skipped, its D rows are never
+    stored); `w32[nt]`: row g of weight tile nt; `acc[mb][nt]` accumulates. The two halves of
+    each vector feed two mmas (k slots {2q, 2q+1, 2q+8, 2q+9} hold k = 8q + 0..3, then 8q + 4..7,
+    in A and B alike: see kernels/ops/gemv.py's module docstring)."""
+    bf16 = cutlass.BFloat16
+    u32 = cutlass.Uint32
+    for mb in range(len(x32) // 2):
+        lo32, hi32 = x32[2 * mb], x32[2 * mb + 1]
+        if lo32 is None:
+            continue
+        for half in range(2):
+            # A regs: (row g, k slots 2q,2q+1), (row g+8, same), (row g, 2q+8,2q+9), (row g+8, same)
+            a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
+            a32 = cute.recast_tensor(a, u32)
+            a32[0] = lo32[2 * half]
+            a32[2] = lo32[2 * half + 1]
+            a32[1] = u32(0) if hi32 is None else hi32[2 * half]
+            a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
+            for nt in range(len(w32)):
+                # B regs: (k slots 2q,2q+1, col g), (2q+8, 2q+9, col g)
+                b = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
+                b32 = cute.recast_tensor(b, u32)
+                b32[0] = w32[nt][2 * half]
+                b32[1] = w32[nt][2 * half + 1]
+                cute.gemm(mma, acc[mb][nt], a, b, acc[mb][nt])
 
 
 def largest_unroll(steps: int, cap: int) -> int:

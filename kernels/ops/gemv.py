@@ -78,6 +78,7 @@ from kernels.ops.common import (
     cutlass,
     weight_load_atom,
 )
+from kernels.ops.decode_mma import mma_step
 from kernels.ops.stream import StreamPlan
 
 K_STEP = 32  # k covered by one pair of m16n8k16 mmas (two halves of a 16-byte vector per lane)
@@ -598,29 +599,10 @@ class GemvOp(OpBase):
     def _mma_steps(self, mma, acc, frags):
         """Trace-time helper: the 2*MB*NT mmas of each loaded k step (see the module docstring)."""
         wv, xv = frags
-        bf16 = cutlass.BFloat16
         u32 = cutlass.Uint32
         for u in range(len(wv)):
-            w32 = [cute.recast_tensor(t, u32) for t in wv[u]]
-            for mb in range(self.batch_tiles):
-                lo32 = cute.recast_tensor(xv[u][2 * mb], u32)
-                hi = xv[u][2 * mb + 1]
-                hi32 = None if hi is None else cute.recast_tensor(hi, u32)
-                for half in range(2):
-                    # A regs: (row g, k slots 2q,2q+1), (row g+8, same), (row g, 2q+8,2q+9), (row g+8, same)
-                    a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
-                    a32 = cute.recast_tensor(a, u32)
-                    a32[0] = lo32[2 * half]
-                    a32[2] = lo32[2 * half + 1]
-                    a32[1] = u32(0) if hi32 is None else hi32[2 * half]
-                    a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
-                    for nt in range(self.row_tiles):
-                        # B regs: (k slots 2q,2q+1, col g), (2q+8, 2q+9, col g)
-                        bfrag = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
-                        b32 = cute.recast_tensor(bfrag, u32)
-                        b32[0] = w32[nt][2 * half]
-                        b32[1] = w32[nt][2 * half + 1]
-                        cute.gemm(mma, acc[mb][nt], a, bfrag, acc[mb][nt])
+            mma_step(mma, acc, [None if t is None else cute.recast_tensor(t, u32) for t in xv[u]],
+                     [cute.recast_tensor(t, u32) for t in wv[u]])
 
     # -- tiled design (batch >= tiled_from_batch) --------------------------------------------
     @cute.jit
@@ -827,21 +809,7 @@ class GemvOp(OpBase):
                     cute.copy(c.v_atom, c.vRing[(None, (slot * self.batch * skp + row * skp) // BF16_PER_VECTOR
                                                  + u * (K_STEP // BF16_PER_VECTOR) + c.q)], t)
                     xs.append(cute.recast_tensor(t, u32))
-            for mb in range(self.batch_tiles):
-                lo32, hi32 = xs[2 * mb], xs[2 * mb + 1]
-                for half in range(2):
-                    a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
-                    a32 = cute.recast_tensor(a, u32)
-                    a32[0] = lo32[2 * half]
-                    a32[2] = lo32[2 * half + 1]
-                    a32[1] = u32(0) if hi32 is None else hi32[2 * half]
-                    a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
-                    for nt in range(NT):
-                        bfrag = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
-                        b32 = cute.recast_tensor(bfrag, u32)
-                        b32[0] = w32[nt][2 * half]
-                        b32[1] = w32[nt][2 * half + 1]
-                        cute.gemm(c.mma, c.acc[mb][nt], a, bfrag, c.acc[mb][nt])
+            mma_step(c.mma, c.acc, xs, w32)
 
     # -- staged design (batch >= staged_from_batch) ------------------------------------------
     @cute.jit
@@ -992,21 +960,7 @@ class GemvOp(OpBase):
                     t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
                     cute.copy(c.v_atom, c.vX[(None, x_slot + row * cpr + (ch ^ ((row % 2) * 4)))], t)
                     xs.append(cute.recast_tensor(t, u32))
-            for mb in range(self.warp_batch_tiles):
-                lo32, hi32 = xs[2 * mb], xs[2 * mb + 1]
-                for half in range(2):
-                    a = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, 1)), bf16)
-                    a32 = cute.recast_tensor(a, u32)
-                    a32[0] = lo32[2 * half]
-                    a32[2] = lo32[2 * half + 1]
-                    a32[1] = u32(0) if hi32 is None else hi32[2 * half]
-                    a32[3] = u32(0) if hi32 is None else hi32[2 * half + 1]
-                    for nt in range(NT):
-                        bfrag = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), bf16)
-                        b32 = cute.recast_tensor(bfrag, u32)
-                        b32[0] = w32[nt][2 * half]
-                        b32[1] = w32[nt][2 * half + 1]
-                        cute.gemm(c.mma, c.acc[mb][nt], a, bfrag, c.acc[mb][nt])
+            mma_step(c.mma, c.acc, xs, w32)
 
     def _tiled_out(self, mY, mP, split, b, r, v):
         """One accumulator value: straight to y without a split, else to this split's partials."""
