@@ -61,8 +61,10 @@ STREAM_SLOTS = 1
 
 
 # The router's stream design is its default up to batch 2 (faster alone: 24.3 us against the
-# mma design's 34.2 at batch 2), but in the block at batch 2 the step took 1000 us against 634
-# with the mma router (evidence_reports/moe_block/round3/), so the block keeps the mma router there.
+# mma design's 34.2 at batch 2), but in the block at batch 2 the step took 1000 us against 644
+# with the mma router (evidence_reports/moe_block/round3/final/, when batch 2's experts were still
+# the persistent pipelined kernels; not re-measured since they moved to the stream path), so the
+# block keeps the mma router there.
 ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}}
 
 
