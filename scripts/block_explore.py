@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -76,47 +75,20 @@ def _variants() -> list[tuple[str, str, dict, dict]]:
 
 
 def plan(jobs: int, mini_only: bool = False) -> int:
-    import concurrent.futures
+    from explore_common import build_and_carry
 
-    from kernels.build import build_variant
-    from kernels.manifest import load_manifest
-    from validation.race.artifacts import audit_artifact
-
-    man = load_manifest()
     variants = [v for v in _variants() if v[0].startswith("mini_") or not mini_only]
-    if CARRY.exists():
-        shutil.rmtree(CARRY)
-    CARRY.mkdir(parents=True)
-    # each build compiles in its own child process: threads only wait on them
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        arts = list(pool.map(lambda v: build_variant(v[1], v[2], v[3], root=BUILD), variants))
-    entries = []
-    for (ident, kernel, shape, tun), art in zip(variants, arts):
-        rep = audit_artifact(art, man.kernel(kernel), kernel=ident)
-        d = CARRY / ident
-        d.mkdir()
-        for f in ("kernel.cubin", "meta.json"):
-            shutil.copy2(Path(art.dir) / f, d / f)
-        r = art.meta["resources"]
-        entries.append({"id": ident, "kernel": kernel, "shape": shape, "tunables": art.tunables,
-                        "cubin_sha256": art.cubin_sha256, "registers": r["registers"],
-                        "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
-                        "grid": art.meta["launch"]["grid"],
-                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
-        print(f"{ident:36s} regs {r['registers']:3d} grid {art.meta['launch']['grid'][0]:4d} "
-              f"audit {'clean' if rep.clean else sorted(rep.rules_hit())}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    (CARRY / "plan.json").write_text(json.dumps({"commit": commit, "entries": entries}, indent=1))
-    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
-    print(f"{len(entries)} variants -> {CARRY.relative_to(ROOT)}; static audit not clean: {bad or 'none'}")
-    return 1 if bad else 0
+    return build_and_carry(variants, build_root=BUILD, carry=CARRY, jobs=jobs,
+                           command="python scripts/block_explore.py plan" + (" --mini-only" if mini_only else ""))
 
 
 # -- GPU helpers -----------------------------------------------------------------------------------
 
 
 def _entries() -> dict:
-    return {e["id"]: e for e in json.loads((CARRY / "plan.json").read_text())["entries"]}
+    from explore_common import entries
+
+    return entries(CARRY)
 
 
 def _op(e):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -80,49 +79,19 @@ def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
 
 
 def plan(jobs: int, batches) -> int:
-    import concurrent.futures
+    from explore_common import build_and_carry
 
-    from kernels.build import build_variant
-    from kernels.manifest import load_manifest
-    from validation.race.artifacts import audit_artifact
-
-    man = load_manifest()
-    vs = variants(batches)
-    if CARRY.exists():
-        shutil.rmtree(CARRY)
-    CARRY.mkdir(parents=True)
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
-        arts = list(pool.map(lambda v: build_variant(v[1], v[2], v[3], root=BUILD), vs))
-    entries = []
-    for (ident, kernel, shape, tun), art in zip(vs, arts):
-        rep = audit_artifact(art, man.kernel(kernel), kernel=ident)
-        d = CARRY / ident
-        d.mkdir()
-        for f in ("kernel.cubin", "meta.json"):
-            shutil.copy2(Path(art.dir) / f, d / f)
-        r = art.meta["resources"]
-        entries.append({"id": ident, "kernel": kernel, "shape": shape, "tunables": art.tunables,
-                        "cubin_sha256": art.cubin_sha256, "registers": r["registers"],
-                        "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
-                        "launch": art.meta["launch"],
-                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
-        print(f"{ident:18s} regs {r['registers']:3d} grid {art.meta['launch']['grid'][0]:6d} "
-              f"smem {art.meta['launch']['smem_bytes']:6d} audit {'clean' if rep.clean else sorted(rep.rules_hit())}",
-              flush=True)
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    doc = {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "kernels", "scripts")),
-           "command": "python scripts/experts_batch_explore.py plan", "batches": list(batches), "entries": entries}
-    (CARRY / "plan.json").write_text(json.dumps(doc, indent=1))
-    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
-    print(f"{len(entries)} variants -> {CARRY.relative_to(ROOT)}; static audit not clean: {bad or 'none'}")
-    return 1 if bad else 0
+    return build_and_carry(variants(batches), build_root=BUILD, carry=CARRY, jobs=jobs,
+                           command="python scripts/experts_batch_explore.py plan", extra={"batches": list(batches)})
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
 
 
 def _entries() -> dict:
-    return {e["id"]: e for e in json.loads((CARRY / "plan.json").read_text())["entries"]}
+    from explore_common import entries
+
+    return entries(CARRY)
 
 
 def _op(e):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -71,49 +70,19 @@ MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
 
 
 def plan(jobs: int) -> int:
-    import concurrent.futures
+    from explore_common import build_and_carry
 
-    from kernels.build import build_variant
-    from kernels.manifest import load_manifest
-    from validation.race.artifacts import audit_artifact
-
-    spec = load_manifest().kernel("router")
-    variants = _variants()
-    if CARRY.exists():
-        shutil.rmtree(CARRY)
-    CARRY.mkdir(parents=True)
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
-        arts = list(pool.map(lambda v: build_variant("router", v[1], v[2], root=BUILD), variants))
-    entries = []
-    for (ident, shape, _), art in zip(variants, arts):
-        rep = audit_artifact(art, spec, kernel=ident)
-        d = CARRY / ident
-        d.mkdir()
-        for f in ("kernel.cubin", "meta.json"):
-            shutil.copy2(Path(art.dir) / f, d / f)
-        r = art.meta["resources"]
-        entries.append({"id": ident, "shape": shape, "tunables": art.tunables, "cubin_sha256": art.cubin_sha256,
-                        "registers": r["registers"], "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
-                        "launch": art.meta["launch"],
-                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
-        print(f"{ident:22s} regs {r['registers']:3d} grid {art.meta['launch']['grid'][0]:5d} "
-              f"block {art.meta['launch']['block'][0]:3d} smem {art.meta['launch']['smem_bytes']:6d} "
-              f"audit {'clean' if rep.clean else sorted(rep.rules_hit())}", flush=True)
-    git = ["git", "-C", str(ROOT)]
-    commit = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(git + ["status", "--porcelain", "--", "kernels", "scripts"],
-                                capture_output=True, text=True).stdout.strip())
-    (CARRY / "plan.json").write_text(json.dumps({"commit": commit, "dirty": dirty, "entries": entries}, indent=1))
-    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
-    print(f"{len(entries)} variants -> {CARRY.relative_to(ROOT)}; static audit not clean: {bad or 'none'}")
-    return 1 if bad else 0
+    return build_and_carry([(ident, "router", shape, tun) for ident, shape, tun in _variants()],
+                           build_root=BUILD, carry=CARRY, jobs=jobs, command="python scripts/router_explore.py plan")
 
 
 # -- GPU helpers -----------------------------------------------------------------------------------
 
 
 def _entries() -> dict:
-    return {e["id"]: e for e in json.loads((CARRY / "plan.json").read_text())["entries"]}
+    from explore_common import entries
+
+    return entries(CARRY)
 
 
 def _load(e):

@@ -1,0 +1,76 @@
+"""What the exploration scripts (block_explore, router_explore, experts_b1_explore,
+experts_batch_explore) share: build a list of kernel variants on the CPU host, audit each
+statically against its manifest roles, and copy the few files a GPU call needs into a small
+carry folder with a plan.json; on the GPU host, read that plan back.
+
+Each variant is (ident, kernel, shape, tunables). The carry folder holds <ident>/kernel.cubin and
+<ident>/meta.json per variant (what kernels.launch.CubinKernel.from_dir loads) and plan.json:
+the commit, whether kernels/ or scripts/ had uncommitted changes, the command, and per variant
+its cubin sha256, registers, spills, launch configuration and static-audit verdict.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+
+def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jobs: int = 2,
+                    extra: dict | None = None) -> int:
+    """Build every (ident, kernel, shape, tunables) under `build_root`, audit it (PTX and SASS,
+    manifest roles), replace `carry` with each variant's cubin and meta.json plus plan.json (with
+    `extra`'s fields), and print one line per variant. Returns 1 when any static audit is not
+    clean, else 0."""
+    from kernels.build import build_variant
+    from kernels.manifest import load_manifest
+    from validation.race.artifacts import audit_artifact
+
+    man = load_manifest()
+    if carry.exists():
+        shutil.rmtree(carry)
+    carry.mkdir(parents=True)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
+        arts = list(pool.map(lambda v: build_variant(v[1], v[2], v[3], root=build_root), variants))
+    entries = []
+    for (ident, kernel, shape, _), art in zip(variants, arts):
+        rep = audit_artifact(art, man.kernel(kernel), kernel=ident)
+        d = carry / ident
+        d.mkdir()
+        for f in ("kernel.cubin", "meta.json"):
+            shutil.copy2(Path(art.dir) / f, d / f)
+        r = art.meta["resources"]
+        launch = art.meta["launch"]
+        entries.append({"id": ident, "kernel": kernel, "shape": shape, "tunables": art.tunables,
+                        "cubin_sha256": art.cubin_sha256, "registers": r["registers"],
+                        "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"],
+                        "launch": launch, "grid": launch["grid"],
+                        "static_audit": {"clean": rep.clean, "rules": sorted(rep.rules_hit())}})
+        print(f"{ident:30s} regs {r['registers']:3d} grid {launch['grid'][0]:6d} block {launch['block'][0]:4d} "
+              f"smem {launch['smem_bytes']:6d} audit {'clean' if rep.clean else sorted(rep.rules_hit())}",
+              flush=True)
+    doc = {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts")),
+           "command": command, **(extra or {}), "entries": entries}
+    (carry / "plan.json").write_text(json.dumps(doc, indent=1))
+    bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
+    where = carry.relative_to(ROOT) if carry.is_relative_to(ROOT) else carry
+    print(f"{len(entries)} variants -> {where}; static audit not clean: {bad or 'none'}")
+    return 1 if bad else 0
+
+
+def read_plan(carry: Path) -> dict:
+    """The plan.json `build_and_carry` wrote into `carry`."""
+    return json.loads((carry / "plan.json").read_text())
+
+
+def entries(carry: Path) -> dict:
+    """The carried variants by ident."""
+    return {e["id"]: e for e in read_plan(carry)["entries"]}
