@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -473,21 +472,13 @@ def mini_stress(runs: int = 24) -> dict:
 def sanitize(out_dir: Path) -> int:
     """The four sanitizers over the mini child, then the mini stress; DIR/sanitize.json."""
     from benchmarks.common import gpu_environment
-    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+    from explore_common import read_plan, run_sanitizers
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    plan_doc = read_plan(CARRY)
     res = {"commit": plan_doc["commit"], "env": gpu_environment(), "variants": plan_doc["entries"]}
-    san = find_sanitizer()
-    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
-                        .stdout.strip().splitlines()[-1:] if san else None}
     mini = ["mini_router", "mini_moe_w13_p0", "mini_moe_w2_p0", "mini_moe_w13_p1", "mini_moe_w2_p1"]
-    child_cmd = [sys.executable, "scripts/block_explore.py", "child"]
-    res["sanitizers"] = {}
-    for tool in TOOLS:
-        r = run_tool(tool, child_cmd, mini, timeout_s=45, log_path=out_dir / "sanitizers.log", sanitizer=san)
-        res["sanitizers"][tool] = r.to_dict()
-        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+    run_sanitizers(res, "scripts/block_explore.py", mini, out_dir, timeout_s=45)
     res["stress"] = mini_stress()
     (out_dir / "sanitize.json").write_text(json.dumps(res, indent=1, default=str))
     ok = all(r["clean"] for r in res["sanitizers"].values()) and not any(
@@ -500,10 +491,10 @@ def gpu(out_dir: Path, batches) -> int:
     import torch
 
     from benchmarks.common import gpu_environment, read_bandwidth
-    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+    from explore_common import read_plan, run_sanitizers
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    plan_doc = read_plan(CARRY)
     res = {"commit": plan_doc["commit"], "env": gpu_environment(), "variants": plan_doc["entries"]}
     path = out_dir / "explore.json"
     t0 = time.time()
@@ -518,17 +509,8 @@ def gpu(out_dir: Path, batches) -> int:
         res["error"] = traceback.format_exc()[-3000:]
         print(res["error"], flush=True)
     path.write_text(json.dumps(res, indent=1, default=str))
-    san = find_sanitizer()
-    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
-                        .stdout.strip().splitlines()[-1:] if san else None}
     mini = ["mini_router", "mini_moe_w13_p0", "mini_moe_w2_p0", "mini_moe_w13_p1", "mini_moe_w2_p1"]
-    child_cmd = [sys.executable, "scripts/block_explore.py", "child"]
-    res["sanitizers"] = {}
-    for tool in TOOLS:
-        r = run_tool(tool, child_cmd, mini, timeout_s=45, log_path=out_dir / "sanitizers.log", sanitizer=san)
-        res["sanitizers"][tool] = r.to_dict()
-        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
-        path.write_text(json.dumps(res, indent=1, default=str))
+    run_sanitizers(res, "scripts/block_explore.py", mini, out_dir, timeout_s=45)
     path.write_text(json.dumps(res, indent=1, default=str))
     print(f"done ({time.time() - t0:.0f} s) -> {path}")
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -312,17 +311,9 @@ def child() -> int:
 
 
 def sanitize(res: dict, out_dir: Path) -> None:
-    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+    from explore_common import run_sanitizers
 
-    san = find_sanitizer()
-    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
-                        .stdout.strip().splitlines()[-1:] if san else None}
-    res["sanitizers"] = {}
-    cmd = [sys.executable, "scripts/experts_b1_explore.py", "child"]
-    for tool in TOOLS:
-        r = run_tool(tool, cmd, SMALL_KERNELS, timeout_s=60, log_path=out_dir / "sanitizers.log", sanitizer=san)
-        res["sanitizers"][tool] = r.to_dict()
-        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+    run_sanitizers(res, "scripts/experts_b1_explore.py", SMALL_KERNELS, out_dir)
 
 
 def gpu(out_dir: Path, skip_sanitizers: bool) -> int:

@@ -74,3 +74,23 @@ def read_plan(carry: Path) -> dict:
 def entries(carry: Path) -> dict:
     """The carried variants by ident."""
     return {e["id"]: e for e in read_plan(carry)["entries"]}
+
+
+def run_sanitizers(res: dict, script: str, markers: list[str], out_dir: Path, *, timeout_s: int = 60) -> None:
+    """GPU host: each compute-sanitizer tool (validation.race.dynamic.TOOLS) over `python
+    <script> child`, judged on its explicit clean summary plus every expected run marker;
+    records the sanitizer's path and version in res["sanitizer"] and each tool's verdict in
+    res["sanitizers"], appends the tools' output to out_dir/sanitizers.log."""
+    import sys
+
+    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+
+    san = find_sanitizer()
+    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
+                        .stdout.strip().splitlines()[-1:] if san else None}
+    res["sanitizers"] = {}
+    cmd = [sys.executable, script, "child"]
+    for tool in TOOLS:
+        r = run_tool(tool, cmd, markers, timeout_s=timeout_s, log_path=out_dir / "sanitizers.log", sanitizer=san)
+        res["sanitizers"][tool] = r.to_dict()
+        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -271,17 +270,9 @@ def sanitize(res: dict, out_dir: Path) -> bool:
 
     from kernels import reference as R
     from kernels.config import get_config
-    from validation.race.dynamic import TOOLS, find_sanitizer, run_tool
+    from explore_common import run_sanitizers
 
-    san = find_sanitizer()
-    res["sanitizer"] = {"path": san, "version": subprocess.run([san, "--version"], capture_output=True, text=True)
-                        .stdout.strip().splitlines()[-1:] if san else None}
-    res["sanitizers"] = {}
-    cmd = [sys.executable, "scripts/router_explore.py", "child"]
-    for tool in TOOLS:
-        r = run_tool(tool, cmd, MINI_IDS, timeout_s=60, log_path=out_dir / "sanitizers.log", sanitizer=san)
-        res["sanitizers"][tool] = r.to_dict()
-        print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+    run_sanitizers(res, "scripts/router_explore.py", MINI_IDS, out_dir)
     cfg = get_config("mini")
     w = R.make_weights(cfg, "cuda", seed=4)
     g = torch.Generator(device="cpu").manual_seed(9)

@@ -37,3 +37,40 @@ def test_build_and_carry_writes_what_a_gpu_call_loads(tmp_path):
     explore_common.build_and_carry(variants[:1], build_root=tmp_path / "build", carry=carry, command="again")
     assert set(explore_common.entries(carry)) == {"rms_a"}
     assert json.loads((carry / "plan.json").read_text())["command"] == "again"
+
+
+def test_run_sanitizers_records_every_tool_and_judges_by_summary_and_markers(tmp_path, monkeypatch):
+    """With a stand-in sanitizer that runs the child and prints a clean summary: each tool's
+    verdict lands in res["sanitizers"], clean only when every expected marker ran ok; the log
+    gets every tool's output. Without any sanitizer every tool is recorded as not clean."""
+    from validation.race import dynamic
+    from validation.race.dynamic import marker
+
+    child = tmp_path / "child.py"
+    child.write_text("import sys\nif sys.argv[1:] == ['child']:\n    print(%r)\n    print(%r)\n"
+                     % (marker("k_a", True), marker("k_b", True)))
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Version 2099.1'; exit 0; fi\n"
+                    "for last; do :; done\n"
+                    "for a; do case \"$a\" in *.py) script=$a;; esac; done\n"
+                    "python3 \"$script\" child\n"
+                    "echo '========= ERROR SUMMARY: 0 errors'\n"
+                    "echo '========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(dynamic, "find_sanitizer", lambda: str(fake))
+    res = {}
+    explore_common.run_sanitizers(res, str(child), ["k_a", "k_b"], tmp_path)
+    assert set(res["sanitizers"]) == set(dynamic.TOOLS) and res["sanitizer"]["version"] == ["Version 2099.1"]
+    assert all(r["clean"] for r in res["sanitizers"].values()), res["sanitizers"]
+    missing = {}
+    explore_common.run_sanitizers(missing, str(child), ["k_a", "k_c"], tmp_path)
+    assert not any(r["clean"] for r in missing["sanitizers"].values())
+    import re
+
+    headers = re.findall(r"^===== (\w+):", (tmp_path / "sanitizers.log").read_text(), re.M)
+    assert headers == list(dynamic.TOOLS) * 2
+    monkeypatch.setattr(dynamic, "find_sanitizer", lambda: None)
+    none = {}
+    explore_common.run_sanitizers(none, str(child), ["k_a"], tmp_path)
+    assert none["sanitizer"] == {"path": None, "version": None}
+    assert not any(r["clean"] for r in none["sanitizers"].values())
