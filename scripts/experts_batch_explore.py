@@ -57,7 +57,7 @@ def stream_tunables(slots: int, kib: int = 32) -> dict:
 
 def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
-    choice before), then the stream candidates."""
+    choice before), then the stream candidates; then the small sanitized variants."""
     v = []
     for T in batches:
         shape = {"batch": T, **K3}
@@ -67,10 +67,21 @@ def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
                 if slots <= T:
                     v.append((f"b{T}_{tag}_s{slots}", kern, shape, stream_tunables(slots)))
             v.append((f"b{T}_{tag}_s2_16k", kern, shape, stream_tunables(2, 16)))
-    for pdl in (0, 1):
-        tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": 2, "pdl": pdl}
-        v.append((f"small_w13_p{pdl}", "moe_w13", SMALL, tun))
-        v.append((f"small_w2_p{pdl}", "moe_w2", SMALL, tun))
+    return v + small_variants()
+
+
+# The sanitized variants: batch 3 on a small shape, each stream_slots (1: the block's choice; 2)
+# with and without pdl. A "hot" routing gives groups of 3 tokens, so the token loop runs.
+SMALL_SLOTS = (1, 2)
+
+
+def small_variants() -> list[tuple[str, str, dict, dict]]:
+    v = []
+    for slots in SMALL_SLOTS:
+        for pdl in (0, 1):
+            tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": slots, "pdl": pdl}
+            v.append((f"small_w13_s{slots}_p{pdl}", "moe_w13", SMALL, tun))
+            v.append((f"small_w2_s{slots}_p{pdl}", "moe_w2", SMALL, tun))
     return v
 
 
@@ -274,12 +285,13 @@ def stress(ents, w, cfg, batches, runs: int = 16) -> dict:
     return out
 
 
-SMALL_KERNELS = ["small_w13_p0", "small_w2_p0", "small_w13_p1", "small_w2_p1"]
+SMALL_KERNELS = [ident for ident, *_ in small_variants()]
 
 
 def child() -> int:
     """The sanitized child: each small stream variant on a "hot" routing at batch 3 (groups of
-    3 tokens through 2 slots), checked against the reference (act, then c), a marker per kernel."""
+    3 tokens through 1 or 2 slots), checked against the reference (act, then c), a marker per
+    kernel."""
     import dataclasses
 
     import torch
@@ -297,21 +309,22 @@ def child() -> int:
     ids, z, wts = _inputs(s, "hot", g)
     kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
     want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
-    for p in (0, 1):
-        x = _Experts(ents[f"small_w13_p{p}"], ents[f"small_w2_p{p}"])
+    for slots, p in ((s_, p_) for s_ in SMALL_SLOTS for p_ in (0, 1)):
+        tag = f"s{slots}_p{p}"
+        x = _Experts(ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
         m = _meta_of(ids, cfg.n_experts, x.up.groups)
         act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
         x.w13(z, w.w13, m, act)
         torch.cuda.synchronize()
         a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
-        print(marker(f"small_w13_p{p}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
+        print(marker(f"small_w13_{tag}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
                      rel_err=f"{a_err:.2e}"), flush=True)
         c = torch.full((s["batch"], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
         x.w2(act, w.w2, wts, m, c)
         torch.cuda.synchronize()
         c_err = _rel(c, want)
         ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
-        print(marker(f"small_w2_p{p}", ok, rel_err=f"{c_err:.2e}"), flush=True)
+        print(marker(f"small_w2_{tag}", ok, rel_err=f"{c_err:.2e}"), flush=True)
     return 0
 
 
@@ -319,6 +332,23 @@ def sanitize(res: dict, out_dir: Path) -> None:
     from explore_common import run_sanitizers
 
     run_sanitizers(res, "scripts/experts_batch_explore.py", SMALL_KERNELS, out_dir)
+
+
+def sanitize_only(out_dir: Path) -> int:
+    """GPU host: the four sanitizers over the small variants; DIR/sanitize.json. 0 when every
+    tool is clean (its summary and every marker)."""
+    from benchmarks.common import gpu_environment
+    from explore_common import read_plan
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = read_plan(CARRY)
+    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
+           "variants": [e for e in plan_doc["entries"] if e["id"] in SMALL_KERNELS]}
+    sanitize(res, out_dir)
+    (out_dir / "sanitize.json").write_text(json.dumps(res, indent=1, default=str))
+    clean = all(r["clean"] for r in res["sanitizers"].values())
+    print(f"sanitizers over {len(SMALL_KERNELS)} variants: {'CLEAN' if clean else 'NOT CLEAN'}")
+    return 0 if clean else 1
 
 
 def gpu(out_dir: Path, skip_sanitizers: bool, batches) -> int:
@@ -356,16 +386,21 @@ def main(argv=None) -> int:
     p = sub.add_parser("plan")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--small-only", action="store_true", help="only the sanitized small variants")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitizers", action="store_true")
     g.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     sub.add_parser("child")
+    z = sub.add_parser("sanitize", help="only the four sanitizers over the small variants")
+    z.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs, a.batches)
+        return plan(a.jobs, [] if a.small_only else a.batches)
     if a.cmd == "child":
         return child()
+    if a.cmd == "sanitize":
+        return sanitize_only(a.out)
     return gpu(a.out, a.skip_sanitizers, a.batches)
 
 
