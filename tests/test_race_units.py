@@ -314,3 +314,72 @@ def test_sass_lines_padded_with_whitespace_parse_fast():
     fn = parse_sass(text)[0]
     assert time.perf_counter() - t0 < 0.5
     assert [i.opcode for i in fn.instrs[:2]] == ["STL", "EXIT"] and fn.instrs[0].text == "STL [R1+0x1c], R19"
+
+
+# Waits the latch test alone would miss: the flag decides a conditional exit inside the loop,
+# a branch in a block before the exiting one, or reaches the test through shared memory
+# (cp.async) or a local-memory spill.
+_HIDDEN_SPINS = {
+    "conditional exit": """
+$L_top:
+	ld.global.u32 %r3, [%rd1];
+	setp.ne.s32 %p1, %r3, 0;
+	@%p1 ret;
+	bra $L_top;""",
+    "flag tested before the exiting block": """
+$L_top:
+	ld.global.u32 %r3, [%rd1];
+	setp.ne.s32 %p1, %r3, 0;
+	@%p1 bra $L_mid;
+	bra $L_top;
+$L_mid:
+	setp.lt.u32 %p2, %r1, %r9;
+	@%p2 bra $L_top;
+	bra $L_out;
+$L_out:
+	st.global.u32 [%rd2], %r3;""",
+    "through shared memory": """
+	.shared .align 4 .b8 sm[16];
+	mov.u32 %r7, sm;
+$L_top:
+	cp.async.ca.shared.global [%r7], [%rd1], 4;
+	cp.async.wait_all;
+	ld.shared.u32 %r3, [%r7];
+	setp.eq.s32 %p1, %r3, 0;
+	@%p1 bra $L_top;""",
+    "through a local spill": """
+	.local .align 4 .b8 lc[4];
+	mov.u64 %rd6, lc;
+$L_top:
+	ld.global.u32 %r3, [%rd1];
+	st.local.u32 [%rd6], %r3;
+	ld.local.u32 %r4, [%rd6];
+	setp.eq.s32 %p1, %r4, 0;
+	@%p1 bra $L_top;""",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HIDDEN_SPINS))
+def test_waits_decided_off_the_latch_or_through_cta_memory_are_flagged(case):
+    rep = audit_ptx(_ptx(_HIDDEN_SPINS[case]), ["activation", "activation", "scalar"],
+                    param_names=["flag", "data", "n"])
+    f = [x for x in rep.findings if x.rule == "undeclared-sync"]
+    assert f and {tuple(x.params) for x in f} == {("flag",)}, rep.findings
+
+
+def test_a_data_dependent_if_inside_a_counted_loop_is_not_a_wait():
+    """The arms rejoin before the loop's own counter test: the loaded value decides no exit."""
+    body = """
+	mov.u32 %r5, 0;
+$L_top:
+	mul.wide.u32 %rd7, %r5, 4;
+	add.s64 %rd8, %rd2, %rd7;
+	ld.global.u32 %r3, [%rd8];
+	setp.eq.s32 %p1, %r3, 0;
+	@%p1 bra $L_skip;
+	st.global.u32 [%rd8], %r5;
+$L_skip:
+	add.s32 %r5, %r5, 1;
+	setp.lt.u32 %p2, %r5, %r9;
+	@%p2 bra $L_top;"""
+    assert "undeclared-sync" not in audit_ptx(_ptx(body), ["activation", "activation", "scalar"]).rules_hit()

@@ -149,13 +149,88 @@ def _sync_loops(cfg: CFG, prov: Provenance, roles: Roles) -> set[int]:
     return heads
 
 
+# Pseudo-registers for CTA-local memory: a value staged through shared memory (cp.async, a
+# shared store) or spilled to local memory and read back keeps the tags of what was written.
+# One cell per space, weakly updated: any write taints every later read of that space.
+_SHARED_CELL = "<shared>"
+_LOCAL_CELL = "<local>"
+
+
+def _local_space(ins: ir.Instr) -> tuple[str | None, bool]:
+    """(cell, is_write) when `ins` reads or writes shared or local memory, else (None, False).
+    PTX names the space in the opcode (ld.shared, st.local, ldmatrix, stmatrix); SASS in the
+    opcode's base (LDS, STS, LDSM, STSM, LDL, STL)."""
+    toks = ins.opcode.split(".")
+    base = toks[0]
+    if base in ("LDS", "LDSM"):
+        return _SHARED_CELL, False
+    if base in ("STS", "STSM"):
+        return _SHARED_CELL, True
+    if base == "LDL":
+        return _LOCAL_CELL, False
+    if base == "STL":
+        return _LOCAL_CELL, True
+    spaces = {t.split("::")[0] for t in toks[1:]}
+    if base in ("ld", "ldmatrix", "st", "stmatrix") and spaces & {"shared", "local"}:
+        return (_SHARED_CELL if "shared" in spaces else _LOCAL_CELL), base in ("st", "stmatrix")
+    return None, False
+
+
+def _exit_deciding_blocks(cfg: CFG, lp, order: list[int]) -> list[int]:
+    """The blocks of loop `lp` whose branch decides whether the current iteration leaves the
+    loop: the outcomes its successors allow differ. An outcome is `exit` (an edge out of the
+    loop, or the exit instruction itself) or `continue` (an edge back to the header); a block
+    inside the loop allows the outcomes reachable from it without passing the header. So both
+    the latch test of a spin and a flag tested in a block before the exiting one count, and an
+    if/else whose arms rejoin before the loop's own test does not."""
+    body = lp.body
+    fn = cfg.fn
+    EXIT_, CONT = (True, False), (False, True)
+
+    def edge_outcome(s: int, reach: dict) -> tuple[bool, bool]:
+        if s not in body:
+            return EXIT_
+        if s == lp.header:
+            return CONT
+        return reach.get(s, (False, False))
+
+    reach: dict[int, tuple[bool, bool]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for b in reversed(order):
+            outs = [edge_outcome(s, reach) for s in cfg.blocks[b].succs]
+            if cfg.blocks[b].end > cfg.blocks[b].start and cfg.branch_instr(b).kind == ir.EXIT:
+                outs.append(EXIT_)
+            r = (any(o[0] for o in outs), any(o[1] for o in outs))
+            if reach.get(b) != r:
+                reach[b] = r
+                changed = True
+    out = []
+    for b in order:
+        blk = cfg.blocks[b]
+        if blk.end <= blk.start:
+            continue
+        outs = {edge_outcome(s, reach) for s in blk.succs}
+        if fn.instrs[blk.end - 1].kind == ir.EXIT:
+            outs.add(EXIT_)
+        if len(outs) > 1:
+            out.append(b)
+    return out
+
+
 def _undeclared_spins(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFinding]:
-    """Loops that wait on memory through a buffer not declared `sync`: an exit branch whose
-    predicate depends on a value loaded (or returned by an atomic) inside the same loop from an
-    activation or scratch buffer. Such a loop reads what another thread or CTA writes during
-    the launch, i.e. a handshake; without the `sync` role the ordering rules (acquire before the
-    data, release after it) never run on it. Static buffers cannot change during the launch and
-    `sync` ones are checked by those rules, so neither counts.
+    """Loops that wait on memory through a buffer not declared `sync`: a branch deciding a
+    loop exit whose predicate depends on a value loaded (or returned by an atomic) inside the
+    same loop from an activation or scratch buffer. Such a loop reads what another thread or CTA
+    writes during the launch, i.e. a handshake; without the `sync` role the ordering rules
+    (acquire before the data, release after it) never run on it. Static buffers cannot change
+    during the launch and `sync` ones are checked by those rules, so neither counts.
+
+    A loop exit is any edge out of the loop or a (conditional) exit inside it; the branches that
+    decide it are those of `_exit_deciding_blocks`, so a flag tested in a block before the
+    exiting one counts. Loaded values keep their tags through shared memory (cp.async, shared stores) and
+    local memory (spills).
 
     The dependence is tracked inside each loop only (values from before the loop carry no tag),
     so a loop bound read once before the loop, or per-item metadata that does not decide the
@@ -182,21 +257,27 @@ def _undeclared_spins(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFindi
                     ins = fn.instrs[k]
                     if ins.guard:
                         guard_tags[k] = st.get(ins.guard, frozenset())
+                    cell, cell_write = _local_space(ins)
                     if ins.kind in (ir.LOAD, ir.ATOM):
                         val = frozenset(p for p in _buffer_params(prov, k, roles)
                                         if roles.by_index.get(p, "activation") in ("activation", "scratch"))
+                        if not ins.dests and val:  # a copy into shared memory (cp.async, TMA)
+                            st[_SHARED_CELL] = st.get(_SHARED_CELL, frozenset()) | val
                     else:
                         val = frozenset().union(*(st.get(r, frozenset()) for r in ins.srcs))
+                        if cell and cell_write:
+                            if val:
+                                st[cell] = st.get(cell, frozenset()) | val
+                        elif cell:
+                            val = val | st.get(cell, frozenset())
                     for d in ins.dests:
                         st[d] = val
                 if end.get(b) != st:
                     end[b] = st
                     changed = True
-        for b in order:
-            blk = cfg.blocks[b]
-            if blk.end <= blk.start or not any(sc not in body for sc in blk.succs):
-                continue
-            last = fn.instrs[blk.end - 1]
+        deciding = _exit_deciding_blocks(cfg, lp, order)
+        for b in deciding:
+            last = cfg.branch_instr(b)
             if last.kind not in (ir.BRANCH, ir.EXIT) or not last.guard:
                 continue
             hit = tuple(sorted(guard_tags.get(last.index, frozenset())))
