@@ -231,6 +231,11 @@ def _sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as PEP 503 compares them (case, and runs of - _ . alike)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def dsl_version() -> str:
     """The DSL's version and those of its backend packages, e.g. "4.8.1 (libs-base 4.8.1,
     libs-core 4.8.1, libs-cu12 4.8.1)". Part of every build key: the backend (cu12 or cu13
@@ -241,9 +246,9 @@ def dsl_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise BuildError("nvidia-cutlass-dsl is not installed; the build needs it (pip install -e .)") from None
     prefix = "nvidia-cutlass-dsl-"
-    backends = sorted({(d.metadata["Name"].lower().removeprefix(prefix), d.version)
+    backends = sorted({(name.removeprefix(prefix), d.version)
                        for d in importlib.metadata.distributions()
-                       if (d.metadata["Name"] or "").lower().startswith(prefix)})
+                       if (name := _normalized(d.metadata["Name"] or "")).startswith(prefix)})
     return front + (" (" + ", ".join(f"{n} {v}" for n, v in backends) + ")" if backends else "")
 
 

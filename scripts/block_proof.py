@@ -71,6 +71,9 @@ def plan(args) -> int:
     from kernels.config import get_config
 
     cfg = get_config("k3")
+    root = Path(args.root).resolve()
+    if not root.is_relative_to(REPO):
+        raise ProofError(f"--root {args.root} is outside the repository: the GPU call carries only paths inside it")
     cases, seen = [], set()
     for T in args.batches:
         for name, shape in block_variants(cfg, T):

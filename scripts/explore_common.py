@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+    """git's output, or a RuntimeError naming the command (a plan must not record an empty commit)."""
+    p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"git {' '.join(args)} failed: {p.stderr.strip()}")
+    return p.stdout.strip()
 
 
 def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jobs: int = 2,
@@ -35,15 +39,17 @@ def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jo
     from validation.race.artifacts import audit_artifact
 
     man = load_manifest()
-    if carry.exists():
-        shutil.rmtree(carry)
-    carry.mkdir(parents=True)
+    # Build and audit before touching `carry`: a failed build leaves the previous carry whole.
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
         arts = list(pool.map(lambda v: build_variant(v[1], v[2], v[3], root=build_root), variants))
+    staging = carry.with_name(carry.name + ".new")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
     entries = []
     for (ident, kernel, shape, _), art in zip(variants, arts):
         rep = audit_artifact(art, man.kernel(kernel), kernel=ident)
-        d = carry / ident
+        d = staging / ident
         d.mkdir()
         for f in ("kernel.cubin", "meta.json"):
             shutil.copy2(Path(art.dir) / f, d / f)
@@ -57,9 +63,14 @@ def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jo
         print(f"{ident:30s} regs {r['registers']:3d} grid {launch['grid'][0]:6d} block {launch['block'][0]:4d} "
               f"smem {launch['smem_bytes']:6d} audit {'clean' if rep.clean else sorted(rep.rules_hit())}",
               flush=True)
-    doc = {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts")),
+    # dirty: anything that decides the cubins or the audit verdicts recorded here
+    doc = {"commit": _git("rev-parse", "HEAD"),
+           "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts", "validation", "tests/fixtures")),
            "command": command, **(extra or {}), "entries": entries}
-    (carry / "plan.json").write_text(json.dumps(doc, indent=1))
+    (staging / "plan.json").write_text(json.dumps(doc, indent=1))
+    if carry.exists():
+        shutil.rmtree(carry)
+    staging.rename(carry)
     bad = [e["id"] for e in entries if not e["static_audit"]["clean"]]
     where = carry.relative_to(ROOT) if carry.is_relative_to(ROOT) else carry
     print(f"{len(entries)} variants -> {where}; static audit not clean: {bad or 'none'}")

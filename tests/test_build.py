@@ -362,6 +362,9 @@ def test_dsl_version_names_the_backend_packages(monkeypatch):
 
     cu12, cu13 = with_backend("cu12"), with_backend("cu13")
     assert cu12 == "4.8.1 (libs-cu12 4.8.1)" and cu13 == "4.8.1 (libs-cu13 4.8.1)"
+    # names compare as PEP 503 does: another spelling of the same wheel gives the same key input
+    monkeypatch.setattr(md, "distributions", lambda: [Dist("NVIDIA_Cutlass.DSL-libs_cu12", "4.8.1")])
+    assert build.dsl_version() == cu12
     spec = load_manifest().kernel("rmsnorm")
     shape = spec.shapes[0]
     assert build.content_key(spec, shape, {}, {"a.py": "0" * 64}, cu12) != \

@@ -74,3 +74,22 @@ def test_run_sanitizers_records_every_tool_and_judges_by_summary_and_markers(tmp
     explore_common.run_sanitizers(none, str(child), ["k_a"], tmp_path)
     assert none["sanitizer"] == {"path": None, "version": None}
     assert not any(r["clean"] for r in none["sanitizers"].values())
+
+
+def test_a_failed_build_leaves_the_previous_carry_whole(tmp_path, monkeypatch):
+    """build_and_carry builds before it touches the carry folder: when a build raises, the
+    carry from before (plan.json and the variant folders) is still there, unchanged."""
+    from kernels import build as kbuild
+
+    carry = tmp_path / "carry"
+    (carry / "old").mkdir(parents=True)
+    (carry / "plan.json").write_text('{"entries": [{"id": "old"}]}')
+
+    def broken(*a, **k):
+        raise kbuild.BuildError("compile error at kernels/ops/x.py:1")
+
+    monkeypatch.setattr(kbuild, "build_variant", broken)
+    with pytest.raises(kbuild.BuildError):
+        explore_common.build_and_carry([("v", "rmsnorm", {"batch": 1, "width": 3584}, {})],
+                                       build_root=tmp_path / "b", carry=carry, command="x")
+    assert (carry / "old").is_dir() and explore_common.entries(carry) == {"old": {"id": "old"}}
