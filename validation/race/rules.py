@@ -229,12 +229,15 @@ def _undeclared_spins(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFindi
 
     A loop exit is any edge out of the loop or a (conditional) exit inside it; the branches that
     decide it are those of `_exit_deciding_blocks`, so a flag tested in a block before the
-    exiting one counts. Loaded values keep their tags through shared memory (cp.async, shared stores) and
-    local memory (spills).
+    exiting one counts. Loaded values keep their tags through shared memory (cp.async, shared
+    stores) and local memory (spills).
 
     The dependence is tracked inside each loop only (values from before the loop carry no tag),
     so a loop bound read once before the loop, or per-item metadata that does not decide the
-    exit, is not a spin."""
+    exit, is not a spin. Known over-approximation: a search that stops early on a value it
+    loads from an activation buffer (a scan for the first match) is flagged too, though it waits
+    on nothing; that routes the change to full review, the safe direction, and no repository
+    kernel has such a loop."""
     fn = cfg.fn
     out: list[RawFinding] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
