@@ -1,6 +1,6 @@
 """The static race rules, run over one function (PTX or SASS) with its CFG and provenance.
 
-Each rule has a stable id (used by tests, the gate and suppressions) and a severity. The
+Each rule has a stable id (used by tests, the gate and the reports) and a severity. The
 analyses are small data-flows over the CFG:
 
 * ordering (forward): has this thread (or, through a CTA barrier, some thread of the CTA)
