@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -317,32 +316,10 @@ def sanitize(res: dict, out_dir: Path) -> None:
 
 
 def gpu(out_dir: Path, skip_sanitizers: bool) -> int:
-    from benchmarks.common import gpu_environment, read_bandwidth
+    from explore_common import measure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan_doc = json.loads((CARRY / "plan.json").read_text())
-    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
-           "command": "PYTHONPATH=. python3 scripts/experts_b1_explore.py gpu --out $OUT/...",
-           "variants": plan_doc["entries"]}
-    path = out_dir / "experts_b1.json"
-    t0 = time.time()
-    res["ceiling_read"] = read_bandwidth(reps=10)
-    read_tbps = res["ceiling_read"]["tbps"]
-    print(f"read-only {read_tbps:.3f} TB/s ({time.time() - t0:.0f} s)", flush=True)
-    try:
-        k3_sweep(res, path, read_tbps)
-    except Exception:  # keep what was measured
-        import traceback
-
-        res["error"] = traceback.format_exc()[-3000:]
-        print(res["error"], flush=True)
-    path.write_text(json.dumps(res, indent=1, default=str))
-    print(f"k3 done ({time.time() - t0:.0f} s)", flush=True)
-    if not skip_sanitizers:
-        sanitize(res, out_dir)
-    path.write_text(json.dumps(res, indent=1, default=str))
-    print(f"done ({time.time() - t0:.0f} s) -> {path}")
-    return 0 if "error" not in res else 1
+    return measure("scripts/experts_b1_explore.py", CARRY, out_dir, "experts_b1", k3_sweep,
+                   None if skip_sanitizers else sanitize)
 
 
 def main(argv=None) -> int:

@@ -105,3 +105,36 @@ def run_sanitizers(res: dict, script: str, markers: list[str], out_dir: Path, *,
         r = run_tool(tool, cmd, markers, timeout_s=timeout_s, log_path=out_dir / "sanitizers.log", sanitizer=san)
         res["sanitizers"][tool] = r.to_dict()
         print(f"{tool:10s} clean={r.clean} ({r.reason}) {r.seconds:.1f}s", flush=True)
+
+
+def measure(script: str, carry: Path, out_dir: Path, name: str, sweep, sanitize=None) -> int:
+    """GPU host, the skeleton of a `gpu` step: the plan's facts and the host's, the read-only
+    ceiling, then `sweep(res, path, read_tbps)` (an exception is recorded in res["error"] and
+    what was measured is kept), then `sanitize(res, out_dir)` when given; out_dir/<name>.json is
+    written after each step. Returns 1 when the sweep raised, else 0."""
+    import time
+    import traceback
+
+    from benchmarks.common import gpu_environment, read_bandwidth
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = read_plan(carry)
+    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
+           "command": f"PYTHONPATH=. python3 {script} gpu --out $OUT/...", "variants": plan_doc["entries"]}
+    path = out_dir / f"{name}.json"
+    t0 = time.time()
+    res["ceiling_read"] = read_bandwidth(reps=10)
+    read_tbps = res["ceiling_read"]["tbps"]
+    print(f"read-only {read_tbps:.3f} TB/s ({time.time() - t0:.0f} s)", flush=True)
+    try:
+        sweep(res, path, read_tbps)
+    except Exception:  # noqa: BLE001 - keep what was measured
+        res["error"] = traceback.format_exc()[-3000:]
+        print(res["error"], flush=True)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"k3 done ({time.time() - t0:.0f} s)", flush=True)
+    if sanitize is not None:
+        sanitize(res, out_dir)
+    path.write_text(json.dumps(res, indent=1, default=str))
+    print(f"done ({time.time() - t0:.0f} s) -> {path}")
+    return 0 if "error" not in res else 1

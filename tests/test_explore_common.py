@@ -93,3 +93,27 @@ def test_a_failed_build_leaves_the_previous_carry_whole(tmp_path, monkeypatch):
         explore_common.build_and_carry([("v", "rmsnorm", {"batch": 1, "width": 3584}, {})],
                                        build_root=tmp_path / "b", carry=carry, command="x")
     assert (carry / "old").is_dir() and explore_common.entries(carry) == {"old": {"id": "old"}}
+
+
+def test_measure_keeps_what_was_measured_when_the_sweep_raises(tmp_path, monkeypatch):
+    """The gpu skeleton: plan facts and the ceiling recorded, the sweep's partial results and
+    its traceback kept in the JSON, sanitize still run, exit 1; a clean sweep exits 0."""
+    import benchmarks.common as bc
+
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    (carry / "plan.json").write_text(json.dumps({"commit": "c" * 40, "dirty": False, "entries": [{"id": "v"}]}))
+    monkeypatch.setattr(bc, "gpu_environment", lambda: {"gpu": "test"})
+    monkeypatch.setattr(bc, "read_bandwidth", lambda reps=10: {"tbps": 4.5})
+    ran = []
+
+    def sweep(res, path, read_tbps):
+        res["k3"] = {"v": read_tbps}
+        raise RuntimeError("launch failed")
+
+    rc = explore_common.measure("scripts/x.py", carry, tmp_path / "out", "x", sweep,
+                                lambda res, out: ran.append(out))
+    doc = json.loads((tmp_path / "out" / "x.json").read_text())
+    assert rc == 1 and doc["k3"] == {"v": 4.5} and "launch failed" in doc["error"] and ran
+    assert doc["commit"] == "c" * 40 and doc["variants"] == [{"id": "v"}]
+    assert explore_common.measure("scripts/x.py", carry, tmp_path / "out2", "x", lambda *a: None) == 0
