@@ -37,6 +37,8 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from explore_common import ExpertsPair, routing_inputs  # noqa: E402
+
 BUILD = ROOT / "build" / "experts_x"
 CARRY = ROOT / ".devcarry" / "experts_x"
 K3 = {"batch": 1, "n_experts": 896, "latent": 3584, "expert_inter": 3072, "top_k": 16}
@@ -91,52 +93,6 @@ def _entries() -> dict:
     return entries(CARRY)
 
 
-def _op(e):
-    from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
-
-    return {"moe_w13": ExpertsUpOp, "moe_w2": ExpertsDownOp}[e["kernel"]](e["shape"], **e["tunables"])
-
-
-def _kernel(e):
-    from kernels.launch import CubinKernel
-
-    k = CubinKernel.from_dir(CARRY / e["id"])
-    k.load()
-    return k
-
-
-def _inputs(shape: dict, pattern: str, g, dev="cuda"):
-    """One batch-1 routing of `pattern`: ids, the router's grouping, z, weights."""
-    import torch
-
-    from validation.numerics import routing_ids
-
-    ids = routing_ids(1, shape["n_experts"], shape["top_k"], pattern, g, dev)
-    z = torch.randn(1, shape["latent"], generator=g).to(torch.bfloat16).to(dev)
-    wts = torch.rand(1, shape["top_k"], generator=g).to(dev) + 0.05
-    return ids, z, wts / wts.sum(-1, keepdim=True)
-
-
-class _Experts:
-    """Buffers for one kernel variant pair and the launches."""
-
-    def __init__(self, e13, e2):
-        import torch
-
-        self.up, self.down = _op(e13), _op(e2)
-        self.k13, self.k2 = _kernel(e13), _kernel(e2)
-        s = self.down.tensor_specs()
-        self.o = torch.empty(s["o"].shape, device="cuda")
-        self.counters = torch.zeros(s["counters"].shape, dtype=torch.int32, device="cuda")
-
-    def w13(self, z, w13, m, act):
-        self.k13(z, w13, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], act)
-
-    def w2(self, act, w2, wts, m, c):
-        self.k2(act, w2, wts, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], self.o,
-                self.counters, c)
-
-
 def k3_sweep(res: dict, path: Path, read_tbps: float) -> None:
     import torch
 
@@ -154,7 +110,7 @@ def k3_sweep(res: dict, path: Path, read_tbps: float) -> None:
     g = torch.Generator(device="cpu").manual_seed(101)
     steps = []
     for _ in range(CALLS):
-        ids, z, wts = _inputs(K3, "uniform", g)
+        ids, z, wts = routing_inputs(K3, "uniform", g)
         steps.append({"ids": ids, "z": z, "weights": wts, "m": _meta_of(ids, cfg.n_experts, G)})
     ob = op_bytes(cfg, 1, float(cfg.top_k))
     act = torch.empty(cfg.top_k, cfg.expert_inter, dtype=torch.bfloat16, device="cuda")
@@ -165,7 +121,7 @@ def k3_sweep(res: dict, path: Path, read_tbps: float) -> None:
     # moe_w13: every variant on every step; the base's act per step feeds moe_w2
     acts = None
     for ident in base13:
-        x = _Experts(ents[ident], ents[DEFAULT_W2])
+        x = ExpertsPair(CARRY, ents[ident], ents[DEFAULT_W2])
         outs = []
         for s in steps:
             act.fill_(float("nan"))
@@ -184,7 +140,7 @@ def k3_sweep(res: dict, path: Path, read_tbps: float) -> None:
               f"diff {r['rel_diff_vs_base']:.1e} finite {r['finite']}", flush=True)
     cs_base = None
     for ident in base2:
-        x = _Experts(ents[DEFAULT_W13], ents[ident])
+        x = ExpertsPair(CARRY, ents[DEFAULT_W13], ents[ident])
         outs = []
         for i, s in enumerate(steps):
             c.fill_(float("nan"))
@@ -208,14 +164,14 @@ def k3_sweep(res: dict, path: Path, read_tbps: float) -> None:
     res["numerics"] = {}
     gp = torch.Generator(device="cpu").manual_seed(1001)
     for pat in PATTERNS:
-        ids, z, wts = _inputs(K3, pat, gp)
+        ids, z, wts = routing_inputs(K3, pat, gp)
         m = _meta_of(ids, cfg.n_experts, G)
         oracle = R.routed_experts(z, ids, wts.double(), w.w13, w.w2, compute_dtype=torch.float64, **kw)
         path32 = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
         rows = res["numerics"][pat] = {}
         pairs = [(i, DEFAULT_W2) for i in base13] + [(DEFAULT_W13, i) for i in base2 if i != DEFAULT_W2]
         for a, b in pairs:
-            x = _Experts(ents[a], ents[b])
+            x = ExpertsPair(CARRY, ents[a], ents[b])
             act.fill_(float("nan"))
             c.fill_(float("nan"))
             x.w13(z, w.w13, m, act)
@@ -247,7 +203,7 @@ def stress(ents, w, step, act, runs: int = 16) -> dict:
     out = {}
     c = torch.empty(1, w.w2.shape[1], dtype=torch.bfloat16, device="cuda")
     for ident in [i for i in ents if i.startswith("w2_")]:
-        x = _Experts(ents[DEFAULT_W13], ents[ident])
+        x = ExpertsPair(CARRY, ents[DEFAULT_W13], ents[ident])
         first, mism, nonzero = None, 0, 0
         for r in range(runs):
             c.fill_(float("nan"))
@@ -288,11 +244,11 @@ def child() -> int:
     ents = _entries()
     w = R.make_weights(cfg, "cuda", seed=3)
     g = torch.Generator(device="cpu").manual_seed(5)
-    ids, z, wts = _inputs(s, "hot", g)
+    ids, z, wts = routing_inputs(s, "hot", g)
     kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
     want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
     for p in (0, 1):
-        x = _Experts(ents[f"small_w13_p{p}"], ents[f"small_w2_p{p}"])
+        x = ExpertsPair(CARRY, ents[f"small_w13_p{p}"], ents[f"small_w2_p{p}"])
         m = _meta_of(ids, cfg.n_experts, x.up.groups)
         act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
         x.w13(z, w.w13, m, act)

@@ -39,6 +39,8 @@ for p in (ROOT, ROOT / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from explore_common import ExpertsPair, routing_inputs  # noqa: E402
+
 BUILD = ROOT / "build" / "experts_bx"
 CARRY = ROOT / ".devcarry" / "experts_bx"
 K3 = {"n_experts": 896, "latent": 3584, "expert_inter": 3072, "top_k": 16}
@@ -103,49 +105,6 @@ def _entries() -> dict:
     return entries(CARRY)
 
 
-def _op(e):
-    from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
-
-    return {"moe_w13": ExpertsUpOp, "moe_w2": ExpertsDownOp}[e["kernel"]](e["shape"], **e["tunables"])
-
-
-class _Experts:
-    """One (moe_w13, moe_w2) variant pair: its kernels, o scratch and counters."""
-
-    def __init__(self, e13, e2):
-        import torch
-
-        from kernels.launch import CubinKernel
-
-        self.up, self.down = _op(e13), _op(e2)
-        self.k13, self.k2 = CubinKernel.from_dir(CARRY / e13["id"]), CubinKernel.from_dir(CARRY / e2["id"])
-        self.k13.load()
-        self.k2.load()
-        s = self.down.tensor_specs()
-        self.o = torch.empty(s["o"].shape, device="cuda")
-        self.counters = torch.zeros(s["counters"].shape, dtype=torch.int32, device="cuda")
-
-    def w13(self, z, w13, m, act):
-        self.k13(z, w13, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], act)
-
-    def w2(self, act, w2, wts, m, c):
-        self.k2(act, w2, wts, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], self.o,
-                self.counters, c)
-
-
-def _inputs(shape: dict, pattern: str, g, dev="cuda"):
-    """One routing of `pattern` at the shape's batch: ids, z, renormalised weights."""
-    import torch
-
-    from validation.numerics import routing_ids
-
-    T = shape["batch"]
-    ids = routing_ids(T, shape["n_experts"], shape["top_k"], pattern, g, dev)
-    z = torch.randn(T, shape["latent"], generator=g).to(torch.bfloat16).to(dev)
-    wts = torch.rand(T, shape["top_k"], generator=g).to(dev) + 0.05
-    return ids, z, wts / wts.sum(-1, keepdim=True)
-
-
 def _pair_ids(ents, T):
     """(w13 id, w2 id) of each design at batch T, base first."""
     tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")}, key=lambda t: t != "pipe")
@@ -172,7 +131,7 @@ def k3_sweep(res: dict, path: Path, read_tbps: float, batches) -> None:
         g = torch.Generator(device="cpu").manual_seed(200 + T)
         steps = []
         for _ in range(CALLS):
-            ids, z, wts = _inputs(shape, "uniform", g)
+            ids, z, wts = routing_inputs(shape, "uniform", g)
             steps.append({"ids": ids, "z": z, "weights": wts, "m": _meta_of(ids, cfg.n_experts, G)})
         n_unique = sum(int(s["m"]["n_groups"].item()) for s in steps) / CALLS
         ob = op_bytes(cfg, T, n_unique)
@@ -182,7 +141,7 @@ def k3_sweep(res: dict, path: Path, read_tbps: float, batches) -> None:
         pairs = _pair_ids(ents, T)
         acts = cs = None
         for a_id, b_id in pairs:
-            x = _Experts(ents[a_id], ents[b_id])
+            x = ExpertsPair(CARRY, ents[a_id], ents[b_id])
             outs_a, outs_c = [], []
             for i, s in enumerate(steps):
                 act.fill_(float("nan"))
@@ -218,13 +177,13 @@ def k3_sweep(res: dict, path: Path, read_tbps: float, batches) -> None:
         gp = torch.Generator(device="cpu").manual_seed(1000 + T)
         nrow = res["numerics"][str(T)] = {}
         for pat in PATTERNS:
-            ids, z, wts = _inputs(shape, pat, gp)
+            ids, z, wts = routing_inputs(shape, pat, gp)
             m = _meta_of(ids, cfg.n_experts, G)
             oracle = R.routed_experts(z, ids, wts.double(), w.w13, w.w2, compute_dtype=torch.float64, **kw)
             path32 = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
             rows = nrow[pat] = {}
             for a_id, b_id in pairs:
-                x = _Experts(ents[a_id], ents[b_id])
+                x = ExpertsPair(CARRY, ents[a_id], ents[b_id])
                 act.fill_(float("nan"))
                 c.fill_(float("nan"))
                 x.w13(z, w.w13, m, act)
@@ -257,12 +216,12 @@ def stress(ents, w, cfg, batches, runs: int = 16) -> dict:
     for T in batches:
         shape = {"batch": T, **K3}
         g = torch.Generator(device="cpu").manual_seed(300 + T)
-        ids, z, wts = _inputs(shape, "hot", g)
+        ids, z, wts = routing_inputs(shape, "hot", g)
         m = _meta_of(ids, cfg.n_experts, min(T * cfg.top_k, cfg.n_experts))
         act = torch.empty(T * cfg.top_k, cfg.expert_inter, dtype=torch.bfloat16, device="cuda")
         c = torch.empty(T, cfg.latent, dtype=torch.bfloat16, device="cuda")
         for a_id, b_id in _pair_ids(ents, T)[1:]:
-            x = _Experts(ents[a_id], ents[b_id])
+            x = ExpertsPair(CARRY, ents[a_id], ents[b_id])
             x.w13(z, w.w13, m, act)
             first, mism, nonzero = None, 0, 0
             for r in range(runs):
@@ -305,12 +264,12 @@ def child() -> int:
     ents = _entries()
     w = R.make_weights(cfg, "cuda", seed=3)
     g = torch.Generator(device="cpu").manual_seed(5)
-    ids, z, wts = _inputs(s, "hot", g)
+    ids, z, wts = routing_inputs(s, "hot", g)
     kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
     want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
     for slots, p in ((s_, p_) for s_ in SMALL_SLOTS for p_ in (0, 1)):
         tag = f"s{slots}_p{p}"
-        x = _Experts(ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
+        x = ExpertsPair(CARRY, ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
         m = _meta_of(ids, cfg.n_experts, x.up.groups)
         act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
         x.w13(z, w.w13, m, act)

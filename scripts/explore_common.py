@@ -138,3 +138,44 @@ def measure(script: str, carry: Path, out_dir: Path, name: str, sweep, sanitize=
     path.write_text(json.dumps(res, indent=1, default=str))
     print(f"done ({time.time() - t0:.0f} s) -> {path}")
     return 0 if "error" not in res else 1
+
+
+def routing_inputs(shape: dict, pattern: str, g, dev="cuda"):
+    """One routing of `pattern` (validation.numerics.routing_ids) at the shape's batch (1 when
+    it names none): ids, z [T, latent] bf16, and weights renormalised per token."""
+    import torch
+
+    from validation.numerics import routing_ids
+
+    T = shape.get("batch", 1)
+    ids = routing_ids(T, shape["n_experts"], shape["top_k"], pattern, g, dev)
+    z = torch.randn(T, shape["latent"], generator=g).to(torch.bfloat16).to(dev)
+    wts = torch.rand(T, shape["top_k"], generator=g).to(dev) + 0.05
+    return ids, z, wts / wts.sum(-1, keepdim=True)
+
+
+class ExpertsPair:
+    """GPU host: one carried (moe_w13, moe_w2) variant pair: its ops (for shapes and references),
+    its loaded kernels, moe_w2's o scratch and zeroed counters, and the two launches."""
+
+    def __init__(self, carry: Path, e13: dict, e2: dict):
+        import torch
+
+        from kernels.launch import CubinKernel
+        from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
+
+        self.up = ExpertsUpOp(e13["shape"], **e13["tunables"])
+        self.down = ExpertsDownOp(e2["shape"], **e2["tunables"])
+        self.k13, self.k2 = CubinKernel.from_dir(carry / e13["id"]), CubinKernel.from_dir(carry / e2["id"])
+        self.k13.load()
+        self.k2.load()
+        s = self.down.tensor_specs()
+        self.o = torch.empty(s["o"].shape, device="cuda")
+        self.counters = torch.zeros(s["counters"].shape, dtype=torch.int32, device="cuda")
+
+    def w13(self, z, w13, m, act):
+        self.k13(z, w13, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], act)
+
+    def w2(self, act, w2, wts, m, c):
+        self.k2(act, w2, wts, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], self.o,
+                self.counters, c)

@@ -117,3 +117,21 @@ def test_measure_keeps_what_was_measured_when_the_sweep_raises(tmp_path, monkeyp
     assert rc == 1 and doc["k3"] == {"v": 4.5} and "launch failed" in doc["error"] and ran
     assert doc["commit"] == "c" * 40 and doc["variants"] == [{"id": "v"}]
     assert explore_common.measure("scripts/x.py", carry, tmp_path / "out2", "x", lambda *a: None) == 0
+
+
+def test_routing_inputs_at_the_shapes_batch():
+    """One routing per call at the shape's batch (1 when it names none): ids of top_k distinct
+    experts per token, bf16 z, weights positive and renormalised per token; same generator
+    seed, same draw."""
+    import torch
+
+    shape = {"batch": 3, "n_experts": 64, "latent": 32, "top_k": 8}
+    ids, z, wts = explore_common.routing_inputs(shape, "hot", torch.Generator().manual_seed(1), "cpu")
+    assert ids.shape == (3, 8) and z.shape == (3, 32) and z.dtype == torch.bfloat16
+    assert all(len(set(r.tolist())) == 8 for r in ids) and int(ids.max()) < 64
+    assert torch.allclose(wts.sum(-1), torch.ones(3)) and bool((wts > 0).all())
+    again = explore_common.routing_inputs(shape, "hot", torch.Generator().manual_seed(1), "cpu")
+    assert all(torch.equal(a, b) for a, b in zip((ids, z, wts), again))
+    one = explore_common.routing_inputs({k: v for k, v in shape.items() if k != "batch"}, "uniform",
+                                        torch.Generator().manual_seed(2), "cpu")
+    assert one[0].shape == (1, 8)
