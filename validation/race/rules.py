@@ -184,39 +184,28 @@ def _exit_deciding_blocks(cfg: CFG, lp, order: list[int]) -> list[int]:
     the latch test of a spin and a flag tested in a block before the exiting one count, and an
     if/else whose arms rejoin before the loop's own test does not."""
     body = lp.body
-    fn = cfg.fn
     EXIT_, CONT = (True, False), (False, True)
-
-    def edge_outcome(s: int, reach: dict) -> tuple[bool, bool]:
-        if s not in body:
-            return EXIT_
-        if s == lp.header:
-            return CONT
-        return reach.get(s, (False, False))
-
     reach: dict[int, tuple[bool, bool]] = {}
+
+    def outcomes(b: int) -> set[tuple[bool, bool]]:
+        """What each way out of block b allows: its successors' outcomes, plus exit when the
+        block ends in an exit instruction."""
+        outs = {EXIT_ if s not in body else CONT if s == lp.header else reach.get(s, (False, False))
+                for s in cfg.blocks[b].succs}
+        if cfg.blocks[b].end > cfg.blocks[b].start and cfg.branch_instr(b).kind == ir.EXIT:
+            outs.add(EXIT_)
+        return outs
+
     changed = True
     while changed:
         changed = False
         for b in reversed(order):
-            outs = [edge_outcome(s, reach) for s in cfg.blocks[b].succs]
-            if cfg.blocks[b].end > cfg.blocks[b].start and cfg.branch_instr(b).kind == ir.EXIT:
-                outs.append(EXIT_)
+            outs = outcomes(b)
             r = (any(o[0] for o in outs), any(o[1] for o in outs))
             if reach.get(b) != r:
                 reach[b] = r
                 changed = True
-    out = []
-    for b in order:
-        blk = cfg.blocks[b]
-        if blk.end <= blk.start:
-            continue
-        outs = {edge_outcome(s, reach) for s in blk.succs}
-        if fn.instrs[blk.end - 1].kind == ir.EXIT:
-            outs.add(EXIT_)
-        if len(outs) > 1:
-            out.append(b)
-    return out
+    return [b for b in order if cfg.blocks[b].end > cfg.blocks[b].start and len(outcomes(b)) > 1]
 
 
 def _undeclared_spins(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFinding]:
