@@ -219,15 +219,33 @@ def _check(result, call: str):
 
 
 def pdl_launch_config(driver, grid, block, smem: int, stream):
-    """A `CUlaunchConfig` for cuLaunchKernelEx with programmatic stream serialization allowed:
-    the launch may begin before the previous kernel in `stream` completes (programmatic
-    dependent launch); the kernel must `griddepcontrol.wait` before it reads anything the
-    previous kernel writes. Stream capture turns it into a programmatic graph edge. Returns
-    (config, attributes); the caller keeps both alive until the launch call returns."""
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    attrs = [attr]
+    """`ex_launch_config` with programmatic dependent launch only."""
+    return ex_launch_config(driver, grid, block, smem, stream, pdl=True)
+
+
+def ex_launch_config(driver, grid, block, smem: int, stream, *, pdl: bool = False, cluster=None):
+    """A `CUlaunchConfig` for cuLaunchKernelEx.
+
+    `pdl`: programmatic stream serialization allowed: the launch may begin before the previous
+    kernel in `stream` completes (programmatic dependent launch); the kernel must
+    `griddepcontrol.wait` before it reads anything the previous kernel writes. Stream capture
+    turns it into a programmatic graph edge.
+    `cluster` (x, y, z): thread block clusters of that shape, which must divide the grid.
+    Returns (config, attributes); the caller keeps both alive until the launch call returns."""
+    attrs = []
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster is not None:
+        dims = [int(v) for v in cluster]
+        if len(dims) != 3 or any(g % c for g, c in zip(grid, dims)):
+            raise LaunchError(f"cluster {dims} does not divide the grid {list(grid)}")
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = dims
+        attrs.append(attr)
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in grid)
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in block)
@@ -406,10 +424,13 @@ class CubinKernel:
         smem = int(self.launch.get("smem_bytes", 0))
         driver = _driver()
         h_stream = _stream_handle(stream)
-        if self.launch.get("pdl"):
+        cluster = self.launch.get("cluster")
+        if self.launch.get("pdl") or cluster:
             if self.launch.get("cooperative"):
-                raise LaunchError(f"{self.meta.get('kernel')}: a launch cannot be both cooperative and pdl")
-            config, _attrs = pdl_launch_config(driver, grid, block, smem, h_stream)
+                raise LaunchError(f"{self.meta.get('kernel')}: a launch cannot be both cooperative and "
+                                  "pdl or clustered")
+            config, _attrs = ex_launch_config(driver, grid, block, smem, h_stream,
+                                              pdl=bool(self.launch.get("pdl")), cluster=cluster)
             _check(driver.cuLaunchKernelEx(config, fn, ctypes.addressof(ptrs), 0), "cuLaunchKernelEx")
         elif self.launch.get("cooperative"):
             _check(

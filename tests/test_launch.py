@@ -349,3 +349,38 @@ def test_a_written_buffer_must_not_alias_another_argument():
     # Adjacent, non-overlapping views of one allocation are fine.
     values, _ = _cpu_pack(big[:384].view(4, 96), 1.5, 4, big[384:].view(4, 96))
     assert len(values) == 4
+
+
+def test_cluster_launch_sets_the_cluster_dimension(fake_cuda):
+    """A launch with `cluster` goes through cuLaunchKernelEx with the cluster-dimension
+    attribute (and the pdl attribute beside it when both are set)."""
+    from cuda.bindings import driver as real
+
+    drv = fake_cuda()
+    drv.CUstream = real.CUstream
+    meta = _meta()
+    meta["launch"].update(grid=[6, 1, 1], cluster=[2, 1, 1])
+    _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96), stream=5)
+    calls = dict((c[0], c[1]) for c in drv.calls)
+    assert "cuLaunchKernel" not in calls
+    config = calls["cuLaunchKernelEx"][0]
+    assert config.numAttrs == 1
+    attr = config.attrs[0]
+    assert attr.id == real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert (attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z) == (2, 1, 1)
+    drv.calls.clear()
+    meta["launch"]["pdl"] = True
+    _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96), stream=5)
+    config = dict((c[0], c[1]) for c in drv.calls)["cuLaunchKernelEx"][0]
+    assert [a.id for a in config.attrs[:config.numAttrs]] == [
+        real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]
+
+
+def test_a_cluster_that_does_not_divide_the_grid_is_refused(fake_cuda):
+    drv = fake_cuda()
+    meta = _meta()
+    meta["launch"].update(grid=[6, 1, 1], cluster=[4, 1, 1])
+    with pytest.raises(LaunchError, match=r"cluster \[4, 1, 1\] does not divide the grid \[6, 1, 1\]"):
+        _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
+    assert not any(c[0].startswith("cuLaunch") for c in drv.calls)

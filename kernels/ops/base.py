@@ -65,13 +65,21 @@ class LaunchConfig:
     # launch may start while the previous kernel in the stream drains. Only for kernels that read
     # nothing but static weights and write nothing before `griddepcontrol.wait`.
     pdl: bool = False
+    # Thread block clusters of this many CTAs (x, y, z), co-scheduled and sharing their shared
+    # memory (distributed shared memory); None: no cluster.
+    cluster: tuple[int, int, int] | None = None
 
     def to_dict(self) -> dict:
-        """The launch as meta.json records it; `pdl` only when set, so the metadata of every
-        plain launch keeps its earlier form (the launcher reads a missing `pdl` as false)."""
+        """The launch as meta.json records it; `pdl` and `cluster` only when set, so the
+        metadata of every plain launch keeps its earlier form (the launcher reads a missing
+        `pdl` as false and a missing `cluster` as none)."""
         d = asdict(self)
         if not self.pdl:
             del d["pdl"]
+        if self.cluster is None:
+            del d["cluster"]
+        else:
+            d["cluster"] = list(self.cluster)
         return d
 
 
