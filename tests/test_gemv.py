@@ -33,6 +33,14 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
             assert shape["batch"] == 1 and lc.grid[0] * op.rows_per_cta == shape["n"]
             assert op.plan.row_threads * op.plan.vectors * 8 == shape["k"] and op.plan.row_threads % 32 == 0
             assert lc.smem_bytes <= G.SMEM_LIMIT
+        elif op.wg:  # grid (splits, row blocks), the splits one cluster; whole stages; one wave
+            assert shape["batch"] >= 8 and shape["batch"] % 8 == 0
+            assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
+            assert op.splits * op.groups * op.stage_k == shape["k"] and 2 <= op.stages <= op.groups + 1
+            assert lc.cluster == ((op.splits, 1, 1) if op.splits > 1 else None) and op.splits <= G.MAX_CLUSTER
+            assert lc.smem_bytes <= G.STAGED_SMEM_LIMIT
+            per_sm = min(G.SM_SMEM // (lc.smem_bytes + G.CTA_SMEM_RESERVED), G.SM_THREADS // op.threads)
+            assert lc.grid[0] * lc.grid[1] <= G.FILL_CTAS * per_sm
         elif op.staged:  # grid (splits, row blocks); the splits cover k in whole stages
             assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
             assert op.splits * op.groups * op.stage_k == shape["k"] and 2 <= op.stages <= op.groups + 1
@@ -72,10 +80,10 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
     ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 3}, "prefetch must be"),
     ({"batch": 1, "n": 64, "k": 512}, {"pdl": 2}, "pdl must be"),
-    ({"batch": 16, "n": 128, "k": 544}, {"staged_from_batch": 16}, "multiple of 64 \\(staged_k\\)"),
-    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "staged_k": 96}, "staged_k must be"),
-    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "staged_stages": 1}, "at least 2"),
-    ({"batch": 64, "n": 128, "k": 4096}, {"staged_from_batch": 16, "staged_k": 1024}, "shared memory"),
+    ({"batch": 16, "n": 128, "k": 544}, {"staged_from_batch": 16, "wg_from_batch": 65}, "multiple of 64 \\(staged_k\\)"),
+    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_k": 96}, "staged_k must be"),
+    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_stages": 1}, "at least 2"),
+    ({"batch": 64, "n": 128, "k": 4096}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_k": 1024}, "shared memory"),
 ])
 def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -90,9 +98,9 @@ def test_tunables_adapt_to_the_batch():
     assert not b2.stream and not b2.tiled
     router = G.GemvOp({"batch": 2, "n": 896, "k": 7168})
     assert router.row_tiles == 1 and router.launch_config().grid[0] == 112
-    b16 = G.GemvOp({"batch": 16, "n": 7168, "k": 3584})
+    b16 = G.GemvOp({"batch": 16, "n": 7168, "k": 3584}, wg_from_batch=65)
     assert not b16.tiled and (b16.row_tiles, b16.k_unroll, b16.warps) == (2, 4, 8)
-    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, tiled_from_batch=65)  # the small-batch design
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, tiled_from_batch=65, wg_from_batch=65)  # small-batch design
     assert (b64.row_tiles, b64.k_unroll, b64.warps) == (4, 1, 4)  # 8 warps' partials: 64 KB > 48 KB
     assert b64.smem_bytes == 4 * 64 * 32 * 4
 
@@ -146,19 +154,20 @@ def test_stream_sass_issues_every_copy_before_the_first_use(tmp_path):
 def test_tiled_design_from_batch_32():
     """From batch 32: 4 warps x 2 row tiles = 64 rows per CTA, x in a two-slot shared ring,
     k split over the fewest CTAs that reach 264 (a divisor of the k groups)."""
-    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168})
+    T = {"wg_from_batch": 65}  # the warpgroup design takes these batches by default
+    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, **T)
     assert b64.tiled and (b64.warps, b64.row_tiles, b64.rows_per_cta, b64.k_unroll) == (4, 2, 64, 4)
     assert b64.splits == 7 and b64.launch_config().grid == (7, 56, 1)  # 56 x 5 = 280 would not divide 56 groups
     assert b64.smem_bytes == 2 * 64 * (128 + 32) * 2 + 16  # rows padded to an odd multiple of 64 B
-    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"})
+    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, **T)
     assert router.splits == 28 and router.k_chunk == 256  # 14 row blocks x 28 = 392 >= 264
-    wide = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
+    wide = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, **T)
     assert wide.splits == 2 and wide.launch_config().grid == (2, 192, 1)
-    whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, tile_min_ctas=132)
+    whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, tile_min_ctas=132, **T)
     assert whole.splits == 1  # 192 row blocks already fill the GPU: no partials at all
-    assert G.GemvOp({"batch": 32, "n": 8, "k": 256}).rows_per_cta == 8  # rows shrink to divide n
+    assert G.GemvOp({"batch": 32, "n": 8, "k": 256}, **T).rows_per_cta == 8  # rows shrink to divide n
     with pytest.raises(ValueError, match="multiple of 128"):
-        G.GemvOp({"batch": 32, "n": 64, "k": 96})
+        G.GemvOp({"batch": 32, "n": 64, "k": 96}, **T)
 
 
 def test_staged_design_plan():
@@ -166,28 +175,28 @@ def test_staged_design_plan():
     stages, k split over the fewest CTAs reaching 132 in whole stages; more warps split the
     batch where that reads fewer fragments from shared memory; the stage count is clamped to
     the CTA's stages + 1 and to the shared-memory limit."""
-    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16)
+    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65)
     assert b64.staged and not b64.tiled and not b64.stream
     assert (b64.rows_per_cta, b64.warps, b64.warp_rows, b64.warp_batch, b64.row_tiles) == (128, 4, 4, 1, 4)
     assert (b64.splits, b64.groups, b64.stages) == (7, 16, 4)  # 28 blocks x 4 = 112 < 132; 5 and 6 do not divide 112
     assert b64.launch_config().grid == (7, 28, 1) and b64.threads == 128
     assert b64.smem_bytes == 4 * (128 + 64) * 64 * 2 + 16 + 256
     assert b64.tensor_specs()["partials"].shape == (7, 64, 3584)
-    wide = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    wide = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
     assert (wide.warp_rows, wide.warp_batch, wide.row_tiles, wide.warp_batch_tiles) == (4, 2, 4, 2)
-    b16 = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    b16 = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
     assert (b16.warp_rows, b16.warp_batch) == (8, 1)  # one batch tile: the warps split the rows
-    odd = G.GemvOp({"batch": 20, "n": 3584, "k": 7168}, staged_from_batch=16, staged_warps=8)
+    odd = G.GemvOp({"batch": 20, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
     assert odd.warp_batch == 1  # a partly filled batch tile is never split across warps
-    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, staged_from_batch=16,
+    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, staged_from_batch=16, wg_from_batch=65,
                       staged_rows=256)
     assert router.rows_per_cta == 128 and router.splits == 28 and router.groups == 4  # rows shrink to divide n
-    short = G.GemvOp({"batch": 16, "n": 16384, "k": 128}, staged_from_batch=16, staged_stages=8,
+    short = G.GemvOp({"batch": 16, "n": 16384, "k": 128}, staged_from_batch=16, wg_from_batch=65, staged_stages=8,
                      staged_min_ctas=66)
     assert (short.splits, short.groups, short.stages) == (1, 2, 3)  # 128 row blocks need no split
-    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, staged_stages=8, staged_k=128)
+    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_stages=8, staged_k=128)
     assert deep.stages == 4 and deep.smem_bytes <= G.STAGED_SMEM_LIMIT < 5 * (128 + 64) * 128 * 2
-    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, staged_from_batch=16).staged is False
+    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65).staged is False
 
 
 @pytest.mark.slow
@@ -202,7 +211,7 @@ def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
 
     shape = {"batch": 64, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"staged_from_batch": 16, "pdl": pdl}, root=tmp_path)
+        art = build_variant("gemv", shape, {"staged_from_batch": 16, "wg_from_batch": 65, "pdl": pdl}, root=tmp_path)
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
         flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
                 if l.strip().startswith("/*") and "*/" in l and ";" in l]
@@ -217,6 +226,76 @@ def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
         if pdl:
             acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
             assert len(acq) == 1 and sorted(w_copies)[23] < acq[0] < min(x_copies)
+
+
+def test_warpgroup_design_plan():
+    """From wg_from_batch (8), batches that are a multiple of 8: 64-row CTAs (one warpgroup), 128
+    rows (two) from batch 32 where the wider blocks still fill half the SMs (not the router's 896
+    rows); k split into as many CTAs as are resident in one wave, at most 8, one cluster per
+    row block; 6-slot rings of 64 k, clamped to the CTA's stages + 1 and to shared memory."""
+    b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168})
+    assert b8.wg and not (b8.stream or b8.staged or b8.tiled)
+    assert (b8.rows_per_cta, b8.threads, b8.splits, b8.groups, b8.stages) == (64, 128, 4, 28, 6)
+    lc = b8.launch_config()  # 57 KB: 3 CTAs per SM, 224 CTAs; 8 splits (448) would not fit 396
+    assert lc.grid == (4, 56, 1) and lc.cluster == (4, 1, 1) and lc.to_dict()["cluster"] == [4, 1, 1]
+    assert b8.smem_bytes == 6 * (64 + 8) * 64 * 2 + 2 * 1024 + 16
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
+    assert (b64.rows_per_cta, b64.threads, b64.splits) == (128, 256, 2)  # 150 KB: one CTA per SM, 112
+    router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"})
+    assert (router.rows_per_cta, router.splits) == (64, 8)  # 7 blocks of 128 x 8 < 66: stays at 64
+    whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
+    assert whole.splits == 1 and whole.launch_config().cluster is None and "cluster" not in whole.launch_config().to_dict()
+    # Fixed split counts, and the global-partials reduction without clusters.
+    fixed = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_cluster=0)
+    assert fixed.splits == 7 and fixed.cluster is None  # 56 x 5 = 280 would not divide 112 stages
+    assert fixed.tensor_specs()["partials"].shape == (7, 16, 3584)
+    clustered = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264)
+    assert clustered.splits == 8  # a cluster's split count also divides the rows into float4 shares
+    assert G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, wg_rows=256, wg_stages=8).stages == 5  # 225 KB
+    assert G.GemvOp({"batch": 20, "n": 3584, "k": 7168}).wg is False  # not a multiple of 8
+    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_from_batch=16).wg is False
+    with pytest.raises(ValueError, match="wg_rows must be"):
+        G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_rows=96)
+    with pytest.raises(ValueError, match="multiple of 64 \\(wg_k\\)"):
+        G.GemvOp({"batch": 16, "n": 3584, "k": 7200})
+
+
+@pytest.mark.slow
+def test_warpgroup_sass(tmp_path):
+    """Through the real build, batch 64 on 3584 -> 7168 (128-row CTAs, 2 splits in one cluster):
+    W reaches shared memory only through 16-byte L2-only copies (no register load of W), the
+    tensor cores are wgmma (HGMMA 64x64x16, 4 per stage per warpgroup), the async-proxy fence
+    sits between the copies' wait and the stage's barrier, and the cluster reduction has its two
+    cluster barriers and reads its peers' shared memory. With pdl, every prologue W copy comes
+    before griddepcontrol.wait (ACQBULK) and every x copy after it."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
+    for pdl in (0, 1):
+        art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
+        assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
+        assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
+        flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
+                if l.strip().startswith("/*") and "*/" in l and ";" in l]
+        opc = [o.split()[1] if o.startswith("@") else o.split()[0] for o in flat]
+        w_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" in o]
+        x_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" not in o]
+        mmas = [i for i, o in enumerate(opc) if o.startswith("HGMMA")]
+        assert mmas and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas) and len(mmas) == 4
+        # 16 KB of W per stage over 256 threads: 4 copies each; 5 prologue stages + the loop's.
+        assert len(w_copies) == 6 * 4 and max(w_copies) < max(mmas)
+        assert not any(o.startswith("LDG") and not o.startswith("LDGSTS") and not o.startswith("LDGDEPBAR")
+                       for o in opc)  # no register load of anything global
+        fence = [i for i, o in enumerate(opc) if o.startswith("FENCE.VIEW.ASYNC.S")]
+        bars = [i for i, o in enumerate(opc) if o.startswith("BAR.SYNC")]
+        assert len(fence) == 1 and any(b > fence[0] for b in bars) and fence[0] < min(mmas)
+        assert sum(o.startswith("UCGABAR_ARV") for o in opc) == 2 and sum(o.startswith("UCGABAR_WAIT") for o in opc) == 2
+        if pdl:
+            acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
+            assert len(acq) == 1 and sorted(w_copies)[19] < acq[0] < min(x_copies)
+    ptx = Path(art.paths["ptx"]).read_text()
+    assert "ld.shared::cluster.v4" in ptx and "mapa.shared::cluster" in ptx and "fence.proxy.async.shared::cta" in ptx
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])

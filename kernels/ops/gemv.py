@@ -18,7 +18,7 @@ Layout of one warp's work, per 32-wide k step:
     shared memory in the same permutation); W goes through the read-only path (`ld.global.nc`),
     x through plain loads.
 
-Four designs, chosen at build time from the batch:
+Five designs, chosen at build time from the batch:
   * batch <= `stream_max_batch` (default 1), "stream": no tensor cores. The weights are read
     the way the read-only ceiling reads a buffer: many short CTAs of whole rows (one 14 KB row
     of k=7168 per CTA by default), every byte of W and x a CTA needs copied into shared memory
@@ -39,7 +39,16 @@ Four designs, chosen at build time from the batch:
     split across CTAs to keep >= `tile_min_ctas` of them, the fp32 partials go to global scratch
     and the last CTA of a row block (gpu-scope acq_rel counter, reset by that CTA for the next
     launch) sums them in split order. See `_plan_tiled`.
-  * from `staged_from_batch` on ("staged"): the tiled design's CTA (row block x k chunk, x
+  * from `wg_from_batch` on (default 8), batches that are a multiple of 8 ("wg", the default
+    from batch 8): the staged design's cp.async ring, read by the warpgroup tensor cores
+    (`wgmma` m64nBk16, W the A operand, x the B operand, both straight from 128-byte-swizzled
+    shared memory: no fragment passes through registers). 64-row CTAs (one warpgroup), 128
+    rows (two) from `wg_wide_from_batch` (32); k split into as many CTAs as are all resident
+    in one wave (at most 8), and the splits of a row block form one thread block cluster
+    that reduces through distributed shared memory (each CTA sums its share of the rows over
+    its peers' tiles in rank order): no global partials, no counters, no serial last-CTA
+    tail. See `_plan_wg`.
+  * from `staged_from_batch` on ("staged", off by default): the tiled design's CTA (row block x k chunk, x
     crossing L2 once per row block, split-K with the last-CTA reduction), but W and x reach
     shared memory only through 16-byte `cp.async`, in a multi-stage ring: each thread issues
     every copy of a stage at once, `staged_stages - 1` stages ahead of the mmas, which read
@@ -62,8 +71,8 @@ plainly.
 
 Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
 83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
-from batch 32 the tiled design is faster than the warp-split one but still slower than cuBLAS
-(the README there has the figures).
+the tiled and staged designs stayed slower than cuBLAS from batch 16 on, which the warpgroup
+design is not on most shapes (foundation/round5/ has the sweeps that chose its defaults).
 """
 
 from kernels import reference
@@ -88,6 +97,13 @@ MAX_BATCH = 64
 SMEM_LIMIT = 48 * 1024  # the small-batch design's partials stay under the no-opt-in limit
 TILED_SMEM_LIMIT = 96 * 1024  # the tiled design's x ring (the launcher opts in past 48 KB)
 MAX_SPLITS = 32
+WG_M = 64  # wgmma M: weight rows per warpgroup
+WG_N_STEP = 8  # wgmma N granularity: the batch must be a multiple of it
+WG_SWIZZLE_ALIGN = 1024  # a 128-byte-swizzled shared tile starts on a 1 KB boundary
+MAX_CLUSTER = 8  # the portable thread block cluster size
+SM_SMEM = 228 * 1024  # shared memory per SM of sm_90 (what resident CTAs share)
+CTA_SMEM_RESERVED = 1024  # the driver's reserve per resident CTA
+SM_THREADS = 2048  # resident threads per SM
 STAGED_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the staged design's swizzle period
 FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
@@ -98,7 +114,9 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
                     "tile_min_ctas": 264, "pdl": 0, "stream_max_batch": 1, "stream_threads": 128,
                     "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
-                    "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132}
+                    "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
+                    "wg_from_batch": 8, "wg_rows": 64, "wg_k": 64, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
+                    "wg_wide_from_batch": 32}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -138,11 +156,16 @@ class GemvOp(OpBase):
             raise ValueError("gemv: pdl must be 0 or 1")
 
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
-        self.staged = not self.stream and self.batch >= int(self.tunables["staged_from_batch"])
-        self.tiled = not (self.stream or self.staged) and self.batch >= int(self.tunables["tiled_from_batch"])
+        self.wg = (not self.stream and self.batch >= int(self.tunables["wg_from_batch"])
+                   and self.batch % WG_N_STEP == 0)
+        self.staged = not (self.stream or self.wg) and self.batch >= int(self.tunables["staged_from_batch"])
+        self.tiled = (not (self.stream or self.wg or self.staged)
+                      and self.batch >= int(self.tunables["tiled_from_batch"]))
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
         if self.stream:
             self._plan_stream()
+        elif self.wg:
+            self._plan_wg()
         elif self.staged:
             self._plan_staged()
         elif self.tiled:
@@ -287,6 +310,93 @@ class GemvOp(OpBase):
             raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
                              f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
 
+    def _plan_wg(self) -> None:
+        """Batches from `wg_from_batch` that are a multiple of 8 ("wg"): the staged design's
+        CTA and ring, with the warpgroup tensor cores. CTA (split s, row block) owns `wg_rows`
+        weight rows (one warpgroup of 128 threads for 64 rows, two for 128 or 256) and a k chunk; every thread
+        issues its 16-byte `cp.async` copies of a stage (W `.cg`, x `.ca`) into 128-byte-swizzled
+        slots of `wg_k` k, `wg_stages - 1` stages ahead; each warpgroup then runs
+        `wgmma.mma_async` m64nBk16 straight from those slots (W is the A operand, x the B
+        operand, both k-major), so no fragment passes through a register load. k is split over
+        the fewest CTAs that reach `wg_min_ctas` (0: the most that are all resident at
+        once on FILL_CTAS SMs, one full wave); the partials meet as in the tiled design, the
+        last CTA bringing them in by `cp.async` (`_wg_reduce`), or with `wg_cluster` 1 (at most
+        8 splits) the splits of a row block form one thread block cluster and reduce through
+        distributed shared memory, each CTA summing its share of the rows over the cluster in
+        rank order (`_wg_cluster_reduce`): no global partials, no counter, no serial tail."""
+        t = self.tunables
+        rows, self.stage_k = int(t["wg_rows"]), int(t["wg_k"])
+        stages, min_ctas = int(t["wg_stages"]), int(t["wg_min_ctas"])
+        if rows not in (WG_M, 2 * WG_M, 4 * WG_M):
+            raise ValueError(f"gemv: wg_rows must be {WG_M}, {2 * WG_M} or {4 * WG_M}")
+        if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or stages < 2 or min_ctas < 0:
+            raise ValueError(f"gemv: wg_k must be a multiple of {SWIZZLE_CHUNKS * BF16_PER_VECTOR}, "
+                             "wg_stages at least 2, wg_min_ctas not negative")
+        if self.batch >= int(t["wg_wide_from_batch"]) and rows < 4 * WG_M:
+            # Wider batches: twice the rows per CTA (each x byte crossing L2 then feeds twice the
+            # weight rows), unless the wider blocks cannot fill half the SMs even split 8 ways.
+            if self.n % (2 * rows) == 0 and (self.n // (2 * rows)) * MAX_CLUSTER >= FILL_CTAS // 2:
+                rows *= 2
+        while rows > WG_M and self.n % rows:
+            rows //= 2  # one warpgroup rather than a ragged row block
+        if self.n % rows:
+            raise ValueError(f"gemv: n={self.n} is not a multiple of {rows} rows per CTA")
+        if self.k % self.stage_k:
+            raise ValueError(f"gemv: k={self.k} is not a multiple of {self.stage_k} (wg_k)")
+        self.rows_per_cta = rows
+        self.warpgroups = min(rows // WG_M, 2)  # 256 rows: two warpgroups of two m64 tiles each
+        self.threads = 4 * WARP * self.warpgroups
+        self.warps = self.threads // WARP
+        self.wg_cluster = int(t["wg_cluster"])
+        if self.wg_cluster not in (0, 1):
+            raise ValueError("gemv: wg_cluster must be 0 or 1")
+        total = self.k // self.stage_k
+        blocks = self.n // rows
+        max_splits = MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
+        # (a cluster's CTAs each reduce an equal share of whole float4s of the rows)
+        fits = [s for s in range(1, min(total, max_splits) + 1)
+                if total % s == 0 and not (self.wg_cluster and rows % (4 * s))]
+        if min_ctas == 0:  # one full wave: the most splits whose CTAs are all resident at once
+            self.stages = stages
+            per_sm = min(SM_SMEM // (self._wg_smem() + CTA_SMEM_RESERVED), SM_THREADS // self.threads)
+            wave = [s for s in fits if blocks * s <= FILL_CTAS * max(per_sm, 1)]
+            self.splits = wave[-1] if wave else fits[0]
+        else:
+            self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
+        self.cluster = (self.splits, 1, 1) if self.wg_cluster and self.splits > 1 else None
+        self.k_chunk = self.k // self.splits
+        self.groups = total // self.splits
+        self.stages = max(2, min(stages, self.groups + 1))
+        while self.stages > 2 and self._wg_smem() > STAGED_SMEM_LIMIT:
+            self.stages -= 1
+        self.smem_bytes = self._wg_smem()
+        if self.smem_bytes > STAGED_SMEM_LIMIT:
+            raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
+                             f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
+        if self.cluster and self._acc_pitch() * self.batch * 4 > self._wg_ring_w_bytes() + self.stages * self.stage_k * 2 * self.batch:
+            raise ValueError("gemv: the CTA's fp32 tile does not fit its ring for the cluster reduction")
+        if (self.batch * rows // 4) % self.threads:
+            raise ValueError(f"gemv: {self.batch} x {rows} outputs do not split evenly over {self.threads} threads")
+        # x copies: whole 16-byte vectors, `x_copy_threads` threads (a multiple of the threads
+        # per row that divides the batch's rows), the others skip them.
+        per_row = self.stage_k // BF16_PER_VECTOR
+        self.x_copy_rows = next(r for r in range(min(self.batch, self.threads // per_row), 0, -1)
+                                if self.batch % r == 0 and (self.threads // per_row) % r == 0)
+
+    def _acc_pitch(self) -> int:
+        """fp32 per batch row of the cluster reduction's tile: the rows plus 4, so the eight
+        (row, batch) pairs a quad of lanes stores hit distinct banks, float4 reads stay aligned."""
+        return self.rows_per_cta + 4
+
+    def _wg_ring_w_bytes(self) -> int:
+        return self.stages * self.stage_k * 2 * self.rows_per_cta
+
+    def _wg_smem(self) -> int:
+        # W and x rings (each 1 KB aligned for the 128-byte swizzle) + the last-CTA verdict +
+        # the allocator's alignment slack
+        ring = self.stages * self.stage_k * 2
+        return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16
+
     def _staged_smem(self) -> int:
         # ring (W and x slots, 128-byte aligned) + the last-CTA verdict + the allocator's slack
         return self.stages * (self.rows_per_cta + self.batch) * self.stage_k * 2 + 16 + 256
@@ -314,11 +424,12 @@ class GemvOp(OpBase):
         # Tiled: the splits of one row block are neighbours in launch order (x fastest), so
         # they run together and the last one reduces partials that are still in L2.
         return LaunchConfig(
-            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled or self.staged
+            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled or self.staged or self.wg
             else (self.n // self.rows_per_cta, 1, 1),
             block=(self.threads, 1, 1),
             smem_bytes=self.smem_bytes,
             pdl=bool(self.pdl),
+            cluster=self.cluster if self.wg else None,
         )
 
     def reference(self, *, x, w, y=None, partials=None, counters=None, compute_dtype=None):
@@ -334,14 +445,20 @@ class GemvOp(OpBase):
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                  mC: cute.Tensor):
         lc = self.launch_config()
-        self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
-                                               smem=lc.smem_bytes)
+        if cutlass.const_expr(lc.cluster is not None):
+            self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
+                                                   smem=lc.smem_bytes, cluster=list(lc.cluster))
+        else:
+            self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
+                                                   smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                mC: cute.Tensor):
         if cutlass.const_expr(self.stream):
             self._stream_body(mX, mW, mY)
+        elif cutlass.const_expr(self.wg):
+            self._wg_body(mX, mW, mY, mP, mC)
         elif cutlass.const_expr(self.staged):
             self._staged_body(mX, mW, mY, mP, mC)
         elif cutlass.const_expr(self.tiled):
@@ -603,6 +720,238 @@ class GemvOp(OpBase):
         for u in range(len(wv)):
             mma_step(mma, acc, [None if t is None else cute.recast_tensor(t, u32) for t in xv[u]],
                      [cute.recast_tensor(t, u32) for t in wv[u]])
+
+    # -- warpgroup design (batch >= wg_from_batch, a multiple of 8) ---------------------------
+    @cute.jit
+    def _wg_body(self, mX, mW, mY, mP, mC):
+        """Trace-time body of the warpgroup design (see `_plan_wg`).
+
+        Ordering per stage: each thread waits for its own copies of the stage (cp.async
+        groups, one per stage), then `fence.proxy.async` makes its generic-proxy writes
+        visible to the async proxy that `wgmma` reads shared memory through, and the CTA
+        barrier makes every thread's copies visible to every warpgroup. The slot the next
+        copies overwrite was read by the previous stage's wgmmas, which each warpgroup has
+        waited for (`wgmma.wait_group 0`) before that barrier."""
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        S = self.stages
+        G = self.groups
+        B = self.batch
+        BM = self.rows_per_cta
+        BK = self.stage_k
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        split, block, _ = cute.arch.block_idx()
+        tiler = (BM, B, BK)
+        mma = sm90.make_trivial_tiled_mma(bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                                          f32, (self.warpgroups, 1, 1), tiler_mn=(WG_M, B))
+        lay_w = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, bf16, S)
+        lay_x = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, bf16, S)
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_w.inner)
+        sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
+        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+
+        # Copies: `per_row` threads cover one row's stage (one 16-byte vector each), rows
+        # stacked down the thread block; this split's k tiles start at split * G.
+        per_row = BK // BF16_PER_VECTOR
+        vals = cute.make_layout((1, BF16_PER_VECTOR))
+        w_copy = cute.make_tiled_copy_tv(stream.weight_copy_atom(bf16),
+                                         cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)), vals)
+        x_threads = self.x_copy_rows * per_row
+        x_copy = cute.make_tiled_copy_tv(stream.activation_copy_atom(bf16),
+                                         cute.make_layout((self.x_copy_rows, per_row), stride=(per_row, 1)), vals)
+        gW = cute.local_tile(mW, (BM, BK), (block, None))  # (BM, BK, k tiles)
+        gX = cute.local_tile(mX, (B, BK), (0, None))  # (B, BK, k tiles)
+        thr_w = w_copy.get_slice(tidx)
+        tWg, tWs = thr_w.partition_S(gW), thr_w.partition_D(sW)
+        thr_x = x_copy.get_slice(tidx % x_threads)
+        tXg, tXs = thr_x.partition_S(gX), thr_x.partition_D(sX)
+        kt0 = split * G
+
+        # wgmma operands: descriptors of the slots, per warpgroup
+        wg_idx = cute.arch.make_warp_uniform(tidx // (4 * WARP))
+        thr_mma = mma.get_slice(wg_idx * (4 * WARP))
+        tCrA = mma.make_fragment_A(thr_mma.partition_A(sW))
+        tCrB = mma.make_fragment_B(thr_mma.partition_B(sX))
+        cC = cute.make_identity_tensor((BM, B))
+        tCc = mma.get_slice(tidx).partition_C(cC)  # (row, batch) of each accumulator
+        acc = cute.make_rmem_tensor(tCc.shape, f32)
+        acc.fill(0.0)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        # --- prologue: stages 0..S-2 (W before a pdl wait: static; x after it) -----------------
+        for st in cutlass.range_constexpr(S - 1):
+            if cutlass.const_expr(st < G):
+                cute.copy(w_copy, tWg[(None, None, None, kt0 + st)], tWs[(None, None, None, st)])
+            if cutlass.const_expr(not self.pdl):
+                if cutlass.const_expr(st < G):
+                    self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + st, st)
+                cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.pdl):
+            self._pdl_wait()
+            for st in cutlass.range_constexpr(S - 1):
+                if cutlass.const_expr(st < G):
+                    self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + st, st)
+                cute.arch.cp_async_commit_group()  # group st: x of stage st (W of stage st or earlier)
+
+        # --- main loop: one barrier per stage --------------------------------------------------
+        for it in cutlass.range(G, unroll=1):
+            cute.arch.cp_async_wait_group(S - 2)  # this thread's copies of stage it have landed
+            warpgroup.wait_group(0)  # this warpgroup's wgmmas of stage it - 1 are done
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            nxt = it + (S - 1)
+            if nxt < G:
+                cute.copy(w_copy, tWg[(None, None, None, kt0 + nxt)], tWs[(None, None, None, nxt % S)])
+                self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + nxt, nxt % S)
+            cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per stage
+            slot = it % S
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(BK // 16):
+                cute.gemm(mma, acc, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], acc)
+            warpgroup.commit_group()
+        self._pdl_trigger()
+        warpgroup.wait_group(0)
+
+        # --- epilogue --------------------------------------------------------------------------
+        row0 = block * BM
+        if cutlass.const_expr(self.cluster is None):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, b = tCc[i]
+                self._tiled_out(mY, mP, split, b, row0 + r, acc[i])
+        if cutlass.const_expr(self.cluster is not None):
+            self._wg_cluster_reduce(mY, acc, tCc, sW.iterator, tidx, split, block)
+        elif cutlass.const_expr(self.splits > 1):
+            self._wg_reduce(mY, mP, mC, sLast, sW.iterator, tidx, block)
+
+    @cute.jit
+    def _wg_reduce(self, mY, mP, mC, sLast, ring, tidx, block):
+        """`_reduce_splits` for the warpgroup design: the same arrival and the same sums in
+        split order, but the last CTA brings the partials in with 16-byte `cp.async` into its
+        (now idle) W ring, as many splits per round as fit, all of a round in flight before
+        one wait, instead of rounds of register loads each paying a full L2 round trip. Each
+        thread reads back only the vectors it copied (its own wait orders them)."""
+        f32 = cutlass.Float32
+        T = self.threads
+        quads = self.batch * self.rows_per_cta // 4
+        J = quads // T  # float4s per thread (exact: see _plan_wg)
+        per_round = max(1, min(self.splits, self._wg_ring_w_bytes() // (quads * 16)))
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            last = cutlass.Int32(0)
+            if old == self.splits - 1:
+                last = cutlass.Int32(1)
+                cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
+            sLast[0] = last
+        cute.arch.sync_threads()
+        if sLast[0] == 1:
+            gP = cute.zipped_divide(mP, (1, 1, 4))
+            gY = cute.zipped_divide(mY, (1, 4))
+            sBuf = cute.make_tensor(cute.recast_ptr(ring, dtype=f32), cute.make_layout((per_round * J * T * 4,)))
+            vBuf = cute.zipped_divide(sBuf, (4,))
+            p_atom = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), f32,
+                num_bits_per_copy=128)
+            v_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
+            y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
+                                         num_bits_per_copy=4 * mY.element_type.width)
+            rq_per_b = self.rows_per_cta // 4
+            tot = [cute.make_rmem_tensor(cute.make_layout((4,)), f32) for _ in range(J)]
+            for j in cutlass.range_constexpr(J):
+                tot[j].fill(0.0)
+            for s0 in cutlass.range_constexpr(0, self.splits, per_round):
+                n_s = min(per_round, self.splits - s0)
+                for ds in cutlass.range_constexpr(n_s):
+                    for j in cutlass.range_constexpr(J):
+                        idx = tidx + j * T
+                        src = gP[(None, (s0 + ds, idx // rq_per_b, block * rq_per_b + idx % rq_per_b))]
+                        cute.copy(p_atom, cute.make_tensor(src.iterator, cute.make_layout((4,))),
+                                  vBuf[(None, (ds * J + j) * T + tidx)])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                for ds in cutlass.range_constexpr(n_s):
+                    for j in cutlass.range_constexpr(J):
+                        part = cute.make_rmem_tensor(cute.make_layout((4,)), f32)
+                        cute.copy(v_atom, vBuf[(None, (ds * J + j) * T + tidx)], part)
+                        tot[j].store(tot[j].load() + part.load())
+            for j in cutlass.range_constexpr(J):
+                idx = tidx + j * T
+                out = cute.make_rmem_tensor(cute.make_layout((4,)), mY.element_type)
+                out.store(tot[j].load().to(mY.element_type))
+                dst = gY[(None, (idx // rq_per_b, block * rq_per_b + idx % rq_per_b))]
+                cute.copy(y_atom, out, cute.make_tensor(dst.iterator, cute.make_layout((4,))))
+
+    @cute.jit
+    def _wg_cluster_reduce(self, mY, acc, tCc, ring, tidx, rank, block):
+        """The cluster's reduction (`wg_cluster` 1): CTA `rank` of the cluster (its split)
+        stores its fp32 tile [batch][rows] into its idle ring, the cluster barrier (arrive
+        release, wait acquire) makes every tile visible cluster-wide, then the CTA sums rows
+        [rank * BM / C, (rank + 1) * BM / C) over the C tiles in rank order 0..C-1 (the same
+        bits whichever CTA finishes first) reading its peers' shared memory, and writes y. A
+        second cluster barrier keeps every CTA's shared memory alive until its peers are done
+        reading it."""
+        f32 = cutlass.Float32
+        C = self.splits
+        T = self.threads
+        BM = self.rows_per_cta
+        pitch = self._acc_pitch()
+        sAcc = cute.make_tensor(cute.recast_ptr(ring, dtype=f32), cute.make_layout((self.batch, pitch), stride=(pitch, 1)))
+        cute.arch.sync_threads()  # every warpgroup's wgmmas (waited above) are done with the ring
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, b = tCc[i]
+            sAcc[b, r] = acc[i]
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        quads = self.batch * (BM // C) // 4  # float4s of the rows this CTA reduces
+        v_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
+        y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
+                                     num_bits_per_copy=4 * mY.element_type.width)
+        gY = cute.zipped_divide(mY, (1, 4))
+        vAcc = cute.zipped_divide(sAcc, (1, 4))  # 16-byte vectors (the pitch is a multiple of 4)
+        for j in cutlass.range_constexpr(ceil_div(quads, T)):
+            idx = tidx + j * T
+            if cutlass.const_expr((j + 1) * T <= quads):
+                self._wg_cluster_quad(mY, vAcc, gY, idx, rank, block, v_atom, y_atom)
+            else:
+                if idx < quads:
+                    self._wg_cluster_quad(mY, vAcc, gY, idx, rank, block, v_atom, y_atom)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _wg_cluster_quad(self, mY, vAcc, gY, idx, rank, block, v_atom, y_atom):
+        """One float4 of the cluster reduction: 4 rows of one batch row, summed over the
+        cluster's CTAs in rank order, to y."""
+        f32 = cutlass.Float32
+        C = self.splits
+        BM = self.rows_per_cta
+        share = BM // C
+        flat = cute.make_layout((4,))
+        b = idx // (share // 4)
+        r = rank * share + (idx % (share // 4)) * 4
+        tot = cute.make_rmem_tensor(flat, f32)
+        tot.fill(0.0)
+        for s in cutlass.range_constexpr(C):
+            peer = cute.arch.map_dsmem_ptr(vAcc[(None, (b, r // 4))].iterator, s)
+            part = cute.make_rmem_tensor(flat, f32)
+            cute.copy(v_atom, cute.make_tensor(peer, flat), part)
+            tot.store(tot.load() + part.load())
+        out = cute.make_rmem_tensor(flat, mY.element_type)
+        out.store(tot.load().to(mY.element_type))
+        dst = gY[(None, (b, (block * BM + r) // 4))]
+        cute.copy(y_atom, out, cute.make_tensor(dst.iterator, flat))
+
+    @cute.jit
+    def _wg_copy_x(self, x_copy, tXg, tXs, tidx, x_threads, kt, slot):
+        """The x copies of one stage (threads past `x_threads` have none)."""
+        if tidx < x_threads:
+            cute.copy(x_copy, tXg[(None, None, None, kt)], tXs[(None, None, None, slot)])
 
     # -- tiled design (batch >= tiled_from_batch) --------------------------------------------
     @cute.jit
