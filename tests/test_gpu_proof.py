@@ -60,3 +60,16 @@ def test_summary_names_only_the_tunables_that_differ():
                   defaults) == "p2 mc132"
     old = {"tunables": {"prefetch": 1}, "default_tunables": False, "from_plan": "4a36f3936454"}
     assert P._tun(old, defaults) == "@4a36f39"
+
+
+def test_gemv_cases_without_a_gpu_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    """scripts/gemv_cases.py (what the profiler and the sanitizers run on the GPU host): on a
+    host without a GPU, one line and exit 2, whichever mode."""
+    import torch
+
+    from scripts import gemv_cases
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for mode in ("launch", "check"):
+        assert gemv_cases.main([mode, str(tmp_path / "plan.json"), "0"]) == 2
+        assert capsys.readouterr().err == "gemv_cases: no CUDA device: run this on the GPU host\n"
