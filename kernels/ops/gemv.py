@@ -45,9 +45,9 @@ Five designs, chosen at build time from the batch:
     shared memory: no fragment passes through registers). 64-row CTAs (one warpgroup), 128
     rows (two) from `wg_wide_from_batch` (32); k split into as many CTAs as are all resident
     in one wave (at most 8), and the splits of a row block form one thread block cluster
-    that reduces through distributed shared memory (each CTA sums its share of the rows over
-    its peers' tiles in rank order): no global partials, no counters, no serial last-CTA
-    tail. See `_plan_wg`.
+    that reduces through distributed shared memory (each CTA pushes its accumulators to the
+    CTA that owns their rows, then sums the slots it owns in rank order): no global partials,
+    no counters, no serial last-CTA tail. See `_plan_wg`.
   * from `staged_from_batch` on ("staged", off by default): the tiled design's CTA (row block x k chunk, x
     crossing L2 once per row block, split-K with the last-CTA reduction), but W and x reach
     shared memory only through 16-byte `cp.async`, in a multi-stage ring: each thread issues
@@ -358,8 +358,12 @@ class GemvOp(OpBase):
                 if total % s == 0 and not (self.wg_cluster and rows % (4 * s))]
         if min_ctas == 0:  # one full wave: the most splits whose CTAs are all resident at once
             self.stages = stages
-            per_sm = min(SM_SMEM // (self._wg_smem() + CTA_SMEM_RESERVED), SM_THREADS // self.threads)
-            wave = [s for s in fits if blocks * s <= FILL_CTAS * max(per_sm, 1)]
+
+            def per_sm(s):
+                smem = self._wg_smem(s)
+                return max(1, min(SM_SMEM // (smem + CTA_SMEM_RESERVED), SM_THREADS // self.threads))
+
+            wave = [s for s in fits if blocks * s <= FILL_CTAS * per_sm(s)]
             self.splits = wave[-1] if wave else fits[0]
         else:
             self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
@@ -373,8 +377,6 @@ class GemvOp(OpBase):
         if self.smem_bytes > STAGED_SMEM_LIMIT:
             raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
                              f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
-        if self.cluster and self._acc_pitch() * self.batch * 4 > self._wg_ring_w_bytes() + self.stages * self.stage_k * 2 * self.batch:
-            raise ValueError("gemv: the CTA's fp32 tile does not fit its ring for the cluster reduction")
         if (self.batch * rows // 4) % self.threads:
             raise ValueError(f"gemv: {self.batch} x {rows} outputs do not split evenly over {self.threads} threads")
         # x copies: whole 16-byte vectors, `x_copy_threads` threads (a multiple of the threads
@@ -383,19 +385,22 @@ class GemvOp(OpBase):
         self.x_copy_rows = next(r for r in range(min(self.batch, self.threads // per_row), 0, -1)
                                 if self.batch % r == 0 and (self.threads // per_row) % r == 0)
 
-    def _acc_pitch(self) -> int:
-        """fp32 per batch row of the cluster reduction's tile: the rows plus 4, so the eight
-        (row, batch) pairs a quad of lanes stores hit distinct banks, float4 reads stay aligned."""
-        return self.rows_per_cta + 4
+    def _red_pitch(self, splits=None) -> int:
+        """fp32 per batch row of a cluster reduction slot: the owned rows plus 4 (float4 reads
+        stay aligned; neighbouring batch rows start in different banks)."""
+        return self.rows_per_cta // (splits or self.splits) + 4
 
     def _wg_ring_w_bytes(self) -> int:
         return self.stages * self.stage_k * 2 * self.rows_per_cta
 
-    def _wg_smem(self) -> int:
-        # W and x rings (each 1 KB aligned for the 128-byte swizzle) + the last-CTA verdict +
-        # the allocator's alignment slack
+    def _wg_smem(self, splits=None) -> int:
+        """W and x rings (each 1 KB aligned for the 128-byte swizzle) + the last-CTA verdict +
+        the allocator's alignment slack + with a cluster the reduction's slots (one per split);
+        `splits`: as if k were split that many ways (default: the plan's)."""
+        splits = splits or self.splits
         ring = self.stages * self.stage_k * 2
-        return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16
+        red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if self.wg_cluster and splits > 1 else 0
+        return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red
 
     def _staged_smem(self) -> int:
         # ring (W and x slots, 128-byte aligned) + the last-CTA verdict + the allocator's slack
@@ -755,6 +760,10 @@ class GemvOp(OpBase):
         sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_w.inner)
         sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
         sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+        if cutlass.const_expr(self.cluster is not None):
+            pitch = self._red_pitch()
+            sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
+                (self.splits, B, pitch), stride=(B * pitch, pitch, 1)), byte_alignment=16)
 
         # Copies: `per_row` threads cover one row's stage (one 16-byte vector each), rows
         # stacked down the thread block; this split's k tiles start at split * G.
@@ -825,7 +834,7 @@ class GemvOp(OpBase):
                 r, b = tCc[i]
                 self._tiled_out(mY, mP, split, b, row0 + r, acc[i])
         if cutlass.const_expr(self.cluster is not None):
-            self._wg_cluster_reduce(mY, acc, tCc, sW.iterator, tidx, split, block)
+            self._wg_cluster_reduce(mY, acc, tCc, sRed, tidx, split, block)
         elif cutlass.const_expr(self.splits > 1):
             self._wg_reduce(mY, mP, mC, sLast, sW.iterator, tidx, block)
 
@@ -888,63 +897,63 @@ class GemvOp(OpBase):
                 cute.copy(y_atom, out, cute.make_tensor(dst.iterator, cute.make_layout((4,))))
 
     @cute.jit
-    def _wg_cluster_reduce(self, mY, acc, tCc, ring, tidx, rank, block):
-        """The cluster's reduction (`wg_cluster` 1): CTA `rank` of the cluster (its split)
-        stores its fp32 tile [batch][rows] into its idle ring, the cluster barrier (arrive
-        release, wait acquire) makes every tile visible cluster-wide, then the CTA sums rows
-        [rank * BM / C, (rank + 1) * BM / C) over the C tiles in rank order 0..C-1 (the same
-        bits whichever CTA finishes first) reading its peers' shared memory, and writes y. A
-        second cluster barrier keeps every CTA's shared memory alive until its peers are done
-        reading it."""
+    def _wg_cluster_reduce(self, mY, acc, tCc, sRed, tidx, rank, block):
+        """The cluster's reduction (`wg_cluster` 1). CTA `rank` (its split) owns rows
+        [rank * BM / C, (rank + 1) * BM / C) of the row block. Every CTA pushes each of its fp32
+        accumulators into the shared memory of the row's owner, into the slot of its own rank
+        (`mapa` + `st.shared::cluster`: stores, nothing waits for them); one cluster barrier
+        (arrive release, wait acquire) makes every push visible; then each CTA sums its slots
+        in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. The
+        slots are a region of their own, not the ring, so a push cannot land while its owner's
+        wgmmas still read the ring; after the barrier nobody touches a peer's shared memory, so
+        a CTA may exit as soon as its rows are written."""
         f32 = cutlass.Float32
         C = self.splits
         T = self.threads
-        BM = self.rows_per_cta
-        pitch = self._acc_pitch()
-        sAcc = cute.make_tensor(cute.recast_ptr(ring, dtype=f32), cute.make_layout((self.batch, pitch), stride=(pitch, 1)))
-        cute.arch.sync_threads()  # every warpgroup's wgmmas (waited above) are done with the ring
+        share = self.rows_per_cta // C  # rows each CTA of the cluster owns
+        s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=32)
+        one = cute.make_layout(1)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, b = tCc[i]
-            sAcc[b, r] = acc[i]
+            owner = r // share
+            local = sRed.iterator + cute.crd2idx((rank, b, r - owner * share), sRed.layout)
+            val = cute.make_rmem_tensor(one, f32)
+            val[0] = acc[i]
+            cute.copy(s_atom, val, cute.make_tensor(cute.arch.map_dsmem_ptr(local, owner), one))
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        quads = self.batch * (BM // C) // 4  # float4s of the rows this CTA reduces
+        quads = self.batch * share // 4  # float4s of the rows this CTA owns
         v_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
         y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
                                      num_bits_per_copy=4 * mY.element_type.width)
         gY = cute.zipped_divide(mY, (1, 4))
-        vAcc = cute.zipped_divide(sAcc, (1, 4))  # 16-byte vectors (the pitch is a multiple of 4)
+        vRed = cute.zipped_divide(sRed, (1, 1, 4))  # 16-byte vectors (the pitch is a multiple of 4)
         for j in cutlass.range_constexpr(ceil_div(quads, T)):
             idx = tidx + j * T
             if cutlass.const_expr((j + 1) * T <= quads):
-                self._wg_cluster_quad(mY, vAcc, gY, idx, rank, block, v_atom, y_atom)
+                self._wg_cluster_quad(mY, vRed, gY, idx, rank, block, v_atom, y_atom)
             else:
                 if idx < quads:
-                    self._wg_cluster_quad(mY, vAcc, gY, idx, rank, block, v_atom, y_atom)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                    self._wg_cluster_quad(mY, vRed, gY, idx, rank, block, v_atom, y_atom)
 
     @cute.jit
-    def _wg_cluster_quad(self, mY, vAcc, gY, idx, rank, block, v_atom, y_atom):
-        """One float4 of the cluster reduction: 4 rows of one batch row, summed over the
-        cluster's CTAs in rank order, to y."""
+    def _wg_cluster_quad(self, mY, vRed, gY, idx, rank, block, v_atom, y_atom):
+        """One float4 of the cluster reduction: 4 owned rows of one batch row, summed over the
+        cluster's slots in rank order, to y."""
         f32 = cutlass.Float32
-        C = self.splits
-        BM = self.rows_per_cta
-        share = BM // C
+        share = self.rows_per_cta // self.splits
         flat = cute.make_layout((4,))
         b = idx // (share // 4)
-        r = rank * share + (idx % (share // 4)) * 4
+        q = idx % (share // 4)
         tot = cute.make_rmem_tensor(flat, f32)
         tot.fill(0.0)
-        for s in cutlass.range_constexpr(C):
-            peer = cute.arch.map_dsmem_ptr(vAcc[(None, (b, r // 4))].iterator, s)
+        for s in cutlass.range_constexpr(self.splits):
             part = cute.make_rmem_tensor(flat, f32)
-            cute.copy(v_atom, cute.make_tensor(peer, flat), part)
+            cute.copy(v_atom, vRed[(None, (s, b, q))], part)
             tot.store(tot.load() + part.load())
         out = cute.make_rmem_tensor(flat, mY.element_type)
         out.store(tot.load().to(mY.element_type))
-        dst = gY[(None, (b, (block * BM + r) // 4))]
+        dst = gY[(None, (b, (block * self.rows_per_cta + rank * share) // 4 + q))]
         cute.copy(y_atom, out, cute.make_tensor(dst.iterator, flat))
 
     @cute.jit
