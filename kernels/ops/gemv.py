@@ -751,6 +751,11 @@ class GemvOp(OpBase):
 
         tidx, _, _ = cute.arch.thread_idx()
         split, block, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.cluster is not None):
+            # A CTA may touch a peer's shared memory only once the peer has started: arrive
+            # now (relaxed, nothing waits here); the reduction waits on this phase before
+            # its first remote store.
+            cute.arch.cluster_arrive_relaxed()
         tiler = (BM, B, BK)
         mma = sm90.make_trivial_tiled_mma(bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
                                           f32, (self.warpgroups, 1, 1), tiler_mn=(WG_M, B))
@@ -906,12 +911,16 @@ class GemvOp(OpBase):
         in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. The
         slots are a region of their own, not the ring, so a push cannot land while its owner's
         wgmmas still read the ring; after the barrier nobody touches a peer's shared memory, so
-        a CTA may exit as soon as its rows are written."""
+        a CTA may exit as soon as its rows are written. Before the first push, a wait on the
+        cluster phase every CTA arrived at on entry: a CTA's shared memory may be written by a
+        peer only once that CTA has started (compute-sanitizer's racecheck flagged the pushes
+        without it, evidence_reports/foundation/round5/)."""
         f32 = cutlass.Float32
         C = self.splits
         T = self.threads
         share = self.rows_per_cta // C  # rows each CTA of the cluster owns
         s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=32)
+        cute.arch.cluster_wait()  # every peer has started (the relaxed arrive at kernel entry)
         one = cute.make_layout(1)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, b = tCc[i]
