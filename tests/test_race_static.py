@@ -188,3 +188,33 @@ def test_prodcons_handshake_through_an_undeclared_buffer_is_flagged():
     hits = [f for f in rep.findings if f.rule == "undeclared-sync"]
     assert hits and {tuple(f.params) for f in hits} == {("flags",)}, [str(f) for f in rep.findings]
     assert all(f.ptx and f.sass and f.source.startswith("kernels/ops/prodcons.py:") for f in hits)
+
+
+@pytest.mark.slow
+def test_cluster_reduction_is_clean_and_its_missing_entry_barrier_is_flagged():
+    """gemv's warpgroup design at batch 64 (k split over a cluster of 2, the reduction pushing
+    accumulators into the peer's shared memory): clean in PTX and SASS. The same PTX without the
+    cluster phase every CTA arrives at on entry and waits on before its first push (the build
+    of 0f66911, which racecheck caught on the H200 and numerics did not) is flagged by
+    dsmem-before-cluster-wait at every push, at the source line of the push."""
+    from validation.race.artifacts import audit_artifact
+    from validation.race.audit import audit_ptx
+
+    spec = load_manifest().kernel("gemv")
+    art = build_variant_of(spec, {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"})
+    assert art.meta["launch"]["cluster"] == [2, 1, 1]
+    good = audit_artifact(art, spec)
+    assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]
+    lines = Path(art.paths["ptx"]).read_text().splitlines()
+    arrive = next(i for i, l in enumerate(lines) if "barrier.cluster.arrive.relaxed" in l)
+    wait = next(i for i, l in enumerate(lines) if "barrier.cluster.wait" in l)
+    mutant = "\n".join(l for i, l in enumerate(lines) if i not in (arrive, wait))
+    from kernels.manifest import REPO_ROOT
+
+    bad = audit_ptx(mutant, [p.role for p in spec.params], param_names=[p.name for p in spec.params],
+                    source_root=REPO_ROOT)
+    hits = [f for f in bad.errors if f.rule == "dsmem-before-cluster-wait"]
+    # the 32 pushes (one per accumulator) come from one source line: one finding, located there
+    assert len(hits) == 1 and "st.shared::cluster" in hits[0].ptx, [str(f) for f in bad.findings]
+    path, line = hits[0].source.split(":")
+    assert path == "kernels/ops/gemv.py" and "map_dsmem_ptr" in (REPO_ROOT / path).read_text().splitlines()[int(line) - 1]

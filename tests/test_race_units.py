@@ -383,3 +383,36 @@ $L_skip:
 	setp.lt.u32 %p2, %r5, %r9;
 	@%p2 bra $L_top;"""
     assert "undeclared-sync" not in audit_ptx(_ptx(body), ["activation", "activation", "scalar"]).rules_hit()
+
+
+_SHARED = "\t.shared .align 16 .b8 smem[256];\n\tmov.u32 %r3, smem;\n\tmapa.shared::cluster.u32 %r4, %r3, 1;\n"
+
+
+def test_distributed_shared_memory_needs_the_peer_started_and_alive():
+    """dsmem-before-cluster-wait: a store to (or load from) another CTA's shared memory must
+    come after a barrier.cluster.wait on every path (the peer has started); the relaxed arrive
+    on entry is what the wait completes. dsmem-read-at-exit: after reading a peer's shared
+    memory a CTA must arrive (release, not relaxed) and wait before it exits."""
+    roles = ["activation", "activation", "scalar"]
+    entry = "\tbarrier.cluster.arrive.relaxed.aligned;\n"
+    push = "\tst.shared::cluster.f32 [%r4], %r9;\n"
+    done = "\tbarrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;\n"
+    ok = entry + _SHARED + "\tbarrier.cluster.wait.aligned;\n" + push + done
+    assert audit_ptx(_ptx(ok), roles).clean, [str(f) for f in audit_ptx(_ptx(ok), roles).findings]
+    early = _SHARED + push + done  # the push lands before any wait: the peer may not have started
+    f = [x for x in audit_ptx(_ptx(early), roles).findings if x.rule == "dsmem-before-cluster-wait"]
+    assert len(f) == 1 and f[0].severity == "error" and "may not have started" in f[0].message
+    one_branch = (entry + _SHARED + "\tsetp.ne.s32 %p1, %r9, 0;\n\t@%p1 bra $L__skip;\n"
+                  "\tbarrier.cluster.wait.aligned;\n$L__skip:\n" + push + done)
+    assert "dsmem-before-cluster-wait" in audit_ptx(_ptx(one_branch), roles).rules_hit()
+    pull = "\tld.shared::cluster.f32 %r5, [%r4];\n\tst.global.b32 [%rd2], %r5;\n"
+    read_ok = entry + _SHARED + "\tbarrier.cluster.wait.aligned;\n" + pull + done
+    assert audit_ptx(_ptx(read_ok), roles).clean
+    read_exit = entry + _SHARED + "\tbarrier.cluster.wait.aligned;\n" + pull  # straight to ret
+    g = [x for x in audit_ptx(_ptx(read_exit), roles).findings if x.rule == "dsmem-read-at-exit"]
+    assert len(g) == 1 and "release" in g[0].message
+    relaxed_only = (entry + _SHARED + "\tbarrier.cluster.wait.aligned;\n" + pull
+                    + "\tbarrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n")
+    assert "dsmem-read-at-exit" in audit_ptx(_ptx(relaxed_only), roles).rules_hit()
+    plain = _SHARED + "\tld.shared.f32 %r5, [%r3];\n\tst.global.b32 [%rd2], %r5;\n"
+    assert audit_ptx(_ptx(plain), roles).clean  # the CTA's own shared memory: no cluster rule

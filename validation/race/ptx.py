@@ -68,6 +68,14 @@ def _sem_scope(tokens: list[str], default_sem: str) -> tuple[str, str | None]:
 
 def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     op0 = tokens[0]
+    if op0 in ("ld", "st", "atom", "red") and "shared::cluster" in tokens:
+        # distributed shared memory: another CTA's shared memory (through a mapa address)
+        ins.extra["dsmem"] = "read" if op0 == "ld" else "write"
+    if op0 == "barrier" and "cluster" in tokens:
+        if "wait" in tokens:
+            ins.extra["cluster_barrier"] = "wait"
+        elif "arrive" in tokens:
+            ins.extra["cluster_barrier"] = "arrive_relaxed" if "relaxed" in tokens else "arrive"
     if op0 in ("ld", "ldu"):
         space = _space(tokens)
         if space in ("global", "generic"):

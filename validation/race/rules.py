@@ -57,6 +57,13 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("undeclared-sync", ERROR,
          "a loop whose exit depends on a value it loads from a buffer the manifest does not "
          "declare `sync` (a cross-CTA handshake the ordering rules would not check)"),
+    Rule("dsmem-before-cluster-wait", ERROR,
+         "a distributed-shared-memory access (ld/st/atom/red .shared::cluster) not dominated by a "
+         "barrier.cluster.wait: the peer CTA may not have started, its shared memory not valid yet"),
+    Rule("dsmem-read-at-exit", ERROR,
+         "a path from a distributed-shared-memory read to the kernel's exit with no "
+         "barrier.cluster.arrive (not .relaxed) and wait after it: the peer may exit and release "
+         "the shared memory being read"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -381,6 +388,10 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
     if any(ins.kind == ir.GRIDDEP_WAIT for ins in fn.instrs):
         findings += _before_griddep_wait(cfg, prov, roles)
 
+    # -- distributed shared memory: peers started before, and still there during, any access --
+    if not sass and any(ins.extra.get("dsmem") for ins in fn.instrs):
+        findings += _dsmem_order(cfg)
+
     # -- barriers under thread-dependent control ----------------------------------------------
     if not sass:
         for ins in fn.instrs:
@@ -527,6 +538,50 @@ def _before_griddep_wait(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFi
                                 tuple(mutable)))
 
     st_in = _forward(cfg, {"W": False}, set(), {"W": False}, {"W"}, step)
+    found: list[RawFinding] = []
+    _replay(cfg, st_in, step, found.append)
+    return found
+
+
+def _dsmem_order(cfg: CFG) -> list[RawFinding]:
+    """PTX only (SASS shows distributed shared memory as generic LD/ST). Forward analyses over
+    the cluster barrier phases a thread passes:
+      * W (must): every path from the entry has passed a barrier.cluster.wait. A CTA may touch
+        a peer's shared memory only once the peer has started, which a wait on a phase every
+        CTA arrives at guarantees; before it, an access may land in a CTA that has not.
+      * R (may): a read of a peer's shared memory not yet followed by an arrive (release) and a
+        wait; P (must): that arrive has happened. At an exit with R set, the peer may already
+        have passed its last barrier and exited, releasing the memory this CTA reads.
+    Writes to peers need no exit check: their owner reads them only after a wait, which is what
+    keeps it alive until every write has landed."""
+    def step(ins: ir.Instr, st: dict, emit) -> None:
+        bar = ins.extra.get("cluster_barrier")
+        if bar == "wait":
+            st["W"] = True
+            if st["P"]:
+                st["R"], st["P"] = False, False
+            return
+        if bar == "arrive":
+            if st["R"]:
+                st["P"] = True
+            return
+        access = ins.extra.get("dsmem")
+        if access:
+            if emit is not None and not st["W"]:
+                emit(RawFinding("dsmem-before-cluster-wait", ins,
+                                f"{'read of' if access == 'read' else 'write to'} another CTA's shared memory "
+                                "before any barrier.cluster.wait: that CTA may not have started yet (arrive "
+                                "at a cluster barrier on entry, wait on it before the first access)"))
+            if access == "read":
+                st["R"], st["P"] = True, False
+            return
+        if ins.kind == ir.EXIT and emit is not None and st["R"]:
+            emit(RawFinding("dsmem-read-at-exit", ins,
+                            "exit after reading another CTA's shared memory with no barrier.cluster.arrive "
+                            "and wait since: the peer may exit first and release what is being read"))
+
+    init = {"W": False, "R": False, "P": False}
+    st_in = _forward(cfg, init, set(), init, {"W", "P"}, step)
     found: list[RawFinding] = []
     _replay(cfg, st_in, step, found.append)
     return found
