@@ -240,7 +240,7 @@ def ex_launch_config(driver, grid, block, smem: int, stream, *, pdl: bool = Fals
         attrs.append(attr)
     if cluster is not None:
         dims = [int(v) for v in cluster]
-        if len(dims) != 3 or any(g % c for g, c in zip(grid, dims)):
+        if len(dims) != 3 or min(dims) < 1 or any(g % c for g, c in zip(grid, dims)):
             raise LaunchError(f"cluster {dims} does not divide the grid {list(grid)}")
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

@@ -291,9 +291,13 @@ def test_warpgroup_sass(tmp_path):
         assert len(w_copies) == 6 * 4 and max(w_copies) < max(mmas)
         assert not any(o.startswith("LDG") and not o.startswith("LDGSTS") and not o.startswith("LDGDEPBAR")
                        for o in opc)  # no register load of anything global
+        # In the loop: the copies' wait, then the async-proxy fence, then the CTA barrier, then
+        # the stage's wgmmas.
         fence = [i for i, o in enumerate(opc) if o.startswith("FENCE.VIEW.ASYNC.S")]
-        bars = [i for i, o in enumerate(opc) if o.startswith("BAR.SYNC")]
-        assert len(fence) == 1 and any(b > fence[0] for b in bars) and fence[0] < min(mmas)
+        assert len(fence) == 1
+        waits = [i for i, o in enumerate(opc) if o.startswith("DEPBAR.LE") and i < fence[0]]
+        bar = next(i for i, o in enumerate(opc) if o.startswith("BAR.SYNC") and i > fence[0])
+        assert waits and max(waits) < fence[0] < bar < min(mmas)
         # one phase arrived at on entry and waited on before the pushes, one after them
         assert sum(o.startswith("UCGABAR_ARV") for o in opc) == 2 and sum(o.startswith("UCGABAR_WAIT") for o in opc) == 2
         if pdl:

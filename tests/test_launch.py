@@ -383,4 +383,7 @@ def test_a_cluster_that_does_not_divide_the_grid_is_refused(fake_cuda):
     meta["launch"].update(grid=[6, 1, 1], cluster=[4, 1, 1])
     with pytest.raises(LaunchError, match=r"cluster \[4, 1, 1\] does not divide the grid \[6, 1, 1\]"):
         _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
+    meta["launch"]["cluster"] = [0, 1, 1]
+    with pytest.raises(LaunchError, match=r"cluster \[0, 1, 1\] does not divide"):
+        _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
     assert not any(c[0].startswith("cuLaunch") for c in drv.calls)

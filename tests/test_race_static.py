@@ -218,3 +218,14 @@ def test_cluster_reduction_is_clean_and_its_missing_entry_barrier_is_flagged():
     assert len(hits) == 1 and "st.shared::cluster" in hits[0].ptx, [str(f) for f in bad.findings]
     path, line = hits[0].source.split(":")
     assert path == "kernels/ops/gemv.py" and "map_dsmem_ptr" in (REPO_ROOT / path).read_text().splitlines()[int(line) - 1]
+    # The barrier after the pushes removed, or made relaxed: the owner's sums may read its slots
+    # before the peers' pushes land (dsmem-write-unsynced, at the owner's shared load).
+    arrive2 = max(i for i, l in enumerate(lines) if "barrier.cluster.arrive" in l)
+    wait2 = max(i for i, l in enumerate(lines) if "barrier.cluster.wait" in l)
+    assert arrive2 != arrive and wait2 != wait and "relaxed" not in lines[arrive2]
+    for mutant in ("\n".join(l for i, l in enumerate(lines) if i not in (arrive2, wait2)),
+                   "\n".join(l.replace("barrier.cluster.arrive", "barrier.cluster.arrive.relaxed") if i == arrive2
+                             else l for i, l in enumerate(lines))):
+        rep = audit_ptx(mutant, [p.role for p in spec.params], param_names=[p.name for p in spec.params],
+                        source_root=REPO_ROOT)
+        assert "dsmem-write-unsynced" in rep.rules_hit(), [str(f) for f in rep.findings]

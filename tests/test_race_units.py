@@ -416,3 +416,24 @@ def test_distributed_shared_memory_needs_the_peer_started_and_alive():
     assert "dsmem-read-at-exit" in audit_ptx(_ptx(relaxed_only), roles).rules_hit()
     plain = _SHARED + "\tld.shared.f32 %r5, [%r3];\n\tst.global.b32 [%rd2], %r5;\n"
     assert audit_ptx(_ptx(plain), roles).clean  # the CTA's own shared memory: no cluster rule
+
+
+def test_writes_to_a_peer_must_land_before_they_are_read_or_the_kernel_exits():
+    """dsmem-write-unsynced: after pushing into another CTA's shared memory, a CTA reads shared
+    memory (the slots its peers pushed into it) or exits only after a release arrive and a wait;
+    a relaxed arrive orders nothing. An atom on a peer both reads and writes."""
+    roles = ["activation", "activation", "scalar"]
+    head = "\tbarrier.cluster.arrive.relaxed.aligned;\n" + _SHARED + "\tbarrier.cluster.wait.aligned;\n"
+    push = "\tst.shared::cluster.f32 [%r4], %r9;\n"
+    own = "\tld.shared.f32 %r5, [%r3];\n\tst.global.b32 [%rd2], %r5;\n"
+    done = "\tbarrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;\n"
+    assert audit_ptx(_ptx(head + push + done + own), roles).clean
+    early = [f for f in audit_ptx(_ptx(head + push + own + done), roles).findings if f.rule == "dsmem-write-unsynced"]
+    assert len(early) == 1 and "before the peers' writes land" in early[0].message
+    relaxed = head + push + "\tbarrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n" + own
+    assert "dsmem-write-unsynced" in audit_ptx(_ptx(relaxed), roles).rules_hit()
+    exits = [f for f in audit_ptx(_ptx(head + push), roles).findings if f.rule == "dsmem-write-unsynced"]
+    assert len(exits) == 1 and "exited" in exits[0].message
+    atom = head + "\tatom.shared::cluster.add.u32 %r5, [%r4], 1;\n\tst.global.b32 [%rd2], %r5;\n"
+    assert {"dsmem-read-at-exit", "dsmem-write-unsynced"} <= audit_ptx(_ptx(atom), roles).rules_hit()
+    assert audit_ptx(_ptx(atom + done), roles).clean

@@ -69,8 +69,11 @@ def _sem_scope(tokens: list[str], default_sem: str) -> tuple[str, str | None]:
 def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     op0 = tokens[0]
     if op0 in ("ld", "st", "atom", "red") and "shared::cluster" in tokens:
-        # distributed shared memory: another CTA's shared memory (through a mapa address)
-        ins.extra["dsmem"] = "read" if op0 == "ld" else "write"
+        # distributed shared memory: another CTA's shared memory (through a mapa address);
+        # atom returns the old value, so it both reads and writes
+        ins.extra["dsmem"] = {"ld": "read", "atom": "rw"}.get(op0, "write")
+    elif op0 == "ld" and "shared" in tokens:
+        ins.extra["shared_read"] = True  # this CTA's own shared memory
     if op0 == "barrier" and "cluster" in tokens:
         if "wait" in tokens:
             ins.extra["cluster_barrier"] = "wait"

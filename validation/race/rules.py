@@ -64,6 +64,10 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "a path from a distributed-shared-memory read to the kernel's exit with no "
          "barrier.cluster.arrive (not .relaxed) and wait after it: the peer may exit and release "
          "the shared memory being read"),
+    Rule("dsmem-write-unsynced", ERROR,
+         "after a write to another CTA's shared memory, a read of shared memory or the kernel's "
+         "exit with no barrier.cluster.arrive (not .relaxed) and wait between: the owner may read "
+         "before the write lands, or the write may land in a CTA that has exited"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -552,36 +556,55 @@ def _dsmem_order(cfg: CFG) -> list[RawFinding]:
       * R (may): a read of a peer's shared memory not yet followed by an arrive (release) and a
         wait; P (must): that arrive has happened. At an exit with R set, the peer may already
         have passed its last barrier and exited, releasing the memory this CTA reads.
-    Writes to peers need no exit check: their owner reads them only after a wait, which is what
-    keeps it alive until every write has landed."""
+      * S (may): a write to a peer's shared memory not yet followed by an arrive (release) and a
+        wait; Q (must): that arrive has happened. A read of shared memory (this CTA's own: the
+        owner reading what peers pushed, or a peer's) with S set may run before the writes land;
+        an exit with S set may leave a write to land in a CTA that has exited.
+    Known limits: peer addresses reached through a generic `mapa` and a plain ld/st, and bulk
+    copies or mbarrier operations on shared::cluster, are not tracked."""
     def step(ins: ir.Instr, st: dict, emit) -> None:
         bar = ins.extra.get("cluster_barrier")
         if bar == "wait":
             st["W"] = True
             if st["P"]:
                 st["R"], st["P"] = False, False
+            if st["Q"]:
+                st["S"], st["Q"] = False, False
             return
         if bar == "arrive":
-            if st["R"]:
-                st["P"] = True
+            st["P"] = st["P"] or st["R"]
+            st["Q"] = st["Q"] or st["S"]
             return
         access = ins.extra.get("dsmem")
+        reads = access in ("read", "rw") or ins.extra.get("shared_read")
+        if emit is not None and reads and st["S"]:
+            emit(RawFinding("dsmem-write-unsynced", ins,
+                            "read of shared memory after a write to another CTA's shared memory with no "
+                            "barrier.cluster.arrive (release) and wait between: the read may run before "
+                            "the peers' writes land"))
         if access:
             if emit is not None and not st["W"]:
                 emit(RawFinding("dsmem-before-cluster-wait", ins,
                                 f"{'read of' if access == 'read' else 'write to'} another CTA's shared memory "
                                 "before any barrier.cluster.wait: that CTA may not have started yet (arrive "
                                 "at a cluster barrier on entry, wait on it before the first access)"))
-            if access == "read":
+            if access in ("read", "rw"):
                 st["R"], st["P"] = True, False
+            if access in ("write", "rw"):
+                st["S"], st["Q"] = True, False
             return
-        if ins.kind == ir.EXIT and emit is not None and st["R"]:
-            emit(RawFinding("dsmem-read-at-exit", ins,
-                            "exit after reading another CTA's shared memory with no barrier.cluster.arrive "
-                            "and wait since: the peer may exit first and release what is being read"))
+        if ins.kind == ir.EXIT and emit is not None:
+            if st["R"]:
+                emit(RawFinding("dsmem-read-at-exit", ins,
+                                "exit after reading another CTA's shared memory with no barrier.cluster.arrive "
+                                "and wait since: the peer may exit first and release what is being read"))
+            if st["S"]:
+                emit(RawFinding("dsmem-write-unsynced", ins,
+                                "exit after writing another CTA's shared memory with no barrier.cluster.arrive "
+                                "and wait since: the write may land in a CTA that has exited"))
 
-    init = {"W": False, "R": False, "P": False}
-    st_in = _forward(cfg, init, set(), init, {"W", "P"}, step)
+    init = {"W": False, "R": False, "P": False, "S": False, "Q": False}
+    st_in = _forward(cfg, init, set(), init, {"W", "P", "Q"}, step)
     found: list[RawFinding] = []
     _replay(cfg, st_in, step, found.append)
     return found
