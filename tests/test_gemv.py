@@ -53,7 +53,8 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
         else:
             assert lc.grid[0] * op.rows_per_cta == shape["n"]
             assert lc.smem_bytes <= G.SMEM_LIMIT
-        assert op.tensor_specs()["partials"].shape == (op.splits, shape["batch"], shape["n"])
+        partials = (1, 1, 1) if op.wg and op.cluster else (op.splits, shape["batch"], shape["n"])
+        assert op.tensor_specs()["partials"].shape == partials  # a cluster reduces without them
         assert op.tensor_specs()["counters"].shape == (shape["n"] // op.rows_per_cta,)
 
 
@@ -240,6 +241,7 @@ def test_warpgroup_design_plan():
     assert lc.grid == (4, 56, 1) and lc.cluster == (4, 1, 1) and lc.to_dict()["cluster"] == [4, 1, 1]
     # rings + alignment + verdict + the reduction's slots: 4 splits x 8 batch rows x (16 + 4) fp32
     assert b8.smem_bytes == 6 * (64 + 8) * 64 * 2 + 2 * 1024 + 16 + 4 * 8 * 20 * 4 + 16
+    assert b8.tensor_specs()["partials"].shape == (1, 1, 1)  # the cluster reduces in shared memory
     b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
     assert (b64.rows_per_cta, b64.threads, b64.splits) == (128, 256, 2)  # 184 KB: one CTA per SM, 112
     router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"})
@@ -305,6 +307,8 @@ def test_warpgroup_sass(tmp_path):
             assert len(acq) == 1 and sorted(w_copies)[19] < acq[0] < min(x_copies)
     ptx = Path(art.paths["ptx"]).read_text()
     assert ptx.count("st.shared::cluster") == 32 and "ld.shared::cluster" not in ptx
+    # launched without its cluster, the kernel stops instead of pushing to CTAs that do not exist
+    assert "%cluster_nctarank" in ptx and "trap;" in ptx
     assert "mapa.shared::cluster" in ptx and "fence.proxy.async.shared::cta" in ptx
     # entry: a relaxed arrive; the first wait precedes every remote store, the second arrive
     # follows them all

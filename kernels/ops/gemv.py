@@ -102,7 +102,7 @@ WG_N_STEP = 8  # wgmma N granularity: the batch must be a multiple of it
 WG_SWIZZLE_ALIGN = 1024  # a 128-byte-swizzled shared tile starts on a 1 KB boundary
 MAX_CLUSTER = 8  # the portable thread block cluster size
 SM_SMEM = 228 * 1024  # shared memory per SM of sm_90 (what resident CTAs share)
-CTA_SMEM_RESERVED = 1024  # the driver's reserve per resident CTA
+CTA_SMEM_RESERVED = 2048  # per resident CTA: the driver's 1 KB reserve + the DSL's 1 KB of static smem
 SM_THREADS = 2048  # resident threads per SM
 STAGED_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the staged design's swizzle period
@@ -421,7 +421,9 @@ class GemvOp(OpBase):
             "x": TensorSpec((self.batch, self.k), "bfloat16"),
             "w": TensorSpec((self.n, self.k), "bfloat16"),
             "y": TensorSpec((self.batch, self.n), self.out_dtype),
-            "partials": TensorSpec((self.splits, self.batch, self.n), "float32"),
+            # split-K partials in global memory; the cluster reduction needs none (one element)
+            "partials": TensorSpec((1, 1, 1) if getattr(self, "cluster", None) else (self.splits, self.batch, self.n),
+                                   "float32"),
             "counters": TensorSpec((self.n // self.rows_per_cta,), "int32"),
         }
 
@@ -752,6 +754,10 @@ class GemvOp(OpBase):
         tidx, _, _ = cute.arch.thread_idx()
         split, block, _ = cute.arch.block_idx()
         if cutlass.const_expr(self.cluster is not None):
+            # Launched without its cluster (a launcher that drops the attribute), the pushes
+            # would address CTAs that do not exist: stop with an error instead.
+            if cute.arch.cluster_size() != self.splits:
+                _trap()
             # A CTA may touch a peer's shared memory only once the peer has started: arrive
             # now (relaxed, nothing waits here); the reduction waits on this phase before
             # its first remote store.
@@ -1382,6 +1388,13 @@ def _issue_here(vectors):
                               ",".join(["=r"] * n + [str(i) for i in range(n)]), has_side_effects=True)
         for i in range(n):
             words[i] = u32(llvm.extractvalue(T.i32(), res, [i]))
+
+
+def _trap():
+    """Trace-time helper: PTX `trap` (the launch fails with an illegal-instruction error)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True)
 
 
 def _copy_regs(dst, src):
