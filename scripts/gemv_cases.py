@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("cases", nargs="+", type=int, help="indices into the plan's cases")
     ap.add_argument("--launches", type=int, default=2, help="launch: launches per case")
     ap.add_argument("--torch", action="store_true", help="launch: also torch's path on each case's shape")
+    ap.add_argument("--drop-cluster", action="store_true",
+                    help="launch: launch without the metadata's thread block cluster (a misuse the "
+                         "clustered kernels must refuse: they trap)")
     args = ap.parse_args(argv)
 
     import torch
@@ -60,9 +63,15 @@ def main(argv=None) -> int:
         t = case.inputs()
         y = torch.empty(case.specs["y"][0], dtype=case.specs["y"][1], device="cuda")
         torch.cuda.synchronize()
-        for _ in range(args.launches):
-            kern(t["x"], t["w"], y, t["partials"], t["counters"])
-        torch.cuda.synchronize()
+        if args.drop_cluster:
+            kern.launch.pop("cluster", None)
+        try:
+            for _ in range(args.launches):
+                kern(t["x"], t["w"], y, t["partials"], t["counters"])
+            torch.cuda.synchronize()
+        except Exception as e:  # a trap leaves the context unusable: report and stop
+            print(f"{label}: the launch failed: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            return 1
         print(f"{label}: {args.launches} launches", flush=True)
         if args.torch:
             for _ in range(args.launches):
