@@ -200,6 +200,17 @@ def test_staged_design_plan():
     assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65).staged is False
 
 
+def _sass_copies(art):
+    """The SASS opcodes of a build (predicates dropped) and the indices of its 16-byte cp.async
+    copies: W's (LDGSTS...BYPASS, L2 only) and x's (LDGSTS, kept in L1)."""
+    flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
+            if l.strip().startswith("/*") and "*/" in l and ";" in l]
+    opc = [o.split()[1] if o.startswith("@") else o.split()[0] for o in flat]
+    w_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" in o]
+    x_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" not in o]
+    return opc, w_copies, x_copies
+
+
 @pytest.mark.slow
 def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
     """Through the real build, batch 64 on 7168 -> 3584: W reaches shared memory only through
@@ -214,11 +225,7 @@ def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
     for pdl in (0, 1):
         art = build_variant("gemv", shape, {"staged_from_batch": 16, "wg_from_batch": 65, "pdl": pdl}, root=tmp_path)
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
-        flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
-                if l.strip().startswith("/*") and "*/" in l and ";" in l]
-        opc = [o.split()[1] if o.startswith("@") else o.split()[0] for o in flat]
-        w_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" in o]
-        x_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" not in o]
+        opc, w_copies, x_copies = _sass_copies(art)
         mmas = [i for i, o in enumerate(opc) if o.startswith("HMMA")]
         first_wait = min(i for i, o in enumerate(opc) if o.startswith("DEPBAR"))
         assert len(w_copies) == 32 and len(x_copies) == 16  # 4 stages' worth: 3 in the prologue, 1 in the loop
@@ -282,11 +289,7 @@ def test_warpgroup_sass(tmp_path):
         art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
         assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
-        flat = [l.split("*/", 1)[1].split(";")[0].strip() for l in Path(art.paths["sass"]).read_text().splitlines()
-                if l.strip().startswith("/*") and "*/" in l and ";" in l]
-        opc = [o.split()[1] if o.startswith("@") else o.split()[0] for o in flat]
-        w_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" in o]
-        x_copies = [i for i, o in enumerate(opc) if o.startswith("LDGSTS") and "BYPASS" not in o]
+        opc, w_copies, x_copies = _sass_copies(art)
         mmas = [i for i, o in enumerate(opc) if o.startswith("HGMMA")]
         assert mmas and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas) and len(mmas) == 4
         # 16 KB of W per stage over 256 threads: 4 copies each; 5 prologue stages + the loop's.
