@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +34,18 @@ def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jo
     """Build every (ident, kernel, shape, tunables) under `build_root`, audit it (PTX and SASS,
     manifest roles), replace `carry` with each variant's cubin and meta.json plus plan.json (with
     `extra`'s fields), and print one line per variant. Returns 1 when any static audit is not
-    clean, else 0."""
+    clean, 2 (one line, nothing built) when git cannot say which commit this is, else 0."""
     from kernels.build import build_variant
     from kernels.manifest import load_manifest
     from validation.race.artifacts import audit_artifact
 
+    try:  # asked first: a plan must record its commit, and a failure here should cost no build
+        # dirty: anything that decides the cubins or the audit verdicts recorded here
+        commit = _git("rev-parse", "HEAD")
+        dirty = bool(_git("status", "--porcelain", "--", "kernels", "scripts", "validation", "tests/fixtures"))
+    except (RuntimeError, OSError) as e:
+        print(f"explore: cannot record the commit: {e}", file=sys.stderr)
+        return 2
     man = load_manifest()
     # Build and audit before touching `carry`: a failed build leaves the previous carry whole.
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:  # each build compiles in a child process
@@ -63,10 +71,7 @@ def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jo
         print(f"{ident:30s} regs {r['registers']:3d} grid {launch['grid'][0]:6d} block {launch['block'][0]:4d} "
               f"smem {launch['smem_bytes']:6d} audit {'clean' if rep.clean else sorted(rep.rules_hit())}",
               flush=True)
-    # dirty: anything that decides the cubins or the audit verdicts recorded here
-    doc = {"commit": _git("rev-parse", "HEAD"),
-           "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts", "validation", "tests/fixtures")),
-           "command": command, **(extra or {}), "entries": entries}
+    doc = {"commit": commit, "dirty": dirty, "command": command, **(extra or {}), "entries": entries}
     (staging / "plan.json").write_text(json.dumps(doc, indent=1))
     if carry.exists():
         shutil.rmtree(carry)

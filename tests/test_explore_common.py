@@ -135,3 +135,24 @@ def test_routing_inputs_at_the_shapes_batch():
     one = explore_common.routing_inputs({k: v for k, v in shape.items() if k != "batch"}, "uniform",
                                         torch.Generator().manual_seed(2), "cpu")
     assert one[0].shape == (1, 8)
+
+
+def test_no_commit_is_one_line_and_builds_nothing(tmp_path, monkeypatch, capsys):
+    """Where git cannot name the commit (not a checkout, git missing), build_and_carry says so in
+    one line and returns 2 before building anything; the previous carry stays whole."""
+    from kernels import build as kbuild
+
+    carry = tmp_path / "carry"
+    (carry / "old").mkdir(parents=True)
+    built = []
+    monkeypatch.setattr(kbuild, "build_variant", lambda *a, **k: built.append(a))
+
+    def no_git(*args):
+        raise RuntimeError("git rev-parse HEAD failed: fatal: not a git repository")
+
+    monkeypatch.setattr(explore_common, "_git", no_git)
+    rc = explore_common.build_and_carry([("v", "rmsnorm", {"batch": 1, "width": 3584}, {})],
+                                        build_root=tmp_path / "b", carry=carry, command="x")
+    assert rc == 2 and built == [] and (carry / "old").is_dir()
+    assert capsys.readouterr().err == ("explore: cannot record the commit: git rev-parse HEAD failed: "
+                                       "fatal: not a git repository\n")
