@@ -218,11 +218,6 @@ def _check(result, call: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def pdl_launch_config(driver, grid, block, smem: int, stream):
-    """`ex_launch_config` with programmatic dependent launch only."""
-    return ex_launch_config(driver, grid, block, smem, stream, pdl=True)
-
-
 def ex_launch_config(driver, grid, block, smem: int, stream, *, pdl: bool = False, cluster=None):
     """A `CUlaunchConfig` for cuLaunchKernelEx.
 
