@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from kernels.launch import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES
 from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, ManifestError, load_manifest
 from kernels.ptx import PtxError, dynamic_shared_symbols, parse_single_entry
 
@@ -349,7 +350,14 @@ def _zip_params(spec: KernelSpec, entry, specs: dict, label: str) -> list[dict]:
             raise BuildError(
                 f"{where}: parameter {man_p.name!r} has role {man_p.role!r} but its spec is a {s['kind']}"
             )
-        if s["kind"] == "tensor" and ptx_p.size != 8:
+        if s["kind"] == "tensor" and s.get("tma") is not None:
+            if (ptx_p.size, ptx_p.align) != (TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN):
+                raise BuildError(
+                    f"{where}: buffer {man_p.name!r} is read by TMA (its spec has a tensor map), so the "
+                    f"PTX parameter must be a by-value {TENSOR_MAP_BYTES}-byte tensor map aligned to "
+                    f"{TENSOR_MAP_ALIGN}; it is {ptx_p.size} bytes aligned to {ptx_p.align}"
+                )
+        elif s["kind"] == "tensor" and ptx_p.size != 8:
             raise BuildError(
                 f"{where}: buffer {man_p.name!r} is {ptx_p.size} bytes in the PTX, expected one 8-byte "
                 "pointer (a static-layout tensor); dynamic layouts are not supported by the launcher"

@@ -24,6 +24,10 @@ from typing import Any, Sequence
 # Dynamic shared memory above this needs an explicit opt-in per function (CUDA's default cap).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 POINTER_ALIGNMENT = 16  # kernels are compiled assuming 16-byte aligned buffers (vector loads)
+TENSOR_MAP_BYTES = 128  # a CUtensorMap: by value in the parameter space, 64-byte aligned
+TENSOR_MAP_ALIGN = 64
+TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "uint32": 4, "int64": 8}
 
 # PTX parameter type -> ctypes type of the by-value argument.
 _PTX_SCALAR_CTYPES = {
@@ -119,13 +123,78 @@ def _scalar_value(param: dict, value: Any):
     return ctype(value), ctype
 
 
-def pack_args(meta_params: Sequence[dict], args: Sequence[Any], *, device_type: str = "cuda"):
+def tensor_map_args(param: dict, ptr: int) -> dict:
+    """The `cuTensorMapEncodeTiled` arguments for a buffer parameter read by TMA, as plain values
+    (pure: CPU-testable). The tensor is the spec's row-major buffer at `ptr`; the map names its
+    dims innermost first, with the byte pitch of every dim past the first, and the spec's box
+    and swizzle. Raises LaunchError on a map the hardware refuses."""
+    name = param.get("name", f"#{param.get('index')}")
+    spec = param["spec"]
+    tma = spec["tma"]
+    shape = [int(v) for v in spec["shape"]]
+    esize = _ELEMENT_BYTES[spec["dtype"]]
+    dims = list(reversed(shape))
+    box = [int(v) for v in tma["box"]]
+    swizzle = int(tma.get("swizzle", 0))
+    if len(box) != len(dims) or not 1 <= len(dims) <= 5:
+        raise LaunchError(f"parameter {name!r}: a tensor map of rank {len(dims)} needs a box of as many "
+                          f"dims (1..5), got {box}")
+    if any(not 1 <= b <= 256 or b > d for b, d in zip(box, dims)):
+        raise LaunchError(f"parameter {name!r}: box {box} must be 1..256 per dim and within the dims {dims}")
+    if swizzle not in TENSOR_MAP_SWIZZLES:
+        raise LaunchError(f"parameter {name!r}: swizzle {swizzle} not in {TENSOR_MAP_SWIZZLES}")
+    if swizzle and box[0] * esize > swizzle:
+        raise LaunchError(f"parameter {name!r}: the box's inner extent ({box[0] * esize} B) exceeds the "
+                          f"{swizzle}-byte swizzle")
+    if (box[0] * esize) % 16:
+        raise LaunchError(f"parameter {name!r}: the box's inner extent ({box[0] * esize} B) is not a "
+                          "multiple of 16 bytes")
+    pitches, acc = [], esize
+    for d in dims[:-1]:
+        acc *= d
+        pitches.append(acc)
+    if any(p % 16 for p in pitches) or ptr % 16:
+        raise LaunchError(f"parameter {name!r}: TMA needs 16-byte aligned rows and base address "
+                          f"(pitches {pitches}, address {ptr:#x})")
+    return {"dtype": spec["dtype"], "rank": len(dims), "address": int(ptr), "dims": dims,
+            "pitches": pitches, "box": box, "element_strides": [1] * len(dims), "swizzle": swizzle}
+
+
+def encode_tensor_map(args: dict) -> bytes:
+    """The 128-byte CUtensorMap for `tensor_map_args`' values, from the driver
+    (`cuTensorMapEncodeTiled`: needs the CUDA driver, not a device context)."""
+    driver = _driver()
+    dtype = {"bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+             "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32", "int32": "CU_TENSOR_MAP_DATA_TYPE_INT32",
+             "uint32": "CU_TENSOR_MAP_DATA_TYPE_UINT32", "int64": "CU_TENSOR_MAP_DATA_TYPE_INT64"}[args["dtype"]]
+    swz = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[args["swizzle"]]
+    e = driver
+    tmap = _check(
+        driver.cuTensorMapEncodeTiled(
+            getattr(e.CUtensorMapDataType, dtype), args["rank"], args["address"],
+            [e.cuuint64_t(v) for v in args["dims"]], [e.cuuint64_t(v) for v in args["pitches"]],
+            [e.cuuint32_t(v) for v in args["box"]], [e.cuuint32_t(v) for v in args["element_strides"]],
+            e.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            getattr(e.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swz}"),
+            e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            e.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        "cuTensorMapEncodeTiled")
+    raw = bytes((ctypes.c_char * TENSOR_MAP_BYTES).from_address(int(tmap.getPtr())))
+    if len(raw) != TENSOR_MAP_BYTES:
+        raise LaunchError(f"cuTensorMapEncodeTiled returned {len(raw)} bytes, expected {TENSOR_MAP_BYTES}")
+    return raw
+
+
+def pack_args(meta_params: Sequence[dict], args: Sequence[Any], *, device_type: str = "cuda",
+              encode_map=encode_tensor_map):
     """Pack launch arguments the way the cubin's parameters expect them.
 
     `meta_params` is meta.json's "params" (launch order); `args` has one value per parameter:
-    a torch tensor for a buffer (checked with `check_tensor`, passed as its u64 device address),
-    a Python int/float for a scalar (passed as the 4- or 8-byte value of its spec dtype).
-    Returns `(values, types)`: ctypes instances and their ctypes types, in parameter order.
+    a torch tensor for a buffer (checked with `check_tensor`, passed as its u64 device address,
+    or, when the spec has a tensor map, as the 128-byte map `encode_map` makes of
+    `tensor_map_args`), a Python int/float for a scalar (passed as the 4- or 8-byte value of its
+    spec dtype). Returns `(values, types)`: ctypes instances and their ctypes types, in
+    parameter order.
     """
     if len(args) != len(meta_params):
         names = [p.get("name", "?") for p in meta_params]
@@ -133,7 +202,20 @@ def pack_args(meta_params: Sequence[dict], args: Sequence[Any], *, device_type: 
     values, types = [], []
     for param, arg in zip(meta_params, args):
         kind = param["spec"]["kind"]
-        if kind == "tensor":
+        if kind == "tensor" and param["spec"].get("tma") is not None:
+            if (param["size"], param.get("align")) != (TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN):
+                raise LaunchError(
+                    f"parameter {param.get('name')!r}: a tensor map must be a {TENSOR_MAP_BYTES}-byte "
+                    f"parameter aligned to {TENSOR_MAP_ALIGN}, the PTX parameter is {param['size']} bytes"
+                )
+            check_tensor(param, arg, device_type=device_type)
+            raw = encode_map(tensor_map_args(param, arg.data_ptr()))
+            if len(raw) != TENSOR_MAP_BYTES:
+                raise LaunchError(f"parameter {param.get('name')!r}: tensor map of {len(raw)} bytes")
+            value = (ctypes.c_uint8 * TENSOR_MAP_BYTES).from_buffer_copy(raw)
+            values.append(value)
+            types.append(type(value))
+        elif kind == "tensor":
             if param["size"] != 8:
                 raise LaunchError(
                     f"parameter {param.get('name')!r}: a buffer must be one 8-byte pointer in the cubin, "
@@ -341,6 +423,7 @@ class CubinKernel:
         self.params: list[dict] = list(meta["params"])
         self.launch: dict = meta["launch"]
         self._functions: dict[int, Any] = {}
+        self._maps: dict[str, bytes] = {}  # tensor maps by their encoding arguments
 
     @classmethod
     def from_dir(cls, build_dir) -> "CubinKernel":
@@ -354,6 +437,14 @@ class CubinKernel:
         except json.JSONDecodeError as e:
             raise LaunchError(f"{d / 'meta.json'}: not valid JSON ({e})") from None
         return cls(cubin, meta)
+
+    def _tensor_map(self, args: dict) -> bytes:
+        """`encode_tensor_map`, once per distinct map (same buffer, same box) per kernel."""
+        key = json.dumps(args, sort_keys=True)
+        raw = self._maps.get(key)
+        if raw is None:
+            raw = self._maps[key] = encode_tensor_map(args)
+        return raw
 
     @property
     def param_names(self) -> list[str]:
@@ -408,7 +499,8 @@ class CubinKernel:
         """
         ordered = self.bind(*args, **kwargs)
         dev, fn = self._function()  # first: a host without a GPU hears exactly that
-        values, _types = pack_args(self.params, ordered, device_type=self.device_type)
+        values, _types = pack_args(self.params, ordered, device_type=self.device_type,
+                                   encode_map=self._tensor_map)
         for p, a in zip(self.params, ordered):
             if self.device_type == "cuda" and p["spec"]["kind"] == "tensor" and a.device.index != dev:
                 raise LaunchError(f"parameter {p.get('name')!r} is on cuda:{a.device.index}, "

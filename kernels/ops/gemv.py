@@ -77,7 +77,7 @@ design is not on most shapes (foundation/round5/ has the sweeps that chose its d
 
 from kernels import reference
 from kernels.ops import stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorMap, TensorSpec
 from kernels.ops.common import (
     BF16_PER_VECTOR,
     WARP,
@@ -116,7 +116,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 64, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
-                    "wg_wide_from_batch": 32}
+                    "wg_wide_from_batch": 32, "wg_tma": 0}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -162,6 +162,7 @@ class GemvOp(OpBase):
         self.tiled = (not (self.stream or self.wg or self.staged)
                       and self.batch >= int(self.tunables["tiled_from_batch"]))
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
+        self.tma = 0  # the warpgroup design's TMA loads (wg_tma), set by _plan_wg
         if self.stream:
             self._plan_stream()
         elif self.wg:
@@ -350,6 +351,11 @@ class GemvOp(OpBase):
         self.wg_cluster = int(t["wg_cluster"])
         if self.wg_cluster not in (0, 1):
             raise ValueError("gemv: wg_cluster must be 0 or 1")
+        self.tma = int(t["wg_tma"])
+        if self.tma not in (0, 1):
+            raise ValueError("gemv: wg_tma must be 0 or 1")
+        if self.tma and self.stage_k * 2 != 128:
+            raise ValueError("gemv: wg_tma 1 needs wg_k 64 (one 128-byte swizzle line of k per row)")
         total = self.k // self.stage_k
         blocks = self.n // rows
         max_splits = MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
@@ -400,7 +406,8 @@ class GemvOp(OpBase):
         splits = splits or self.splits
         ring = self.stages * self.stage_k * 2
         red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if self.wg_cluster and splits > 1 else 0
-        return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red
+        bars = 2 * self.stages * 8 + 8 if self.tma else 0  # full + empty mbarriers
+        return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red + bars
 
     def _staged_smem(self) -> int:
         # ring (W and x slots, 128-byte aligned) + the last-CTA verdict + the allocator's slack
@@ -417,9 +424,13 @@ class GemvOp(OpBase):
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
+        # With wg_tma, x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
+        # swizzle) that the launcher encodes from the tensors; the contract stays x and w.
+        x_map = TensorMap((self.stage_k, self.batch)) if self.tma else None
+        w_map = TensorMap((self.stage_k, self.rows_per_cta)) if self.tma else None
         return {
-            "x": TensorSpec((self.batch, self.k), "bfloat16"),
-            "w": TensorSpec((self.n, self.k), "bfloat16"),
+            "x": TensorSpec((self.batch, self.k), "bfloat16", x_map),
+            "w": TensorSpec((self.n, self.k), "bfloat16", w_map),
             "y": TensorSpec((self.batch, self.n), self.out_dtype),
             # split-K partials in global memory; the cluster reduction needs none (one element)
             "partials": TensorSpec((1, 1, 1) if getattr(self, "cluster", None) else (self.splits, self.batch, self.n),
@@ -452,7 +463,9 @@ class GemvOp(OpBase):
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                  mC: cute.Tensor):
         lc = self.launch_config()
-        if cutlass.const_expr(lc.cluster is not None):
+        if cutlass.const_expr(self.tma):
+            self._tma_launch(mX, mW, mY, mP, mC, lc)
+        elif cutlass.const_expr(lc.cluster is not None):
             self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
                                                    smem=lc.smem_bytes, cluster=list(lc.cluster))
         else:
@@ -740,8 +753,6 @@ class GemvOp(OpBase):
         copies overwrite was read by the previous stage's wgmmas, which each warpgroup has
         waited for (`wgmma.wait_group 0`) before that barrier."""
         from cutlass.cute.nvgpu import warpgroup
-        from cutlass.utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as sm90
 
         S = self.stages
         G = self.groups
@@ -749,32 +760,11 @@ class GemvOp(OpBase):
         BM = self.rows_per_cta
         BK = self.stage_k
         bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
 
         tidx, _, _ = cute.arch.thread_idx()
         split, block, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.cluster is not None):
-            # Launched without its cluster (a launcher that drops the attribute), the pushes
-            # would address CTAs that do not exist: stop with an error instead.
-            if cute.arch.cluster_size() != self.splits:
-                _trap()
-            # A CTA may touch a peer's shared memory only once the peer has started: arrive
-            # now (relaxed, nothing waits here); the reduction waits on this phase before
-            # its first remote store.
-            cute.arch.cluster_arrive_relaxed()
-        tiler = (BM, B, BK)
-        mma = sm90.make_trivial_tiled_mma(bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                                          f32, (self.warpgroups, 1, 1), tiler_mn=(WG_M, B))
-        lay_w = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, bf16, S)
-        lay_x = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, bf16, S)
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_w.inner)
-        sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
-        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
-        if cutlass.const_expr(self.cluster is not None):
-            pitch = self._red_pitch()
-            sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
-                (self.splits, B, pitch), stride=(B * pitch, pitch, 1)), byte_alignment=16)
+        self._wg_entry()
+        mma, sW, sX, sLast, sRed, _bars = self._wg_smem_tensors()
 
         # Copies: `per_row` threads cover one row's stage (one 16-byte vector each), rows
         # stacked down the thread block; this split's k tiles start at split * G.
@@ -793,16 +783,7 @@ class GemvOp(OpBase):
         tXg, tXs = thr_x.partition_S(gX), thr_x.partition_D(sX)
         kt0 = split * G
 
-        # wgmma operands: descriptors of the slots, per warpgroup
-        wg_idx = cute.arch.make_warp_uniform(tidx // (4 * WARP))
-        thr_mma = mma.get_slice(wg_idx * (4 * WARP))
-        tCrA = mma.make_fragment_A(thr_mma.partition_A(sW))
-        tCrB = mma.make_fragment_B(thr_mma.partition_B(sX))
-        cC = cute.make_identity_tensor((BM, B))
-        tCc = mma.get_slice(tidx).partition_C(cC)  # (row, batch) of each accumulator
-        acc = cute.make_rmem_tensor(tCc.shape, f32)
-        acc.fill(0.0)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
+        tCrA, tCrB, tCc, acc = self._wg_operands(mma, sW, sX, tidx)
 
         # --- prologue: stages 0..S-2 (W before a pdl wait: static; x after it) -----------------
         for st in cutlass.range_constexpr(S - 1):
@@ -838,8 +819,77 @@ class GemvOp(OpBase):
         self._pdl_trigger()
         warpgroup.wait_group(0)
 
-        # --- epilogue --------------------------------------------------------------------------
-        row0 = block * BM
+        self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
+
+    # -- warpgroup design: what the cp.async and the TMA bodies share ---------------------------
+    @cute.jit
+    def _wg_entry(self):
+        """Entry of a clustered CTA: refuse a launch without its cluster, then arrive (relaxed)
+        so that peers know this CTA has started."""
+        if cutlass.const_expr(self.cluster is not None):
+            # Launched without its cluster (a launcher that drops the attribute), the pushes
+            # would address CTAs that do not exist: stop with an error instead.
+            if cute.arch.cluster_size() != self.splits:
+                _trap()
+            # A CTA may touch a peer's shared memory only once the peer has started: arrive
+            # now (relaxed, nothing waits here); the reduction waits on this phase before
+            # its first remote store.
+            cute.arch.cluster_arrive_relaxed()
+
+    def _wg_layouts(self):
+        """Trace-time: the tiled wgmma and the staged W and x slot layouts (128-byte swizzled,
+        k-major)."""
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        bf16 = cutlass.BFloat16
+        tiler = (self.rows_per_cta, self.batch, self.stage_k)
+        mma = sm90.make_trivial_tiled_mma(bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                                          cutlass.Float32, (self.warpgroups, 1, 1), tiler_mn=(WG_M, self.batch))
+        lay_w = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, bf16, self.stages)
+        lay_x = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, bf16, self.stages)
+        return mma, lay_w, lay_x
+
+    def _wg_smem_tensors(self):
+        """Trace-time: the shared memory of the design (see `_wg_smem` for its size): the W and
+        x rings, the last-CTA verdict, the cluster's reduction slots (None without a cluster)
+        and, with TMA, the full and empty mbarriers of each stage (None without)."""
+        mma, lay_w, lay_x = self._wg_layouts()
+        bf16 = cutlass.BFloat16
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_w.inner)
+        sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
+        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+        sRed = None
+        if cutlass.const_expr(self.cluster is not None):
+            pitch = self._red_pitch()
+            sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
+                (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
+        bars = smem.allocate_array(cutlass.Int64, 2 * self.stages) if self.tma else None
+        return mma, sW, sX, sLast, sRed, bars
+
+    def _wg_operands(self, mma, sW, sX, tidx):
+        """Trace-time: the wgmma operand descriptors of the slots (per warpgroup), the (row,
+        batch) coordinate of each accumulator, and the zeroed fp32 accumulators."""
+        from cutlass.cute.nvgpu import warpgroup
+
+        wg_idx = cute.arch.make_warp_uniform(tidx // (4 * WARP))
+        thr_mma = mma.get_slice(wg_idx * (4 * WARP))
+        tCrA = mma.make_fragment_A(thr_mma.partition_A(sW))
+        tCrB = mma.make_fragment_B(thr_mma.partition_B(sX))
+        cC = cute.make_identity_tensor((self.rows_per_cta, self.batch))
+        tCc = mma.get_slice(tidx).partition_C(cC)  # (row, batch) of each accumulator
+        acc = cute.make_rmem_tensor(tCc.shape, cutlass.Float32)
+        acc.fill(0.0)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        return tCrA, tCrB, tCc, acc
+
+    @cute.jit
+    def _wg_epilogue(self, mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block):
+        """y from the accumulators: directly without a split, through the cluster's reduction,
+        or through global partials and the last CTA."""
+        row0 = block * self.rows_per_cta
         if cutlass.const_expr(self.cluster is None):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, b = tCc[i]
@@ -848,6 +898,119 @@ class GemvOp(OpBase):
             self._wg_cluster_reduce(mY, acc, tCc, sRed, tidx, split, block)
         elif cutlass.const_expr(self.splits > 1):
             self._wg_reduce(mY, mP, mC, sLast, sW.iterator, tidx, block)
+
+    # -- warpgroup design with TMA loads (wg_tma 1) ---------------------------------------------
+    @cute.jit
+    def _tma_launch(self, mX, mW, mY, mP, mC, lc):
+        """Host side of `wg_tma`: one TMA atom per operand, its box one stage's slot (the
+        launcher encodes the same boxes from `tensor_specs()`'s tensor maps), then the launch."""
+        from cutlass.cute.nvgpu import cpasync
+
+        _, lay_w, lay_x = self._wg_layouts()
+        one_w = cute.slice_(lay_w, (None, None, 0))
+        one_x = cute.slice_(lay_x, (None, None, 0))
+        tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, one_w,
+                                                (self.rows_per_cta, self.stage_k))
+        tma_x, gX = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, one_x,
+                                                (self.batch, self.stage_k))
+        if cutlass.const_expr(lc.cluster is not None):
+            self.tma_kernel(tma_x, gX, tma_w, gW, mY, mP, mC).launch(
+                grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes, cluster=list(lc.cluster))
+        else:
+            self.tma_kernel(tma_x, gX, tma_w, gW, mY, mP, mC).launch(
+                grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+
+    @cute.kernel
+    def tma_kernel(self, tma_x: cute.CopyAtom, mX: cute.Tensor, tma_w: cute.CopyAtom, mW: cute.Tensor,
+                   mY: cute.Tensor, mP: cute.Tensor, mC: cute.Tensor):
+        self._wg_tma_body(tma_x, mX, tma_w, mW, mY, mP, mC)
+
+    @cute.jit
+    def _wg_tma_body(self, tma_x, mX, tma_w, mW, mY, mP, mC):
+        """The warpgroup design with its slots filled by TMA (`cp.async.bulk.tensor`) instead of
+        every thread's cp.async: warp 0 is the producer (one elected lane issues). Stage slot s has a full mbarrier
+        (one arrival, warp 0's expect-tx of the slot's W and x bytes, completed by the TMA
+        unit as the bytes land) and an empty one (one arrival per warp, once its wgmmas that
+        read the slot are done). Per k tile: every thread waits on the slot's full barrier
+        (parity = use count & 1), the warpgroups run their wgmmas and wait for them, each
+        warp's lane 0 arrives on the slot's empty barrier, and warp 0 waits on that barrier
+        before refilling the slot with the tile `wg_stages` ahead. No CTA barrier in the
+        loop; the TMA writes and the wgmma reads are both async-proxy accesses, ordered by the
+        mbarriers. With pdl, the prologue's W tiles are issued before `griddepcontrol.wait`
+        (static), every x tile after it."""
+        from cutlass.cute.nvgpu import cpasync, warpgroup
+
+        S = self.stages
+        G = self.groups
+        BK = self.stage_k
+        tile_bytes = (self.rows_per_cta + self.batch) * BK * 2
+
+        tidx, _, _ = cute.arch.thread_idx()
+        split, block, _ = cute.arch.block_idx()
+        lane = tidx % WARP
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        self._wg_entry()
+        mma, sW, sX, sLast, sRed, bars = self._wg_smem_tensors()
+        full = bars
+        empty = bars + S
+        if tidx == 0:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+            for st in cutlass.range_constexpr(S):
+                cute.arch.mbarrier_init(full + st, 1)
+                cute.arch.mbarrier_init(empty + st, self.warps)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        gW = cute.local_tile(mW, (self.rows_per_cta, BK), (block, None))  # (BM, BK, k tiles)
+        gX = cute.local_tile(mX, (self.batch, BK), (0, None))  # (B, BK, k tiles)
+        tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                         cute.group_modes(gW, 0, 2))
+        tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                         cute.group_modes(gX, 0, 2))
+        kt0 = split * G
+        tCrA, tCrB, tCc, acc = self._wg_operands(mma, sW, sX, tidx)
+
+        # --- prologue: every slot (W before a pdl wait: static; x after it) --------------------
+        # The producer is warp 0 as a whole: a TMA copy elects its issuing lane itself
+        # (`elect.sync` over the full warp), so it must never run under a one-lane branch.
+        if warp == 0:
+            for st in cutlass.range_constexpr(S):
+                if cutlass.const_expr(st < G):
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
+                    cute.copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], tma_bar_ptr=full + st)
+                    if cutlass.const_expr(not self.pdl):
+                        cute.copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], tma_bar_ptr=full + st)
+        if cutlass.const_expr(self.pdl):
+            self._pdl_wait()
+            if warp == 0:
+                for st in cutlass.range_constexpr(S):
+                    if cutlass.const_expr(st < G):
+                        cute.copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], tma_bar_ptr=full + st)
+
+        # --- main loop: mbarriers only ---------------------------------------------------------
+        for it in cutlass.range(G, unroll=1):
+            slot = it % S
+            parity = (it // S) % 2
+            cute.arch.mbarrier_wait(full + slot, parity)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(BK // 16):
+                cute.gemm(mma, acc, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + slot)
+            if warp == 0:
+                nxt = it + S
+                if nxt < G:
+                    cute.arch.mbarrier_wait(empty + slot, parity)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + slot, tile_bytes)
+                    cute.copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], tma_bar_ptr=full + slot)
+                    cute.copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], tma_bar_ptr=full + slot)
+        self._pdl_trigger()
+        self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
 
     @cute.jit
     def _wg_reduce(self, mY, mP, mC, sLast, ring, tidx, block):
