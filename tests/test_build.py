@@ -369,3 +369,24 @@ def test_dsl_version_names_the_backend_packages(monkeypatch):
     shape = spec.shapes[0]
     assert build.content_key(spec, shape, {}, {"a.py": "0" * 64}, cu12) != \
         build.content_key(spec, shape, {}, {"a.py": "0" * 64}, cu13)
+
+
+def test_a_tensor_map_parameter_must_be_a_by_value_map():
+    """A buffer whose spec has a tensor map (the kernel reads it by TMA) must be the 128-byte,
+    64-aligned by-value parameter a CuTe TMA atom compiles to, and nothing else."""
+    from kernels.ptx import PtxEntry, PtxParam
+
+    man = parse_manifest(
+        '[kernels.t]\nop = "m:Op"\nreference = "r:f"\nsources = []\n'
+        'params = [{ name = "w", role = "static" }]\n[kernels.t.shapes]\nrows = [4]\n'
+    )
+    spec = {"w": {"kind": "tensor", "shape": [64, 64], "dtype": "bfloat16", "tma": {"box": [64, 64], "swizzle": 128}}}
+    ok = PtxEntry("k", (PtxParam(0, "k_param_0", "b8", 128, 64, 128),), {})
+    assert build._zip_params(man.kernel("t"), ok, spec, "rows=4")[0]["size"] == 128
+    ptr = PtxEntry("k", (PtxParam(0, "k_param_0", "u64", 8, 8),), {})
+    with pytest.raises(BuildError, match=r"buffer 'w' is read by TMA .* it is 8 bytes aligned to 8"):
+        build._zip_params(man.kernel("t"), ptr, spec, "rows=4")
+    # without a map, a 128-byte parameter is still refused for a buffer
+    plain = {"w": {k: v for k, v in spec["w"].items() if k != "tma"}}
+    with pytest.raises(BuildError, match="expected one 8-byte pointer"):
+        build._zip_params(man.kernel("t"), ok, plain, "rows=4")

@@ -387,3 +387,99 @@ def test_a_cluster_that_does_not_divide_the_grid_is_refused(fake_cuda):
     with pytest.raises(LaunchError, match=r"cluster \[0, 1, 1\] does not divide"):
         _cpu_kernel(meta)(torch.zeros(4, 96), 0.5, 4, torch.empty(4, 96))
     assert not any(c[0].startswith("cuLaunch") for c in drv.calls)
+
+
+# -- tensor maps (TMA) -------------------------------------------------------------------------
+
+
+def _map_param(i=0, name="w", shape=(256, 192), box=(64, 128), swizzle=128, size=128, align=64):
+    return {"index": i, "name": name, "role": "static", "direction": "in", "ptx_name": f"k_param_{i}",
+            "ptx_type": "b8", "size": size, "align": align,
+            "spec": {"kind": "tensor", "shape": list(shape), "dtype": "bfloat16",
+                     "tma": {"box": list(box), "swizzle": swizzle}}}
+
+
+def test_tensor_map_args_name_the_dims_innermost_first():
+    args = launch.tensor_map_args(_map_param(), 0x7f0000001000)
+    assert args == {"dtype": "bfloat16", "rank": 2, "address": 0x7f0000001000, "dims": [192, 256],
+                    "pitches": [384], "box": [64, 128], "element_strides": [1, 1], "swizzle": 128}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(box=(64, 512)), r"box \[64, 512\] must be 1..256 per dim"),
+    (dict(box=(64,)), "a tensor map of rank 2 needs a box of as many dims"),
+    (dict(box=(128, 64)), r"inner extent \(256 B\) exceeds the 128-byte swizzle"),
+    (dict(swizzle=48), "swizzle 48 not in"),
+    (dict(shape=(256, 196), box=(8, 64), swizzle=0), "16-byte aligned rows"),
+    (dict(box=(4, 64), swizzle=0), r"inner extent \(8 B\) is not a multiple of 16 bytes"),
+])
+def test_tensor_maps_the_hardware_refuses_are_clear_errors(change, message):
+    with pytest.raises(LaunchError, match=message):
+        launch.tensor_map_args(_map_param(**change), 0x1000)
+
+
+def test_pack_args_passes_the_encoded_map_by_value():
+    w = torch.zeros(256, 192, dtype=torch.bfloat16)
+    seen = []
+    raw = bytes(range(128))
+    values, types = pack_args([_map_param()], [w], device_type="cpu",
+                              encode_map=lambda a: seen.append(a) or raw)
+    assert bytes(values[0]) == raw and ctypes.sizeof(types[0]) == 128
+    assert seen == [launch.tensor_map_args(_map_param(), w.data_ptr())]
+    # the tensor is checked like any buffer before anything is encoded
+    with pytest.raises(LaunchError, match="shape"):
+        pack_args([_map_param()], [torch.zeros(256, 64, dtype=torch.bfloat16)], device_type="cpu",
+                  encode_map=lambda a: raw)
+    # a map must land in a 128-byte, 64-aligned parameter
+    with pytest.raises(LaunchError, match="a tensor map must be a 128-byte parameter aligned to 64"):
+        pack_args([_map_param(size=8, align=8)], [w], device_type="cpu", encode_map=lambda a: raw)
+
+
+class _MapDriver:
+    """cuTensorMapEncodeTiled as cuda-bindings exposes it, recording its arguments."""
+
+    def __init__(self):
+        from cuda.bindings import driver as real
+
+        self.real = real
+        self.calls = []
+        self._keep = []
+
+    def __getattr__(self, name):
+        if name == "cuTensorMapEncodeTiled":
+            def encode(*args):
+                self.calls.append(args)
+                buf = (ctypes.c_uint8 * 128)(*range(128))
+                self._keep.append(buf)
+                return (self.real.CUresult.CUDA_SUCCESS, type("M", (), {"getPtr": lambda s: ctypes.addressof(buf)})())
+            return encode
+        return getattr(self.real, name)
+
+
+def test_encode_tensor_map_calls_the_driver_with_the_map(monkeypatch):
+    drv = _MapDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: drv)
+    args = launch.tensor_map_args(_map_param(), 0x10000)
+    assert launch.encode_tensor_map(args) == bytes(range(128))
+    (dtype, rank, addr, dims, pitches, box, estr, inter, swz, l2, oob), = drv.calls
+    e = drv.real
+    assert dtype == e.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 and rank == 2 and addr == 0x10000
+    assert [int(v) for v in dims] == [192, 256] and [int(v) for v in pitches] == [384]
+    assert [int(v) for v in box] == [64, 128] and [int(v) for v in estr] == [1, 1]
+    assert swz == e.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    assert inter == e.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+    assert l2 == e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+    assert oob == e.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+
+
+def test_a_kernel_encodes_each_map_once(monkeypatch):
+    drv = _MapDriver()
+    monkeypatch.setattr(launch, "_driver", lambda: drv)
+    k = _cpu_kernel({"kernel": "t", "entry": "k", "params": [_map_param()],
+                     "launch": {"grid": [1, 1, 1], "block": [32, 1, 1]}})
+    w = torch.zeros(256, 192, dtype=torch.bfloat16)
+    assert k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr())) == bytes(range(128))
+    assert k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr())) == bytes(range(128))
+    assert len(drv.calls) == 1
+    k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr() + 4096))  # another buffer
+    assert len(drv.calls) == 2

@@ -229,3 +229,34 @@ def test_cluster_reduction_is_clean_and_its_missing_entry_barrier_is_flagged():
         rep = audit_ptx(mutant, [p.role for p in spec.params], param_names=[p.name for p in spec.params],
                         source_root=REPO_ROOT)
         assert "dsmem-write-unsynced" in rep.rules_hit(), [str(f) for f in rep.findings]
+
+
+TMA_PDL_SHAPE = {"batch": 8, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
+
+
+@pytest.mark.slow
+def test_pdl_tma_gemv_passes_and_its_early_x_copy_is_flagged():
+    """gemv's TMA path (wg_tma 1) with pdl: x and w are read through tensor maps (by-value
+    128-byte parameters), and the audit attributes each `cp.async.bulk.tensor` to the map's
+    parameter: the correct kernel (only W tiles before griddepcontrol.wait) is clean in PTX and
+    SASS; the mutant that issues x's tiles before the wait is flagged, naming x only."""
+    from validation.race.artifacts import audit_artifact
+
+    spec = load_manifest().kernel("gemv")
+    tun = {"pdl": 1, "wg_tma": 1}
+    good_art = build_variant_of(spec, TMA_PDL_SHAPE, tun)
+    assert "cp.async.bulk.tensor" in Path(good_art.paths["ptx"]).read_text()
+    assert [p["size"] for p in good_art.meta["params"][:2]] == [128, 128]
+    good = audit_artifact(good_art, spec)
+    assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]
+    mspec = op_spec(spec, "kernels.ops.gemv:GemvOp_x_before_wait", name="gemv__x_before_wait")
+    bad = audit_artifact(build_variant_of(mspec, TMA_PDL_SHAPE, tun), mspec)
+    hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
+    assert hits and {tuple(f.params) for f in hits} == {("x",)}, [str(f) for f in bad.findings]
+    assert all(f.ptx and f.source.startswith("kernels/ops/gemv.py:") for f in hits), [f.source for f in hits]
+    # ...and in the SASS: UTMALDG's map address is the parameter space's pointer plus the
+    # map's offset (validation/race/sass.py PARAM_SPACE_POINTER), so no TMA copy is left
+    # without a parameter
+    assert all(f.sass and "UTMALDG" in str(f) for f in hits), [str(f) for f in hits]
+    for rep in (good, bad):
+        assert not [f for f in rep.findings if f.rule == "unknown-provenance" and "UTMALDG" in str(f)]

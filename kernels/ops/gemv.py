@@ -974,15 +974,16 @@ class GemvOp(OpBase):
         # --- prologue: every slot (W before a pdl wait: static; x after it) --------------------
         # The producer is warp 0 as a whole: a TMA copy elects its issuing lane itself
         # (`elect.sync` over the full warp), so it must never run under a one-lane branch.
+        early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
         if warp == 0:
             for st in cutlass.range_constexpr(S):
                 if cutlass.const_expr(st < G):
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
                     cute.copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], tma_bar_ptr=full + st)
-                    if cutlass.const_expr(not self.pdl):
+                    if cutlass.const_expr(not self.pdl or early_x):
                         cute.copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], tma_bar_ptr=full + st)
-        if cutlass.const_expr(self.pdl):
+        if cutlass.const_expr(self.pdl and not early_x):
             self._pdl_wait()
             if warp == 0:
                 for st in cutlass.range_constexpr(S):
@@ -1009,6 +1010,8 @@ class GemvOp(OpBase):
                         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, tile_bytes)
                     cute.copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], tma_bar_ptr=full + slot)
                     cute.copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], tma_bar_ptr=full + slot)
+        if cutlass.const_expr(self.pdl and early_x):
+            self._pdl_wait()
         self._pdl_trigger()
         self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
 

@@ -17,6 +17,14 @@ from . import ir
 
 # sm_90: kernel parameters start at this offset of constant bank 0.
 PARAM_BASE = 0x210
+# A by-value parameter whose address is taken (a TMA tensor map, read by `UTMALDG` through its
+# generic address) is addressed from a pointer the driver keeps at this constant-bank offset:
+# parameter offset `o` lies at [c[0x0][0x198]] + 0x30 + o. Measured on this DSL's sm_90a cubins
+# (gemv with wg_tma: the maps at parameter offsets 0 and 128 are reached as + 0x30 and + 0xb0;
+# tests/test_race_static.py checks it on a fresh build).
+PARAM_SPACE_POINTER = 0x198
+PARAM_SPACE_BIAS = 0x30
+_ADD_IMM = re.compile(r"^(UR\d+)$")
 
 # The instruction text is cut from the rest of the line in code, not by the pattern: a lazy body
 # followed by optional `;`, comment and whitespace backtracks cubically on the long whitespace
@@ -191,9 +199,38 @@ def parse_sass(text: str, params: list[ir.ParamDecl] | None = None) -> list[ir.F
         ins = _parse_instr(_instr_text(m.group(2)), len(cur.instrs), int(m.group(1), 16), lineno, loc, params)
         if ins is not None:
             cur.instrs.append(ins)
+    for f in funcs:
+        _param_space_addresses(f, params)
     if not funcs:
         raise SassError("no function found in the disassembly")
     return funcs
+
+
+def _param_space_addresses(fn: ir.Function, params: list[ir.ParamDecl]) -> None:
+    """Tag the address arithmetic that reaches a by-value parameter through the parameter
+    space's generic pointer (see PARAM_SPACE_POINTER): `ULDC.64 URa, c[0x0][0x198]` then
+    `UIADD3 URb, UPx, URa, imm, URZ` makes URb (and its carry half) the address of the parameter
+    at offset imm - PARAM_SPACE_BIAS, so a TMA copy through it is attributed to that parameter
+    like a load through a pointer parameter. Straight-line last definitions only: an address
+    formed any other way keeps no parameter (the rules then warn of unknown provenance)."""
+    base_regs: set[str] = set()
+    for ins in fn.instrs:
+        op = ins.opcode.split(".")[0]
+        if op in ("ULDC", "LDC") and f"c[0x0][{PARAM_SPACE_POINTER:#x}]" in ins.text:
+            base_regs.update(ins.dests)
+            continue
+        if op == "UIADD3" and base_regs:
+            parts = ir.split_operands(ins.text.split(None, 1)[1], "[(", "])") if " " in ins.text else []
+            srcs = [p for p in parts if not p.startswith(("UP", "!UP"))][1:]
+            regs = [p for p in srcs if _ADD_IMM.match(p)]
+            imms = [p for p in srcs if p.startswith("0x")]
+            if len(regs) == 1 and regs[0] in base_regs and len(imms) == 1:
+                pi = _param_at(PARAM_BASE + int(imms[0], 16) - PARAM_SPACE_BIAS, params)
+                if pi is not None and pi not in ins.params_read:
+                    ins.params_read = tuple(ins.params_read) + (pi,)
+                continue
+        # any other definition of a base register ends its life as the pointer
+        base_regs.difference_update(ins.dests)
 
 
 def _instr_text(rest: str) -> str:
