@@ -27,6 +27,7 @@ POINTER_ALIGNMENT = 16  # kernels are compiled assuming 16-byte aligned buffers 
 TENSOR_MAP_BYTES = 128  # a CUtensorMap: by value in the parameter space, 64-byte aligned
 TENSOR_MAP_ALIGN = 64
 TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
+TENSOR_MAP_L2_PROMOTIONS = (0, 64, 128, 256)
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "uint32": 4, "int64": 8}
 
 # PTX parameter type -> ctypes type of the by-value argument.
@@ -156,8 +157,12 @@ def tensor_map_args(param: dict, ptr: int) -> dict:
     if any(p % 16 for p in pitches) or ptr % 16:
         raise LaunchError(f"parameter {name!r}: TMA needs 16-byte aligned rows and base address "
                           f"(pitches {pitches}, address {ptr:#x})")
+    l2 = int(tma.get("l2_promotion", 256))
+    if l2 not in TENSOR_MAP_L2_PROMOTIONS:
+        raise LaunchError(f"parameter {name!r}: L2 promotion {l2} not in {TENSOR_MAP_L2_PROMOTIONS}")
     return {"dtype": spec["dtype"], "rank": len(dims), "address": int(ptr), "dims": dims,
-            "pitches": pitches, "box": box, "element_strides": [1] * len(dims), "swizzle": swizzle}
+            "pitches": pitches, "box": box, "element_strides": [1] * len(dims), "swizzle": swizzle,
+            "l2_promotion": l2}
 
 
 def encode_tensor_map(args: dict) -> bytes:
@@ -168,6 +173,7 @@ def encode_tensor_map(args: dict) -> bytes:
              "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32", "int32": "CU_TENSOR_MAP_DATA_TYPE_INT32",
              "uint32": "CU_TENSOR_MAP_DATA_TYPE_UINT32", "int64": "CU_TENSOR_MAP_DATA_TYPE_INT64"}[args["dtype"]]
     swz = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}[args["swizzle"]]
+    l2 = {0: "NONE", 64: "L2_64B", 128: "L2_128B", 256: "L2_256B"}[args["l2_promotion"]]
     e = driver
     tmap = _check(
         driver.cuTensorMapEncodeTiled(
@@ -176,7 +182,7 @@ def encode_tensor_map(args: dict) -> bytes:
             [e.cuuint32_t(v) for v in args["box"]], [e.cuuint32_t(v) for v in args["element_strides"]],
             e.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             getattr(e.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swz}"),
-            e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            getattr(e.CUtensorMapL2promotion, "CU_TENSOR_MAP_L2_PROMOTION_" + l2),
             e.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
         "cuTensorMapEncodeTiled")
     raw = bytes((ctypes.c_char * TENSOR_MAP_BYTES).from_address(int(tmap.getPtr())))

@@ -392,17 +392,19 @@ def test_a_cluster_that_does_not_divide_the_grid_is_refused(fake_cuda):
 # -- tensor maps (TMA) -------------------------------------------------------------------------
 
 
-def _map_param(i=0, name="w", shape=(256, 192), box=(64, 128), swizzle=128, size=128, align=64):
+def _map_param(i=0, name="w", shape=(256, 192), box=(64, 128), swizzle=128, size=128, align=64, l2=None):
+    tma = {"box": list(box), "swizzle": swizzle, **({} if l2 is None else {"l2_promotion": l2})}
     return {"index": i, "name": name, "role": "static", "direction": "in", "ptx_name": f"k_param_{i}",
             "ptx_type": "b8", "size": size, "align": align,
             "spec": {"kind": "tensor", "shape": list(shape), "dtype": "bfloat16",
-                     "tma": {"box": list(box), "swizzle": swizzle}}}
+                     "tma": tma}}
 
 
 def test_tensor_map_args_name_the_dims_innermost_first():
     args = launch.tensor_map_args(_map_param(), 0x7f0000001000)
     assert args == {"dtype": "bfloat16", "rank": 2, "address": 0x7f0000001000, "dims": [192, 256],
-                    "pitches": [384], "box": [64, 128], "element_strides": [1, 1], "swizzle": 128}
+                    "pitches": [384], "box": [64, 128], "element_strides": [1, 1], "swizzle": 128,
+                    "l2_promotion": 256}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -412,6 +414,7 @@ def test_tensor_map_args_name_the_dims_innermost_first():
     (dict(swizzle=48), "swizzle 48 not in"),
     (dict(shape=(256, 196), box=(8, 64), swizzle=0), "16-byte aligned rows"),
     (dict(box=(4, 64), swizzle=0), r"inner extent \(8 B\) is not a multiple of 16 bytes"),
+    (dict(l2=32), "L2 promotion 32 not in"),
 ])
 def test_tensor_maps_the_hardware_refuses_are_clear_errors(change, message):
     with pytest.raises(LaunchError, match=message):
@@ -470,6 +473,8 @@ def test_encode_tensor_map_calls_the_driver_with_the_map(monkeypatch):
     assert inter == e.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
     assert l2 == e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
     assert oob == e.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+    launch.encode_tensor_map(launch.tensor_map_args(_map_param(l2=0), 0x10000))
+    assert drv.calls[-1][9] == e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE
 
 
 def test_a_kernel_encodes_each_map_once(monkeypatch):

@@ -107,6 +107,11 @@ SM_THREADS = 2048  # resident threads per SM
 STAGED_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the staged design's swizzle period
 FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
+# L2 cache policies of a TMA copy's `.L2::cache_hint` (the createpolicy encodings CUTLASS's
+# CacheHintSm90 uses)
+TMA_EVICT_NORMAL = 0x1000000000000000
+TMA_EVICT_FIRST = 0x12F0000000000000
+TMA_EVICT_LAST = 0x14F0000000000000
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
@@ -116,7 +121,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 64, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
-                    "wg_wide_from_batch": 32, "wg_tma": 0}
+                    "wg_wide_from_batch": 32, "wg_tma": 0, "wg_tma_hint": 0, "wg_tma_l2": 256}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -356,6 +361,12 @@ class GemvOp(OpBase):
             raise ValueError("gemv: wg_tma must be 0 or 1")
         if self.tma and self.stage_k * 2 != 128:
             raise ValueError("gemv: wg_tma 1 needs wg_k 64 (one 128-byte swizzle line of k per row)")
+        self.tma_hint = int(t["wg_tma_hint"])
+        if self.tma_hint not in (0, 1, 2):
+            raise ValueError("gemv: wg_tma_hint must be 0, 1 or 2")
+        self.tma_l2 = int(t["wg_tma_l2"])
+        if self.tma_l2 not in (0, 64, 128, 256):
+            raise ValueError("gemv: wg_tma_l2 must be 0, 64, 128 or 256")
         total = self.k // self.stage_k
         blocks = self.n // rows
         max_splits = MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
@@ -426,8 +437,8 @@ class GemvOp(OpBase):
     def tensor_specs(self) -> dict[str, TensorSpec]:
         # With wg_tma, x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
         # swizzle) that the launcher encodes from the tensors; the contract stays x and w.
-        x_map = TensorMap((self.stage_k, self.batch)) if self.tma else None
-        w_map = TensorMap((self.stage_k, self.rows_per_cta)) if self.tma else None
+        x_map = TensorMap((self.stage_k, self.batch), l2_promotion=self.tma_l2) if self.tma else None
+        w_map = TensorMap((self.stage_k, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
         return {
             "x": TensorSpec((self.batch, self.k), "bfloat16", x_map),
             "w": TensorSpec((self.n, self.k), "bfloat16", w_map),
@@ -980,15 +991,15 @@ class GemvOp(OpBase):
                 if cutlass.const_expr(st < G):
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
-                    cute.copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], tma_bar_ptr=full + st)
+                    self._tma_copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], full + st, TMA_EVICT_FIRST)
                     if cutlass.const_expr(not self.pdl or early_x):
-                        cute.copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], tma_bar_ptr=full + st)
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
         if cutlass.const_expr(self.pdl and not early_x):
             self._pdl_wait()
             if warp == 0:
                 for st in cutlass.range_constexpr(S):
                     if cutlass.const_expr(st < G):
-                        cute.copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], tma_bar_ptr=full + st)
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
 
         # --- main loop: mbarriers only ---------------------------------------------------------
         for it in cutlass.range(G, unroll=1):
@@ -1008,12 +1019,23 @@ class GemvOp(OpBase):
                     cute.arch.mbarrier_wait(empty + slot, parity)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, tile_bytes)
-                    cute.copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], tma_bar_ptr=full + slot)
-                    cute.copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], tma_bar_ptr=full + slot)
+                    self._tma_copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], full + slot, TMA_EVICT_FIRST)
+                    self._tma_copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], full + slot, TMA_EVICT_LAST)
         if cutlass.const_expr(self.pdl and early_x):
             self._pdl_wait()
         self._pdl_trigger()
         self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
+
+    def _tma_copy(self, atom, src, dst, bar, policy):
+        """Trace-time: one TMA tile copy completing on `bar`; with `wg_tma_hint` 1 it carries
+        an L2 eviction policy (W streams through once: evict first; x is read by every row
+        block: evict last), else the DSL's default hint."""
+        if self.tma_hint == 2 and policy == TMA_EVICT_FIRST:  # 2: only x's hint (evict last)
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(TMA_EVICT_NORMAL))
+        elif self.tma_hint:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(policy))
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
     @cute.jit
     def _wg_reduce(self, mY, mP, mC, sLast, ring, tidx, block):
