@@ -247,7 +247,13 @@ def test_warpgroup_design_plan():
     lc = b8.launch_config()  # 57 KB: 3 CTAs per SM, 224 CTAs; 8 splits (448) would not fit 396
     assert lc.grid == (4, 56, 1) and lc.cluster == (4, 1, 1) and lc.to_dict()["cluster"] == [4, 1, 1]
     # rings + alignment + verdict + the reduction's slots: 4 splits x 8 batch rows x (16 + 4) fp32
-    assert b8.smem_bytes == 6 * (64 + 8) * 64 * 2 + 2 * 1024 + 16 + 4 * 8 * 20 * 4 + 16
+    # ... + the TMA path's full and empty mbarriers (6 + 6, 8 bytes each, + 8 of slack)
+    assert b8.smem_bytes == 6 * (64 + 8) * 64 * 2 + 2 * 1024 + 16 + 4 * 8 * 20 * 4 + 16 + 13 * 8
+    assert b8.tma and b8.tensor_specs()["w"].tma.box == (64, 64) and b8.tensor_specs()["x"].tma.box == (64, 8)
+    assert b8.tensor_specs()["w"].tma.l2_promotion == 0
+    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_tma=0).tensor_specs()["w"].tma is None
+    with pytest.raises(ValueError, match="wg_tma 1 needs wg_k 64"):
+        G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=128)
     assert b8.tensor_specs()["partials"].shape == (1, 1, 1)  # the cluster reduces in shared memory
     b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
     assert (b64.rows_per_cta, b64.threads, b64.splits) == (128, 256, 2)  # 184 KB: one CTA per SM, 112
@@ -274,7 +280,8 @@ def test_warpgroup_design_plan():
 
 @pytest.mark.slow
 def test_warpgroup_sass(tmp_path):
-    """Through the real build, batch 64 on 3584 -> 7168 (128-row CTAs, 2 splits in one cluster):
+    """Through the real build, batch 64 on 3584 -> 7168 (128-row CTAs, 2 splits in one cluster),
+    the cp.async ring (`wg_tma` 0):
     W reaches shared memory only through 16-byte L2-only copies (no register load of W), the
     tensor cores are wgmma (HGMMA 64x64x16, 4 per stage per warpgroup), the async-proxy fence
     sits between the copies' wait and the stage's barrier, and the cluster reduction pushes each
@@ -286,7 +293,7 @@ def test_warpgroup_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0}, root=tmp_path)
         assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
         opc, w_copies, x_copies = _sass_copies(art)
@@ -450,3 +457,41 @@ def test_numerics_on_gpu(case):
 
     res = check_numerics(CubinKernel.from_dir(REPO / case["dir"]), GemvCase(case["shape"]))
     assert res["passed"], res
+
+
+@pytest.mark.slow
+def test_warpgroup_tma_sass(tmp_path):
+    """The default TMA path, batch 64 on 3584 -> 7168: x and w are by-value tensor maps; the
+    slots are filled only by TMA (UTMALDG, 2 per stage: W's box and x's), nothing global is
+    read into a register or by cp.async; every stage waits on its full mbarrier before its
+    wgmmas and there is no CTA barrier in the loop; the copies carry the eviction policies
+    (W evict-first, x evict-last); with pdl every prologue W tile precedes griddepcontrol.wait
+    (ACQBULK) and every x tile follows it."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
+    for pdl in (0, 1):
+        art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
+        assert [(p["name"], p["size"], p["align"]) for p in art.meta["params"][:2]] == [("x", 128, 64), ("w", 128, 64)]
+        assert art.meta["params"][1]["spec"]["tma"] == {"box": [64, 128], "swizzle": 128, "l2_promotion": 0}
+        assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
+        opc, w_copies, x_copies = _sass_copies(art)
+        assert not w_copies and not x_copies  # no cp.async
+        assert not any(o.startswith("LDG") for o in opc)
+        tma = [i for i, o in enumerate(opc) if o.startswith("UTMALDG")]
+        assert len(tma) == 2 * 6 + 2  # 6 prologue stages + the loop's refill, W and x each
+        mmas = [i for i, o in enumerate(opc) if o.startswith("HGMMA")]
+        assert len(mmas) == 4 and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas)
+        # the loop: the full barrier's wait (SYNCS try-wait) before the wgmmas, no BAR.SYNC
+        # between the first and the last wgmma's stage
+        loop_waits = [i for i, o in enumerate(opc) if o.startswith("SYNCS.PHASECHK") and i < min(mmas)]
+        assert loop_waits
+        assert not any(o.startswith("BAR.SYNC") for o in opc[max(loop_waits):max(mmas)])
+        if pdl:
+            acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
+            assert len(acq) == 1
+            assert sum(i < acq[0] for i in tma) == 6 and sum(i > acq[0] for i in tma) == 8  # W x 6 | x x 6 + refill
+    ptx = Path(art.paths["ptx"]).read_text()
+    assert ptx.count("cp.async.bulk.tensor.2d") == 14 and "cp.async.cg" not in ptx
+    assert ptx.count("mov.b64") and str(G.TMA_EVICT_FIRST) in ptx and str(G.TMA_EVICT_LAST) in ptx

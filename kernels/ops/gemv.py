@@ -40,14 +40,19 @@ Five designs, chosen at build time from the batch:
     and the last CTA of a row block (gpu-scope acq_rel counter, reset by that CTA for the next
     launch) sums them in split order. See `_plan_tiled`.
   * from `wg_from_batch` on (default 8), batches that are a multiple of 8 ("wg", the default
-    from batch 8): the staged design's cp.async ring, read by the warpgroup tensor cores
-    (`wgmma` m64nBk16, W the A operand, x the B operand, both straight from 128-byte-swizzled
-    shared memory: no fragment passes through registers). 64-row CTAs (one warpgroup), 128
-    rows (two) from `wg_wide_from_batch` (32); k split into as many CTAs as are all resident
-    in one wave (at most 8), and the splits of a row block form one thread block cluster
-    that reduces through distributed shared memory (each CTA pushes its accumulators to the
-    CTA that owns their rows, then sums the slots it owns in rank order): no global partials,
-    no counters, no serial last-CTA tail. See `_plan_wg`.
+    from batch 8): a ring of 128-byte-swizzled shared-memory slots read by the warpgroup
+    tensor cores (`wgmma` m64nBk16, W the A operand, x the B operand, straight from shared
+    memory: no fragment passes through registers). By default (`wg_tma` 1) the slots are
+    filled by TMA: x and w reach the kernel as tensor maps the launcher encodes, warp 0 issues
+    one box of W and one of x per slot with L2 eviction policies (W evict-first, x
+    evict-last; `wg_tma_hint`) and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers
+    replace the CTA barrier; with `wg_tma` 0 every thread fills them by 16-byte cp.async.
+    64-row CTAs (one warpgroup), 128 rows (two) from `wg_wide_from_batch` (32); k split into
+    as many CTAs as are all resident in one wave (at most 8), and the splits of a row block
+    form one thread block cluster that reduces through distributed shared memory (each CTA
+    pushes its accumulators to the CTA that owns their rows, then sums the slots it owns in
+    rank order): no global partials, no counters, no serial last-CTA tail. See `_plan_wg`
+    and `_wg_tma_body`.
   * from `staged_from_batch` on ("staged", off by default): the tiled design's CTA (row block x k chunk, x
     crossing L2 once per row block, split-K with the last-CTA reduction), but W and x reach
     shared memory only through 16-byte `cp.async`, in a multi-stage ring: each thread issues
@@ -72,7 +77,8 @@ plainly.
 Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
 83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
 the tiled and staged designs stayed slower than cuBLAS from batch 16 on, which the warpgroup
-design is not on most shapes (foundation/round5/ has the sweeps that chose its defaults).
+design is not on most shapes (foundation/round5/ has the sweeps that chose its defaults,
+foundation/round6/ those of the TMA path).
 """
 
 from kernels import reference
@@ -121,7 +127,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 64, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
-                    "wg_wide_from_batch": 32, "wg_tma": 0, "wg_tma_hint": 0, "wg_tma_l2": 256}
+                    "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
