@@ -241,7 +241,7 @@ def test_warpgroup_design_plan():
     rows (two) from batch 32 where the wider blocks still fill half the SMs (not the router's 896
     rows); k split into as many CTAs as are resident in one wave, at most 8, one cluster per
     row block; 6-slot rings of 64 k, clamped to the CTA's stages + 1 and to shared memory."""
-    b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168})
+    b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=64)
     assert b8.wg and not (b8.stream or b8.staged or b8.tiled)
     assert (b8.rows_per_cta, b8.threads, b8.splits, b8.groups, b8.stages) == (64, 128, 4, 28, 6)
     lc = b8.launch_config()  # 57 KB: 3 CTAs per SM, 224 CTAs; 8 splits (448) would not fit 396
@@ -252,30 +252,36 @@ def test_warpgroup_design_plan():
     assert b8.tma and b8.tensor_specs()["w"].tma.box == (64, 64) and b8.tensor_specs()["x"].tma.box == (64, 8)
     assert b8.tensor_specs()["w"].tma.l2_promotion == 0
     assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_tma=0).tensor_specs()["w"].tma is None
-    with pytest.raises(ValueError, match="wg_tma 1 needs wg_k 64"):
-        G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=128)
+    with pytest.raises(ValueError, match="wg_tma 1 needs wg_k 64 or 128"):
+        G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=256)
     assert b8.tensor_specs()["partials"].shape == (1, 1, 1)  # the cluster reduces in shared memory
-    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64)
     assert (b64.rows_per_cta, b64.threads, b64.splits) == (128, 256, 2)  # 184 KB: one CTA per SM, 112
-    router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"})
+    router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"}, wg_k=64)
     assert (router.rows_per_cta, router.splits) == (64, 8)  # 7 blocks of 128 x 8 < 66: stays at 64
     whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
     assert whole.splits == 1 and whole.launch_config().cluster is None and "cluster" not in whole.launch_config().to_dict()
     # Fixed split counts, and the global-partials reduction without clusters.
-    fixed = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_cluster=0)
+    fixed = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_cluster=0, wg_k=64)
     assert fixed.splits == 7 and fixed.cluster is None  # 56 x 5 = 280 would not divide 112 stages
     assert fixed.tensor_specs()["partials"].shape == (7, 16, 3584)
-    clustered = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264)
+    clustered = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_k=64)
     assert clustered.splits == 8  # a cluster's split count also divides the rows into float4 shares
-    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, wg_rows=256, wg_stages=8)
+    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, wg_rows=256, wg_stages=8, wg_k=64)
     assert deep.splits == 8 and deep.stages == 3  # 3 x 40 KB of ring + 74 KB of slots (8 x 64 x 36 fp32)
     assert deep.smem_bytes <= G.STAGED_SMEM_LIMIT
+    # The defaults: 128 k per stage (two TMA boxes per operand), 64 from n = 12288 on
+    d64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
+    assert (d64.stage_k, d64.rows_per_cta, d64.splits, d64.stages) == (128, 128, 2, 3)
+    assert d64.tensor_specs()["w"].tma.box == (64, 128)  # a box stays one 128-byte line of k
+    assert G.GemvOp({"batch": 64, "n": 12288, "k": 7168}).stage_k == 64
+    assert G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, wg_k64_from_n=65536).stage_k == 128
     assert G.GemvOp({"batch": 20, "n": 3584, "k": 7168}).wg is False  # not a multiple of 8
     assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_from_batch=16).wg is False
     with pytest.raises(ValueError, match="wg_rows must be"):
         G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_rows=96)
-    with pytest.raises(ValueError, match="multiple of 64 \\(wg_k\\)"):
-        G.GemvOp({"batch": 16, "n": 3584, "k": 7200})
+    with pytest.raises(ValueError, match="multiple of 128 \\(wg_k\\)"):
+        G.GemvOp({"batch": 16, "n": 3584, "k": 7232})
 
 
 @pytest.mark.slow
@@ -293,7 +299,7 @@ def test_warpgroup_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0, "wg_k": 64}, root=tmp_path)
         assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
         opc, w_copies, x_copies = _sass_copies(art)
@@ -462,7 +468,7 @@ def test_numerics_on_gpu(case):
 @pytest.mark.slow
 def test_warpgroup_tma_sass(tmp_path):
     """The default TMA path, batch 64 on 3584 -> 7168: x and w are by-value tensor maps; the
-    slots are filled only by TMA (UTMALDG, 2 per stage: W's box and x's), nothing global is
+    slots (128 k) are filled only by TMA (UTMALDG, 4 per stage: two 64-k boxes of W, two of x), nothing global is
     read into a register or by cp.async; every stage waits on its full mbarrier before its
     wgmmas and there is no CTA barrier in the loop; the copies carry the eviction policies
     (W evict-first, x evict-last); with pdl every prologue W tile precedes griddepcontrol.wait
@@ -480,9 +486,10 @@ def test_warpgroup_tma_sass(tmp_path):
         assert not w_copies and not x_copies  # no cp.async
         assert not any(o.startswith("LDG") for o in opc)
         tma = [i for i, o in enumerate(opc) if o.startswith("UTMALDG")]
-        assert len(tma) == 2 * 6 + 2  # 6 prologue stages + the loop's refill, W and x each
+        # 128 k per stage: two 64-k boxes each of W and x; 3 prologue stages + the loop's refill
+        assert len(tma) == 4 * 3 + 4
         mmas = [i for i, o in enumerate(opc) if o.startswith("HGMMA")]
-        assert len(mmas) == 4 and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas)
+        assert len(mmas) == 8 and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas)
         # the loop: the full barrier's wait (SYNCS try-wait) before the wgmmas, no BAR.SYNC
         # between the first and the last wgmma's stage
         loop_waits = [i for i, o in enumerate(opc) if o.startswith("SYNCS.PHASECHK") and i < min(mmas)]
@@ -491,7 +498,7 @@ def test_warpgroup_tma_sass(tmp_path):
         if pdl:
             acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
             assert len(acq) == 1
-            assert sum(i < acq[0] for i in tma) == 6 and sum(i > acq[0] for i in tma) == 8  # W x 6 | x x 6 + refill
+            assert sum(i < acq[0] for i in tma) == 6 and sum(i > acq[0] for i in tma) == 10  # W: 3 x 2 | x: 3 x 2 + refill
     ptx = Path(art.paths["ptx"]).read_text()
-    assert ptx.count("cp.async.bulk.tensor.2d") == 14 and "cp.async.cg" not in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d") == 16 and "cp.async.cg" not in ptx
     assert ptx.count("mov.b64") and str(G.TMA_EVICT_FIRST) in ptx and str(G.TMA_EVICT_LAST) in ptx

@@ -44,9 +44,10 @@ Five designs, chosen at build time from the batch:
     tensor cores (`wgmma` m64nBk16, W the A operand, x the B operand, straight from shared
     memory: no fragment passes through registers). By default (`wg_tma` 1) the slots are
     filled by TMA: x and w reach the kernel as tensor maps the launcher encodes, warp 0 issues
-    one box of W and one of x per slot with L2 eviction policies (W evict-first, x
-    evict-last; `wg_tma_hint`) and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers
-    replace the CTA barrier; with `wg_tma` 0 every thread fills them by 16-byte cp.async.
+    the boxes of W and x of each slot (128 k, two 64-k boxes each; 64 k from n = 12288,
+    `wg_k64_from_n`) with L2 eviction policies (W evict-first, x evict-last; `wg_tma_hint`)
+    and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers replace the CTA barrier;
+    with `wg_tma` 0 every thread fills them by 16-byte cp.async.
     64-row CTAs (one warpgroup), 128 rows (two) from `wg_wide_from_batch` (32); k split into
     as many CTAs as are all resident in one wave (at most 8), and the splits of a row block
     form one thread block cluster that reduces through distributed shared memory (each CTA
@@ -116,6 +117,7 @@ FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
 # L2 cache policies of a TMA copy's `.L2::cache_hint` (the createpolicy encodings CUTLASS's
 # CacheHintSm90 uses)
 TMA_EVICT_NORMAL = 0x1000000000000000
+TMA_BOX_K = 64  # bf16 k per TMA box: one 128-byte swizzle line
 TMA_EVICT_FIRST = 0x12F0000000000000
 TMA_EVICT_LAST = 0x14F0000000000000
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
@@ -126,8 +128,9 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "tile_min_ctas": 264, "pdl": 0, "stream_max_batch": 1, "stream_threads": 128,
                     "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
-                    "wg_from_batch": 8, "wg_rows": 64, "wg_k": 64, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
-                    "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0}
+                    "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
+                    "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
+                    "wg_k64_from_n": 12288}
 
 OUT_DTYPES = ("bfloat16", "float32")
 
@@ -338,6 +341,10 @@ class GemvOp(OpBase):
         rank order (`_wg_cluster_reduce`): no global partials, no counter, no serial tail."""
         t = self.tunables
         rows, self.stage_k = int(t["wg_rows"]), int(t["wg_k"])
+        if self.n >= int(t["wg_k64_from_n"]):
+            # measured (foundation/round6/, sweep k128): 128 k per stage (two 128-byte lines per
+            # weight row) is faster on every shape but 7168->12288, which 64 k suits at every batch
+            self.stage_k = min(self.stage_k, 64)
         stages, min_ctas = int(t["wg_stages"]), int(t["wg_min_ctas"])
         if rows not in (WG_M, 2 * WG_M, 4 * WG_M):
             raise ValueError(f"gemv: wg_rows must be {WG_M}, {2 * WG_M} or {4 * WG_M}")
@@ -365,8 +372,8 @@ class GemvOp(OpBase):
         self.tma = int(t["wg_tma"])
         if self.tma not in (0, 1):
             raise ValueError("gemv: wg_tma must be 0 or 1")
-        if self.tma and self.stage_k * 2 != 128:
-            raise ValueError("gemv: wg_tma 1 needs wg_k 64 (one 128-byte swizzle line of k per row)")
+        if self.tma and self.stage_k not in (64, 128):
+            raise ValueError("gemv: wg_tma 1 needs wg_k 64 or 128 (one or two 128-byte swizzle lines of k per row)")
         self.tma_hint = int(t["wg_tma_hint"])
         if self.tma_hint not in (0, 1, 2):
             raise ValueError("gemv: wg_tma_hint must be 0, 1 or 2")
@@ -443,8 +450,9 @@ class GemvOp(OpBase):
     def tensor_specs(self) -> dict[str, TensorSpec]:
         # With wg_tma, x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
         # swizzle) that the launcher encodes from the tensors; the contract stays x and w.
-        x_map = TensorMap((self.stage_k, self.batch), l2_promotion=self.tma_l2) if self.tma else None
-        w_map = TensorMap((self.stage_k, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
+        # (a box's inner extent is at most the 128-byte swizzle: 64 k; a 128-k slot is two boxes)
+        x_map = TensorMap((TMA_BOX_K, self.batch), l2_promotion=self.tma_l2) if self.tma else None
+        w_map = TensorMap((TMA_BOX_K, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
         return {
             "x": TensorSpec((self.batch, self.k), "bfloat16", x_map),
             "w": TensorSpec((self.n, self.k), "bfloat16", w_map),
