@@ -24,38 +24,14 @@ DTYPES = ("bfloat16", "float32", "int32", "uint32", "int64", "float16")
 
 
 @dataclass(frozen=True)
-class TensorMap:
-    """How a buffer reaches a kernel that reads it by TMA: as a by-value 128-byte tensor map
-    (CUtensorMap) instead of a pointer. The launcher encodes it from the tensor
-    (`cuTensorMapEncodeTiled`: the tensor's dims innermost first, its row pitches, this box,
-    element strides 1, no interleave, this swizzle and L2 promotion, no out-of-bounds fill);
-    the kernel's TMA atom was built with the same box and swizzle from the same static layout."""
-
-    box: tuple[int, ...]  # elements per copy, innermost dim first (each 1..256)
-    swizzle: int = 128  # bytes: 0 (none), 32, 64 or 128; the box's inner extent must not exceed it
-    l2_promotion: int = 256  # bytes the L2 fetches per request: 0 (none), 64, 128 or 256
-
-    def to_dict(self) -> dict:
-        d = {"box": list(self.box), "swizzle": self.swizzle}
-        if self.l2_promotion != 256:  # absent: 256, what every earlier build encoded
-            d["l2_promotion"] = self.l2_promotion
-        return d
-
-
-@dataclass(frozen=True)
 class TensorSpec:
-    """A buffer parameter: row-major (last dim contiguous), static shape; `tma` when the kernel
-    reads it by TMA through a tensor map (see TensorMap)."""
+    """A buffer parameter: row-major (last dim contiguous), static shape."""
 
     shape: tuple[int, ...]
     dtype: str  # one of DTYPES (torch attribute name)
-    tma: TensorMap | None = None
 
     def to_dict(self) -> dict:
-        d = {"kind": "tensor", "shape": list(self.shape), "dtype": self.dtype}
-        if self.tma is not None:  # absent otherwise: every pointer parameter keeps its metadata
-            d["tma"] = self.tma.to_dict()
-        return d
+        return {"kind": "tensor", "shape": list(self.shape), "dtype": self.dtype}
 
     def numel(self) -> int:
         n = 1

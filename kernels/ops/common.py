@@ -22,7 +22,6 @@ except ImportError:  # GPU host: specs and references only
         """Just enough of `cutlass.cute` for an op module to be defined without the DSL."""
 
         Tensor = object
-        CopyAtom = object
 
         @staticmethod
         def jit(fn):

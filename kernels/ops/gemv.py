@@ -84,9 +84,10 @@ foundation/round6/ those of the TMA path).
 
 from kernels import reference
 from kernels.ops import stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorMap, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
 from kernels.ops.common import (
     BF16_PER_VECTOR,
+    HAVE_DSL,
     WARP,
     ceil_div,
     coherent_copy_atom,
@@ -95,6 +96,7 @@ from kernels.ops.common import (
     weight_load_atom,
 )
 from kernels.ops.decode_mma import mma_step
+from kernels.ops.tma import TensorMap, TmaTensorSpec
 from kernels.ops.stream import StreamPlan
 
 K_STEP = 32  # k covered by one pair of m16n8k16 mmas (two halves of a 16-byte vector per lane)
@@ -133,6 +135,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "wg_k64_from_n": 12288}
 
 OUT_DTYPES = ("bfloat16", "float32")
+_CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 
 
 class GemvOp(OpBase):
@@ -454,8 +457,8 @@ class GemvOp(OpBase):
         x_map = TensorMap((TMA_BOX_K, self.batch), l2_promotion=self.tma_l2) if self.tma else None
         w_map = TensorMap((TMA_BOX_K, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
         return {
-            "x": TensorSpec((self.batch, self.k), "bfloat16", x_map),
-            "w": TensorSpec((self.n, self.k), "bfloat16", w_map),
+            "x": TmaTensorSpec((self.batch, self.k), "bfloat16", x_map),
+            "w": TmaTensorSpec((self.n, self.k), "bfloat16", w_map),
             "y": TensorSpec((self.batch, self.n), self.out_dtype),
             # split-K partials in global memory; the cluster reduction needs none (one element)
             "partials": TensorSpec((1, 1, 1) if getattr(self, "cluster", None) else (self.splits, self.batch, self.n),
@@ -946,7 +949,7 @@ class GemvOp(OpBase):
                 grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
-    def tma_kernel(self, tma_x: cute.CopyAtom, mX: cute.Tensor, tma_w: cute.CopyAtom, mW: cute.Tensor,
+    def tma_kernel(self, tma_x: _CopyAtom, mX: cute.Tensor, tma_w: _CopyAtom, mW: cute.Tensor,
                    mY: cute.Tensor, mP: cute.Tensor, mC: cute.Tensor):
         self._wg_tma_body(tma_x, mX, tma_w, mW, mY, mP, mC)
 
