@@ -25,6 +25,8 @@ those cubins through kernels/launch and, per case:
     way on the same copies, interleaved A/B/A/B with the kernel;
   * bytes = weights + activations read + outputs written; TB/s; fraction of the read-only
     streaming ceiling; speedup over torch.
+A case that takes longer than `--case-timeout` (a hanging kernel) stops the run with one line
+naming it and exit status 3, its name recorded as `hung` in the JSON.
 The JSON (written after every case, so a timeout keeps what was measured) records the exact
 command, GPU, driver, CUDA runtime and toolkit, torch, commit, and every cubin's sha256. A short
 table is printed last.
@@ -59,6 +61,55 @@ SWEEP = [
     ("gemv", [8], {"k_order": [1]}, _GEMV_51MB),
     ("gemv", [32, 64], {"tile_min_ctas": [132]}, _GEMV_51MB + _ROUTER),
 ]
+
+
+HANG_EXIT = 3  # exit status of a run stopped by the case watchdog
+
+
+class CaseWatchdog:
+    """Stops the run when one case takes longer than `seconds` (a hanging kernel: an mbarrier
+    nobody completes, a spin on a flag nobody sets). A kernel that never finishes blocks the
+    next synchronize forever, so nothing in-process can recover: the watchdog records the case
+    in the JSON (`hung`, beside every case measured before it), prints one line naming it,
+    and exits with HANG_EXIT. Its timer is a Python thread; `faulthandler` backs it 30 s
+    later in case the blocked call holds the GIL (it then dumps the stacks and exits 1)."""
+
+    def __init__(self, seconds: float, out_path: Path, doc: dict):
+        self.seconds, self.out_path, self.doc = seconds, out_path, doc
+        self._timer = None
+
+    def arm(self, label: str) -> None:
+        import faulthandler
+        import threading
+
+        self.cancel()
+        if self.seconds <= 0:
+            return
+        self._timer = threading.Timer(self.seconds, self._fire, args=(label,))
+        self._timer.daemon = True
+        self._timer.start()
+        faulthandler.dump_traceback_later(self.seconds + 30, exit=True)
+
+    def cancel(self) -> None:
+        import faulthandler
+
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            faulthandler.cancel_dump_traceback_later()
+
+    def _fire(self, label: str) -> None:
+        import os
+
+        msg = f"case {label} did not finish within {self.seconds:g} s (a hanging kernel?); stopped"
+        try:
+            self.doc["hung"] = {"case": label, "after_s": self.seconds}
+            self.out_path.write_text(json.dumps(self.doc, indent=1))
+            msg += f"; the cases before it are in {self.out_path}"
+        except Exception as e:  # the message matters more than the note
+            msg += f" (could not write {self.out_path}: {e})"
+        print(f"gpu_proof: {msg}", file=sys.stderr, flush=True)
+        os._exit(HANG_EXIT)
 
 
 class ProofError(RuntimeError):
@@ -259,7 +310,9 @@ def run(args) -> int:
           flush=True)
 
     torch_cache: dict[str, dict] = {}
+    watchdog = CaseWatchdog(args.case_timeout, out_path, doc)
     for i, entry in enumerate(cases):
+        watchdog.arm(f"{i + 1}/{len(cases)} {entry['kernel']} {entry['shape']} {entry['tunables']}")
         # The case sizes its scratch (split-K partials, counters) for the variant's tunables.
         case = (GemvCase(entry["shape"], entry["tunables"]) if entry["kernel"] == "gemv"
                 else case_types[entry["kernel"]](entry["shape"]))
@@ -289,6 +342,7 @@ def run(args) -> int:
                             "torch_tbps": t["bytes"] / tus / 1e6, "speedup_vs_torch": tus / us}
         except Exception as e:  # one failing case must not lose the others
             row["error"] = f"{type(e).__name__}: {e}"
+        watchdog.cancel()
         doc["cases"].append(row)
         out_path.write_text(json.dumps(doc, indent=1))
         print(f"[{i + 1}/{len(cases)}] {entry['kernel']} {entry['shape']} {entry['tunables']}: "
@@ -375,6 +429,8 @@ def main(argv=None) -> int:
     pr.add_argument("--reps", type=int, default=100, help="timed launches per round")
     pr.add_argument("--rounds", type=int, default=2, help="interleaved kernel/torch rounds")
     pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--case-timeout", type=float, default=180.0,
+                    help="seconds one case may take before the run stops as hung (exit 3; 0: no limit)")
     pt = sub.add_parser("table", help="print the table of a gpu_proof.json")
     pt.add_argument("json")
     args = p.parse_args(argv)

@@ -2,6 +2,7 @@
 side-by-side timing (and its errors), and how the summary names a variant's tunables."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,33 @@ def test_gemv_cases_without_a_gpu_is_one_clear_error(tmp_path, capsys, monkeypat
     for mode in ("launch", "check"):
         assert gemv_cases.main([mode, str(tmp_path / "plan.json"), "0"]) == 2
         assert capsys.readouterr().err == "gemv_cases: no CUDA device: run this on the GPU host\n"
+
+
+def test_a_hanging_case_stops_the_run_with_one_line_and_keeps_what_was_measured(tmp_path):
+    """The watchdog: a case that does not finish (here a sleep in place of a kernel that never
+    completes) ends the process with exit 3 and one line naming it; the JSON keeps the cases
+    measured before it and names the hung one."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_proof.json"
+    code = (
+        "import json, time, sys\n"
+        "from pathlib import Path\n"
+        "sys.path.insert(0, 'scripts')\n"
+        "import gpu_proof\n"
+        f"out = Path({str(out)!r})\n"
+        "doc = {'cases': [{'kernel': 'gemv', 'measured': True}]}\n"
+        "out.write_text(json.dumps(doc))\n"
+        "w = gpu_proof.CaseWatchdog(0.5, out, doc)\n"
+        "w.arm('1/1 fine'); w.cancel()\n"
+        "w.arm('2/2 gemv {\"batch\": 64}')\n"
+        "time.sleep(30)\n"
+    )
+    repo = Path(P.__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("gpu_proof: case 2/2 gemv") and "did not finish within 0.5 s" in lines[0]
+    doc = json.loads(out.read_text())
+    assert doc["hung"] == {"case": '2/2 gemv {"batch": 64}', "after_s": 0.5} and doc["cases"] == [{"kernel": "gemv", "measured": True}]
