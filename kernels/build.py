@@ -399,6 +399,23 @@ def _check_dynamic_smem(ptx_text: str, launch: dict, where: str) -> None:
         )
 
 
+def _check_tensor_maps(ptx_text: str, params: list[dict], where: str) -> None:
+    """A kernel that takes tensor maps must copy by TMA, with boxes of the rank the maps
+    declare: the launcher encodes each map from its spec, the kernel's TMA atom was built by the
+    DSL, and a mismatch (say, the DSL splitting a box into a 3-d copy) would read the wrong bytes
+    silently. Checked: some `cp.async.bulk.tensor` exists, and every one is of the maps' rank."""
+    ranks = {len(p["spec"]["tma"]["box"]) for p in params if p["spec"].get("tma")}
+    if not ranks:
+        return
+    copies = {int(n) for n in re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx_text)}
+    if not copies:
+        raise BuildError(f"{where}: parameters are declared tensor maps but the PTX has no TMA copy "
+                         "(cp.async.bulk.tensor)")
+    if copies != ranks:
+        raise BuildError(f"{where}: the tensor maps are of rank {sorted(ranks)} but the PTX's TMA copies are "
+                         f"{sorted(copies)}-d: the op's boxes do not describe what the kernel copies")
+
+
 def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], version: str) -> dict:
     """Parse the worker's PTX/cubin in `tmp`, write kernel.sass and meta.json there; return meta."""
     label = variant_label(plan.shape, plan.tunables)
@@ -409,6 +426,7 @@ def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], versi
     except PtxError as e:
         raise BuildError(str(e)) from None
     params = _zip_params(plan.spec, entry, result["specs"], label)
+    _check_tensor_maps(ptx_text, params, where)
     launch = dict(result["launch"])
     _check_block(entry, launch, where)
     _check_dynamic_smem(ptx_text, launch, where)

@@ -28,6 +28,7 @@ TENSOR_MAP_BYTES = 128  # a CUtensorMap: by value in the parameter space, 64-byt
 TENSOR_MAP_ALIGN = 64
 TENSOR_MAP_SWIZZLES = (0, 32, 64, 128)
 TENSOR_MAP_L2_PROMOTIONS = (0, 64, 128, 256)
+MAP_CACHE = 256  # encoded tensor maps a kernel keeps (one per buffer address and box)
 _ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "uint32": 4, "int64": 8}
 
 # PTX parameter type -> ctypes type of the by-value argument.
@@ -429,7 +430,7 @@ class CubinKernel:
         self.params: list[dict] = list(meta["params"])
         self.launch: dict = meta["launch"]
         self._functions: dict[int, Any] = {}
-        self._maps: dict[str, bytes] = {}  # tensor maps by their encoding arguments
+        self._maps: dict[tuple, bytes] = {}  # tensor maps by their encoding arguments, oldest first
 
     @classmethod
     def from_dir(cls, build_dir) -> "CubinKernel":
@@ -445,11 +446,15 @@ class CubinKernel:
         return cls(cubin, meta)
 
     def _tensor_map(self, args: dict) -> bytes:
-        """`encode_tensor_map`, once per distinct map (same buffer, same box) per kernel."""
-        key = json.dumps(args, sort_keys=True)
-        raw = self._maps.get(key)
+        """`encode_tensor_map`, once per distinct map (same buffer, same box) per kernel; the
+        MAP_CACHE most recently used maps are kept."""
+        key = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(args.items()))
+        raw = self._maps.pop(key, None)
         if raw is None:
-            raw = self._maps[key] = encode_tensor_map(args)
+            raw = encode_tensor_map(args)
+        self._maps[key] = raw  # most recent last
+        while len(self._maps) > MAP_CACHE:
+            self._maps.pop(next(iter(self._maps)))
         return raw
 
     @property

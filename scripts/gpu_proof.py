@@ -75,8 +75,12 @@ class CaseWatchdog:
     later in case the blocked call holds the GIL (it then dumps the stacks and exits 1)."""
 
     def __init__(self, seconds: float, out_path: Path, doc: dict):
+        import threading
+
         self.seconds, self.out_path, self.doc = seconds, out_path, doc
         self._timer = None
+        self._armed: str | None = None
+        self._lock = threading.Lock()  # a firing timer and a finishing case never both write
 
     def arm(self, label: str) -> None:
         import faulthandler
@@ -85,20 +89,30 @@ class CaseWatchdog:
         self.cancel()
         if self.seconds <= 0:
             return
-        self._timer = threading.Timer(self.seconds, self._fire, args=(label,))
-        self._timer.daemon = True
-        self._timer.start()
+        with self._lock:
+            self._armed = label
+            self._timer = threading.Timer(self.seconds, self._fire, args=(label,))
+            self._timer.daemon = True
+            self._timer.start()
         faulthandler.dump_traceback_later(self.seconds + 30, exit=True)
 
     def cancel(self) -> None:
         import faulthandler
 
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-            faulthandler.cancel_dump_traceback_later()
+        with self._lock:
+            self._armed = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+                faulthandler.cancel_dump_traceback_later()
 
     def _fire(self, label: str) -> None:
+        with self._lock:  # held until the process exits: the main thread cannot write after us
+            if self._armed != label:
+                return  # the case finished just in time
+            self._stop(label)
+
+    def _stop(self, label: str) -> None:
         import os
 
         msg = f"case {label} did not finish within {self.seconds:g} s (a hanging kernel?); stopped"
@@ -311,51 +325,55 @@ def run(args) -> int:
 
     torch_cache: dict[str, dict] = {}
     watchdog = CaseWatchdog(args.case_timeout, out_path, doc)
-    for i, entry in enumerate(cases):
-        watchdog.arm(f"{i + 1}/{len(cases)} {entry['kernel']} {entry['shape']} {entry['tunables']}")
-        # The case sizes its scratch (split-K partials, counters) for the variant's tunables.
-        case = (GemvCase(entry["shape"], entry["tunables"]) if entry["kernel"] == "gemv"
-                else case_types[entry["kernel"]](entry["shape"]))
-        d = REPO / entry["dir"]
-        if not d.is_dir():
-            raise ProofError(f"build folder {entry['dir']} is missing: carry `build` with the run")
-        kern = CubinKernel.from_dir(d)
-        if kern.sha256 != entry["cubin_sha256"]:
-            raise ProofError(f"{entry['dir']}: cubin sha256 differs from the plan's")
-        row = {k: entry[k] for k in ("kernel", "shape", "tunables", "default_tunables", "build_key",
-                                     "cubin_sha256", "registers", "spill_bytes")}
-        if entry.get("from_plan"):
-            row["from_plan"] = entry["from_plan"]
-        try:
-            row["numerics"] = check_numerics(kern, case)
-            key = json.dumps([entry["kernel"], entry["shape"]], sort_keys=True)
-            need_torch = key not in torch_cache
-            t = time_against_torch(kern, case, reps=args.reps, rounds=args.rounds, with_torch=need_torch)
-            if need_torch:
-                torch_cache[key] = {w: t[w]["torch"] for w in ("graph", "stream")}
-            row["timing"] = t
-            for way in ("graph", "stream"):
-                t[way]["torch"] = torch_cache[key][way]
-                us, tus = t[way]["kernel"]["median_us"], t[way]["torch"]["median_us"]
-                row[way] = {"us": us, "torch_us": tus, "tbps": t["bytes"] / us / 1e6,
-                            "fraction_of_read": t["bytes"] / us / 1e6 / read_tbps,
-                            "torch_tbps": t["bytes"] / tus / 1e6, "speedup_vs_torch": tus / us}
-        except Exception as e:  # one failing case must not lose the others
-            row["error"] = f"{type(e).__name__}: {e}"
-        watchdog.cancel()
-        doc["cases"].append(row)
-        out_path.write_text(json.dumps(doc, indent=1))
-        print(f"[{i + 1}/{len(cases)}] {entry['kernel']} {entry['shape']} {entry['tunables']}: "
-              + (row.get("error") or f"graph {row['graph']['us']:.2f} us ({row['graph']['fraction_of_read']:.1%} "
-                 f"of read, x{row['graph']['speedup_vs_torch']:.2f} vs torch), stream {row['stream']['us']:.2f} us "
-                 f"(x{row['stream']['speedup_vs_torch']:.2f}), numerics {'ok' if row['numerics']['passed'] else 'FAIL'}"),
-              flush=True)
+    try:
+        for i, entry in enumerate(cases):
+            watchdog.arm(f"{i + 1}/{len(cases)} {entry['kernel']} {entry['shape']} {entry['tunables']}")
+            # The case sizes its scratch (split-K partials, counters) for the variant's tunables.
+            case = (GemvCase(entry["shape"], entry["tunables"]) if entry["kernel"] == "gemv"
+                    else case_types[entry["kernel"]](entry["shape"]))
+            d = REPO / entry["dir"]
+            if not d.is_dir():
+                raise ProofError(f"build folder {entry['dir']} is missing: carry `build` with the run")
+            kern = CubinKernel.from_dir(d)
+            if kern.sha256 != entry["cubin_sha256"]:
+                raise ProofError(f"{entry['dir']}: cubin sha256 differs from the plan's")
+            row = {k: entry[k] for k in ("kernel", "shape", "tunables", "default_tunables", "build_key",
+                                         "cubin_sha256", "registers", "spill_bytes")}
+            if entry.get("from_plan"):
+                row["from_plan"] = entry["from_plan"]
+            try:
+                row["numerics"] = check_numerics(kern, case)
+                key = json.dumps([entry["kernel"], entry["shape"]], sort_keys=True)
+                need_torch = key not in torch_cache
+                t = time_against_torch(kern, case, reps=args.reps, rounds=args.rounds, with_torch=need_torch)
+                if need_torch:
+                    torch_cache[key] = {w: t[w]["torch"] for w in ("graph", "stream")}
+                row["timing"] = t
+                for way in ("graph", "stream"):
+                    t[way]["torch"] = torch_cache[key][way]
+                    us, tus = t[way]["kernel"]["median_us"], t[way]["torch"]["median_us"]
+                    row[way] = {"us": us, "torch_us": tus, "tbps": t["bytes"] / us / 1e6,
+                                "fraction_of_read": t["bytes"] / us / 1e6 / read_tbps,
+                                "torch_tbps": t["bytes"] / tus / 1e6, "speedup_vs_torch": tus / us}
+            except Exception as e:  # one failing case must not lose the others
+                row["error"] = f"{type(e).__name__}: {e}"
+            watchdog.cancel()
+            doc["cases"].append(row)
+            out_path.write_text(json.dumps(doc, indent=1))
+            print(f"[{i + 1}/{len(cases)}] {entry['kernel']} {entry['shape']} {entry['tunables']}: "
+                  + (row.get("error") or f"graph {row['graph']['us']:.2f} us ({row['graph']['fraction_of_read']:.1%} "
+                     f"of read, x{row['graph']['speedup_vs_torch']:.2f} vs torch), stream {row['stream']['us']:.2f} us "
+                     f"(x{row['stream']['speedup_vs_torch']:.2f}), numerics {'ok' if row['numerics']['passed'] else 'FAIL'}"),
+                  flush=True)
+    finally:
+        watchdog.cancel()  # an error or an interrupt leaves no timer behind
 
     doc["passed_numerics"] = all(c.get("numerics", {}).get("passed") for c in doc["cases"])
     out_path.write_text(json.dumps(doc, indent=1))
     print(f"\nwrote {out_path}")
     print(summary_table(doc))
     return 0 if doc["passed_numerics"] else 1
+
 
 
 def summary_table(doc: dict, *, best_only: bool = True) -> str:

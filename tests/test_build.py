@@ -390,3 +390,15 @@ def test_a_tensor_map_parameter_must_be_a_by_value_map():
     plain = {"w": {k: v for k, v in spec["w"].items() if k != "tma"}}
     with pytest.raises(BuildError, match="expected one 8-byte pointer"):
         build._zip_params(man.kernel("t"), ok, plain, "rows=4")
+
+
+def test_tensor_maps_must_match_the_kernels_tma_copies():
+    maps = [{"spec": {"kind": "tensor", "tma": {"box": [64, 128], "swizzle": 128}}},
+            {"spec": {"kind": "tensor", "shape": [4], "dtype": "float32"}}]
+    two_d = "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];"
+    build._check_tensor_maps(two_d, maps, "k")
+    build._check_tensor_maps("ld.global.b32 %r1, [%rd1];", maps[1:], "k")  # no maps, nothing to check
+    with pytest.raises(BuildError, match="has no TMA copy"):
+        build._check_tensor_maps("ld.global.b32 %r1, [%rd1];", maps, "k")
+    with pytest.raises(BuildError, match=r"rank \[2\] but the PTX's TMA copies are \[2, 3\]-d"):
+        build._check_tensor_maps(two_d + "\n" + two_d.replace(".2d", ".3d"), maps, "k")

@@ -4,6 +4,7 @@ on a GPU host with a carried build, its numerics against the float64 oracle."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -501,4 +502,10 @@ def test_warpgroup_tma_sass(tmp_path):
             assert sum(i < acq[0] for i in tma) == 6 and sum(i > acq[0] for i in tma) == 10  # W: 3 x 2 | x: 3 x 2 + refill
     ptx = Path(art.paths["ptx"]).read_text()
     assert ptx.count("cp.async.bulk.tensor.2d") == 16 and "cp.async.cg" not in ptx
-    assert ptx.count("mov.b64") and str(G.TMA_EVICT_FIRST) in ptx and str(G.TMA_EVICT_LAST) in ptx
+    # each copy's policy operand: W's map (parameter 1) evict-first, x's (parameter 0) evict-last
+    defs = dict(re.findall(r"(?:mov\.b64|cvta\.param\.u64)\s+(%rd\d+), ([^;]+);", ptx))
+    policies = {}
+    for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d\S* \[[^\]]+\], \[(%rd\d+), \{[^}]+\}\], \[[^\]]+\], (%rd\d+);", ptx):
+        param = defs[defs[m.group(1)]].rsplit("_param_", 1)[1]  # map register <- cvta.param <- mov
+        policies.setdefault(param, set()).add(int(defs[m.group(2)]))
+    assert policies == {"0": {G.TMA_EVICT_LAST}, "1": {G.TMA_EVICT_FIRST}}, policies

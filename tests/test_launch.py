@@ -477,14 +477,29 @@ def test_encode_tensor_map_calls_the_driver_with_the_map(monkeypatch):
     assert drv.calls[-1][9] == e.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE
 
 
-def test_a_kernel_encodes_each_map_once(monkeypatch):
-    drv = _MapDriver()
-    monkeypatch.setattr(launch, "_driver", lambda: drv)
-    k = _cpu_kernel({"kernel": "t", "entry": "k", "params": [_map_param()],
-                     "launch": {"grid": [1, 1, 1], "block": [32, 1, 1]}})
+def test_a_kernel_encodes_each_map_once(fake_cuda, monkeypatch):
+    """Through a launch: the map reaches the kernel as its 128 bytes, is encoded once per
+    buffer (a second launch on the same tensor reuses it), and the cache stays bounded."""
+    drv = fake_cuda()
+    maps = _MapDriver()
+    monkeypatch.setattr(drv, "cuTensorMapEncodeTiled", maps.cuTensorMapEncodeTiled, raising=False)
+    for name in ("CUtensorMapDataType", "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
+                 "CUtensorMapFloatOOBfill", "cuuint64_t", "cuuint32_t"):
+        monkeypatch.setattr(drv, name, getattr(maps.real, name), raising=False)
+    out = {"index": 1, "name": "y", "role": "activation", "direction": "out", "ptx_name": "k_param_1",
+           "ptx_type": "b8", "size": 8, "align": 8, "spec": {"kind": "tensor", "shape": [4], "dtype": "float32"}}
+    params = [_map_param()] + [dict(out, index=i, name=n, ptx_name=f"k_param_{i}") for i, n in ((1, "y"), (2, "z"), (3, "q"))]
+    k = _cpu_kernel({"kernel": "t", "entry": "k", "params": params, "launch": {"grid": [1, 1, 1], "block": [32, 1, 1]}})
     w = torch.zeros(256, 192, dtype=torch.bfloat16)
-    assert k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr())) == bytes(range(128))
-    assert k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr())) == bytes(range(128))
-    assert len(drv.calls) == 1
-    k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr() + 4096))  # another buffer
-    assert len(drv.calls) == 2
+    y, z, q = (torch.zeros(4) for _ in range(3))
+    k(w, y, z, q)
+    k(w, y, z, q)
+    assert len(maps.calls) == 1 and [c[0] for c in drv.calls].count("cuLaunchKernel") == 2
+    assert drv.param_bytes[0] == bytes(range(8))  # the map's first bytes, by value
+    w2 = torch.zeros(256, 192, dtype=torch.bfloat16)
+    k(w2, y, z, q)
+    assert len(maps.calls) == 2
+    monkeypatch.setattr(launch, "MAP_CACHE", 2)
+    for _ in range(3):
+        k._tensor_map(launch.tensor_map_args(k.params[0], w.data_ptr() + 4096 * (len(maps.calls) + 1)))
+    assert len(k._maps) == 2

@@ -30,7 +30,8 @@ for name, spec in load_manifest().kernels.items():
                 assert "tma" in specs["x"] and "tma" in specs["w"], specs
             n += 1
     out[name] = n
-assert "cutlass" not in [m for m in sys.modules if sys.modules[m] is not None and m.split(".")[0] == "cutlass"]
+loaded = [m for m, v in sys.modules.items() if v is not None and m.split(".")[0] == "cutlass"]
+assert not loaded, loaded  # nothing of the DSL was loaded
 print(json.dumps(out))
 """
 

@@ -437,3 +437,66 @@ def test_writes_to_a_peer_must_land_before_they_are_read_or_the_kernel_exits():
     atom = head + "\tatom.shared::cluster.add.u32 %r5, [%r4], 1;\n\tst.global.b32 [%rd2], %r5;\n"
     assert {"dsmem-read-at-exit", "dsmem-write-unsynced"} <= audit_ptx(_ptx(atom), roles).rules_hit()
     assert audit_ptx(_ptx(atom + done), roles).clean
+
+
+MAP_HEADER = """
+.version 8.8
+.target sm_90a
+.address_size 64
+.visible .entry k(
+	.param .align 64 .b8 k_param_0[128],
+	.param .align 64 .b8 k_param_1[128],
+	.param .align 8 .b8 k_param_2[8]
+)
+{
+	ret;
+}
+"""
+
+
+def _map_sass(body: str) -> str:
+    return "\n\t.text.k:\n" + "\n".join(
+        f"        /*{16 * i:04x}*/                   {line} ;" for i, line in enumerate(body.strip().splitlines())) + "\n"
+
+
+def _tma_params(sass_body: str):
+    params = parse_ptx(MAP_HEADER)[0].params
+    fn = parse_sass(_map_sass(sass_body), params)[0]
+    return [i for i in fn.instrs if i.opcode.startswith("UTMALDG")], fn
+
+
+@pytest.mark.parametrize("body, want", [
+    # the pointer plus 0x30 + the map's offset (0: param 0, 0x80: param 1)
+    ("ULDC.64 UR4, c[0x0][0x198]\nUIADD3 UR8, UP0, UR4, 0x30, URZ\nUIADD3.X UR9, URZ, UR5, URZ, UP0, !UPT\n"
+     "UTMALDG.2D [UR12], [UR8]", [0]),
+    ("ULDC.64 UR4, c[0x0][0x198]\nUIADD3 UR8, UP0, UR4, 0xb0, URZ\nUTMALDG.2D [UR12], [UR8]", [1]),
+    # a chain: in place to param 0, then on to param 1 (not param 0 + 0x80 - 0x30)
+    ("ULDC.64 UR4, c[0x0][0x198]\nUIADD3 UR4, UP0, UR4, 0x30, URZ\nUIADD3 UR8, UP0, UR4, 0x80, URZ\n"
+     "UTMALDG.2D [UR12], [UR8]", [1]),
+    # through a spill: MOV to a vector register and R2UR back
+    ("ULDC.64 UR56, c[0x0][0x198]\nMOV R2, UR56\nR2UR UR40, R2\nUIADD3 UR8, UP0, UR40, 0xb0, URZ\n"
+     "UTMALDG.2D [UR12], [UR8]", [1]),
+    # the pointer register redefined before the add: no parameter
+    ("ULDC.64 UR4, c[0x0][0x198]\nUMOV UR4, 0x10\nUIADD3 UR8, UP0, UR4, 0x30, URZ\nUTMALDG.2D [UR12], [UR8]", []),
+])
+def test_sass_tensor_map_addresses_name_their_parameter(body, want):
+    """UTMALDG's map address is the parameter space's pointer (c[0x0][0x198]) plus 0x30 plus the
+    map's offset; the audit follows adds (chained, in place), moves and spills to name it."""
+    from validation.race.dataflow import analyze
+
+    (tma,), fn = _tma_params(body)
+    prov = analyze(CFG(fn))
+    assert sorted(prov.params_of_addr(tma.index)) == want
+
+
+def test_an_unattributed_tma_copy_before_the_wait_is_an_error():
+    """Before griddepcontrol.wait a TMA copy must be shown to read a static weight: one whose
+    map the audit cannot tie to a parameter is an error, one tied to the static map is not."""
+    roles = ["static", "activation", "activation"]
+    tied = "ULDC.64 UR4, c[0x0][0x198]\nUIADD3 UR8, UP0, UR4, 0x30, URZ\nUTMALDG.2D [UR12], [UR8]\nACQBULK\nEXIT"
+    lost = "ULDC.64 UR4, c[0x0][0x198]\nUMOV UR4, 0x10\nUIADD3 UR8, UP0, UR4, 0x30, URZ\nUTMALDG.2D [UR12], [UR8]\nACQBULK\nEXIT"
+    act = tied.replace("0x30", "0xb0")
+    for body, bad in ((tied, False), (lost, True), (act, True)):
+        rep = audit_ptx(MAP_HEADER, roles, sass_text=_map_sass(body))
+        hits = [f for f in rep.findings if f.rule == "load-before-griddep-wait"]
+        assert bool(hits) == bad and all(f.sass for f in hits), [str(f) for f in rep.findings]

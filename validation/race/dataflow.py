@@ -73,6 +73,8 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None) -> None:
             val = val | {TID}  # each thread's RMW returns a different old value
     else:
         val = frozenset(src)
+    if "param_exact" in ins.extra:  # an address known to be exactly this parameter's (sass.py)
+        val = frozenset({param_tag(ins.extra["param_exact"])})
     if record is not None and ins.dests:
         record.dest[ins.index] = val
     # A predicated definition overwrites too: compilers read such a register under the same

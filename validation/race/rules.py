@@ -531,6 +531,12 @@ def _before_griddep_wait(cfg: CFG, prov: Provenance, roles: Roles) -> list[RawFi
             emit(RawFinding("load-before-griddep-wait", ins,
                             f"write to {names} before griddepcontrol.wait: the previous kernel in the "
                             "stream may still be reading or writing it", tuple(bufs)))
+        elif ins.kind == ir.LOAD and not bufs and ins.opcode.startswith(("UTMALDG", "UBLKCP", "cp.async.bulk")):
+            # A bulk/TMA copy names its buffer only through a tensor map or an address the
+            # audit could not tie to a parameter: nothing shows it reads a static weight.
+            emit(RawFinding("load-before-griddep-wait", ins,
+                            "bulk/TMA copy from a buffer the audit cannot tie to a parameter, before "
+                            "griddepcontrol.wait: it may read an activation the previous kernel still writes"))
         elif ins.kind == ir.LOAD:
             mutable = [p for p in bufs if roles.by_index.get(p) != "static"]
             if mutable:

@@ -24,7 +24,7 @@ PARAM_BASE = 0x210
 # tests/test_race_static.py checks it on a fresh build).
 PARAM_SPACE_POINTER = 0x198
 PARAM_SPACE_BIAS = 0x30
-_ADD_IMM = re.compile(r"^(UR\d+)$")
+_UREG = re.compile(r"^(UR\d+|R\d+)$")
 
 # The instruction text is cut from the rest of the line in code, not by the pattern: a lazy body
 # followed by optional `;`, comment and whitespace backtracks cubically on the long whitespace
@@ -208,29 +208,39 @@ def parse_sass(text: str, params: list[ir.ParamDecl] | None = None) -> list[ir.F
 
 def _param_space_addresses(fn: ir.Function, params: list[ir.ParamDecl]) -> None:
     """Tag the address arithmetic that reaches a by-value parameter through the parameter
-    space's generic pointer (see PARAM_SPACE_POINTER): `ULDC.64 URa, c[0x0][0x198]` then
-    `UIADD3 URb, UPx, URa, imm, URZ` makes URb (and its carry half) the address of the parameter
-    at offset imm - PARAM_SPACE_BIAS, so a TMA copy through it is attributed to that parameter
-    like a load through a pointer parameter. Straight-line last definitions only: an address
-    formed any other way keeps no parameter (the rules then warn of unknown provenance)."""
-    base_regs: set[str] = set()
+    space's generic pointer (see PARAM_SPACE_POINTER): `ULDC.64 URa, c[0x0][0x198]` makes URa
+    that pointer (offset 0); `UIADD3 URb, UPx, URa, imm, URZ` makes URb the pointer plus imm
+    (chains add up, in place or not); a move (`MOV`, `UMOV`, `R2UR`: ptxas spills a uniform
+    register through a vector one) copies the offset. An add that lands on the address of a
+    parameter (offset - PARAM_SPACE_BIAS within it) is tagged with that parameter, so a TMA copy
+    through it is attributed to it like a load through a pointer parameter. Straight-line last
+    definitions only: an address formed any other way keeps no parameter (the rules then warn
+    of unknown provenance, and refuse it before griddepcontrol.wait)."""
+    offset: dict[str, int] = {}  # register -> its offset from the parameter space pointer
     for ins in fn.instrs:
         op = ins.opcode.split(".")[0]
+        parts = ir.split_operands(ins.text.split(None, 1)[1], "[(", "])") if " " in ins.text else []
+        srcs = [p.split(".")[0] for p in parts if not p.startswith(("UP", "!UP", "P", "!P"))][1:]
+        new: int | None = None
         if op in ("ULDC", "LDC") and f"c[0x0][{PARAM_SPACE_POINTER:#x}]" in ins.text:
-            base_regs.update(ins.dests)
-            continue
-        if op == "UIADD3" and base_regs:
-            parts = ir.split_operands(ins.text.split(None, 1)[1], "[(", "])") if " " in ins.text else []
-            srcs = [p for p in parts if not p.startswith(("UP", "!UP"))][1:]
-            regs = [p for p in srcs if _ADD_IMM.match(p)]
+            new = 0
+        elif op == "UIADD3" and offset:
+            regs = [p for p in srcs if _UREG.match(p)]
             imms = [p for p in srcs if p.startswith("0x")]
-            if len(regs) == 1 and regs[0] in base_regs and len(imms) == 1:
-                pi = _param_at(PARAM_BASE + int(imms[0], 16) - PARAM_SPACE_BIAS, params)
-                if pi is not None and pi not in ins.params_read:
-                    ins.params_read = tuple(ins.params_read) + (pi,)
-                continue
-        # any other definition of a base register ends its life as the pointer
-        base_regs.difference_update(ins.dests)
+            if len(regs) == 1 and regs[0] in offset and len(imms) == 1:
+                new = offset[regs[0]] + int(imms[0], 16)
+                pi = _param_at(PARAM_BASE + new - PARAM_SPACE_BIAS, params)
+                if pi is not None:
+                    ins.extra["param_exact"] = pi  # this parameter only, not what the chain passed
+        elif op in ("MOV", "UMOV", "R2UR") and len(srcs) == 1 and srcs[0] in offset:
+            new = offset[srcs[0]]
+        # every register this instruction writes now holds `new` (or no known offset)
+        dests = ins.dests[:1] if new is not None else ins.dests
+        for d in ins.dests:
+            offset.pop(d, None)
+        if new is not None:
+            for d in dests:
+                offset[d] = new
 
 
 def _instr_text(rest: str) -> str:
