@@ -1,0 +1,99 @@
+"""Does committed GPU evidence still name the cubins this checkout builds?
+
+    python scripts/evidence_binding.py evidence_reports/foundation/final/gpu_proof.json \
+        evidence_reports/moe_block/round3/final/block_plan.json
+
+Every file is a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the
+`cubin_sha256` it measured (what `scripts/gpu_proof.py` and `scripts/block_proof.py` write, plans
+and results alike). Each case is rebuilt on this host (cached builds under `--root`) and its
+cubin compared. A cubin carries the text of every source it was built from (an edit to a shared
+module such as `kernels/ops/common.py`, even a comment, changes the cubins of every kernel that
+imports it), so this is the way to know whether a figure in a README still describes the code
+at HEAD.
+
+Prints, per file, how many cases are bound and names each one that is not; exit 0 when every
+case of every file is bound, 1 when some are not, 2 on bad input (an unreadable file, a case
+without those fields, a build error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+class BindingError(RuntimeError):
+    """Bad input: one clear line, exit 2."""
+
+
+def load_cases(path: Path) -> list[dict]:
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise BindingError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise BindingError(f"{path}: not JSON ({e})") from None
+    cases = doc.get("cases") if isinstance(doc, dict) else None
+    if not isinstance(cases, list) or not cases:
+        raise BindingError(f"{path}: no `cases` list")
+    for i, c in enumerate(cases):
+        missing = [k for k in ("kernel", "shape", "tunables", "cubin_sha256") if k not in c]
+        if missing:
+            raise BindingError(f"{path}: case {i} has no {', '.join(missing)}")
+    return cases
+
+
+def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[dict, str]]:
+    """(case, cubin sha256 this checkout builds) for every case, built in groups of one kernel
+    and one set of tunables."""
+    from kernels.build import BuildError, build_kernel
+
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(cases):
+        groups.setdefault(json.dumps([c["kernel"], c["tunables"]], sort_keys=True), []).append(i)
+    built: dict[int, str] = {}
+    for key, idx in groups.items():
+        kernel, tunables = json.loads(key)
+        try:
+            arts = build_kernel(kernel, shapes=[cases[i]["shape"] for i in idx], tunables=tunables,
+                                root=root, jobs=jobs)
+        except BuildError as e:
+            raise BindingError(str(e)) from None
+        for i, art in zip(idx, arts):
+            built[i] = art.meta["hashes"]["cubin_sha256"]
+    return [(c, built[i]) for i, c in enumerate(cases)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", type=Path, help="evidence JSON with `cases` (proof results or plans)")
+    ap.add_argument("--root", type=Path, help="build cache root (default: a temporary folder)")
+    ap.add_argument("--jobs", type=int, help="compile processes (default: the build's)")
+    args = ap.parse_args(argv)
+    try:
+        loaded = [(f, load_cases(f)) for f in args.files]  # every file read before any build
+        root = args.root or Path(tempfile.mkdtemp(prefix="evidence_binding_"))
+        unbound = 0
+        for f, cases in loaded:
+            results = check(cases, root, args.jobs)
+            bad = [(c, h) for c, h in results if h != c["cubin_sha256"]]
+            unbound += len(bad)
+            print(f"{f}: {len(results) - len(bad)}/{len(results)} cases bound to this checkout's cubins")
+            for c, h in bad:
+                print(f"  unbound: {c['kernel']} {json.dumps(c['shape'], sort_keys=True)} "
+                      f"(evidence {c['cubin_sha256'][:12]}, built {h[:12]})")
+    except BindingError as e:
+        print(f"evidence_binding: {e}", file=sys.stderr)
+        return 2
+    return 1 if unbound else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""scripts/evidence_binding.py: committed evidence against the cubins this checkout builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels.build import build_variant
+from scripts import evidence_binding as E
+
+SHAPE = {"batch": 1, "width": 3584}
+
+
+@pytest.mark.slow
+def test_bound_and_unbound_cases_and_bad_input(tmp_path, capsys):
+    root = tmp_path / "build"
+    art = build_variant("rmsnorm", SHAPE, root=root)
+    case = {"kernel": "rmsnorm", "shape": SHAPE, "tunables": art.meta["tunables"],
+            "cubin_sha256": art.meta["hashes"]["cubin_sha256"]}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"cases": [case]}))
+    assert E.main([str(good), "--root", str(root)]) == 0
+    assert "1/1 cases bound" in capsys.readouterr().out
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"cases": [case, dict(case, cubin_sha256="0" * 64)]}))
+    assert E.main([str(stale), "--root", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "1/2 cases bound" in out and 'unbound: rmsnorm {"batch": 1, "width": 3584} (evidence 000000000000' in out
+    # bad input: one line, exit 2, nothing built
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"cases": [{"kernel": "rmsnorm"}]}))
+    assert E.main([str(good), str(broken), "--root", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "case 0 has no shape, tunables, cubin_sha256" in err[0]
+    assert not (tmp_path / "none").exists()
+    assert E.main([str(tmp_path / "missing.json")]) == 2
