@@ -217,30 +217,31 @@ def _param_space_addresses(fn: ir.Function, params: list[ir.ParamDecl]) -> None:
     definitions only: an address formed any other way keeps no parameter (the rules then warn
     of unknown provenance, and refuse it before griddepcontrol.wait)."""
     offset: dict[str, int] = {}  # register -> its offset from the parameter space pointer
+    pointer = f"c[0x0][{PARAM_SPACE_POINTER:#x}]"
     for ins in fn.instrs:
         op = ins.opcode.split(".")[0]
-        parts = ir.split_operands(ins.text.split(None, 1)[1], "[(", "])") if " " in ins.text else []
-        srcs = [p.split(".")[0] for p in parts if not p.startswith(("UP", "!UP", "P", "!P"))][1:]
         new: int | None = None
-        if op in ("ULDC", "LDC") and f"c[0x0][{PARAM_SPACE_POINTER:#x}]" in ins.text:
+        if op in ("ULDC", "LDC") and pointer in ins.text:
             new = 0
-        elif op == "UIADD3" and offset:
-            regs = [p for p in srcs if _UREG.match(p)]
-            imms = [p for p in srcs if p.startswith("0x")]
-            if len(regs) == 1 and regs[0] in offset and len(imms) == 1:
-                new = offset[regs[0]] + int(imms[0], 16)
-                pi = _param_at(PARAM_BASE + new - PARAM_SPACE_BIAS, params)
-                if pi is not None:
-                    ins.extra["param_exact"] = pi  # this parameter only, not what the chain passed
-        elif op in ("MOV", "UMOV", "R2UR") and len(srcs) == 1 and srcs[0] in offset:
-            new = offset[srcs[0]]
-        # every register this instruction writes now holds `new` (or no known offset)
-        dests = ins.dests[:1] if new is not None else ins.dests
+        elif offset and op in ("UIADD3", "MOV", "UMOV", "R2UR"):
+            parts = ir.split_operands(ins.text.split(None, 1)[1], "[(", "])") if " " in ins.text else []
+            srcs = [p.split(".")[0] for p in parts if not p.startswith(("UP", "!UP", "P", "!P"))][1:]
+            if op == "UIADD3":
+                regs = [p for p in srcs if _UREG.match(p)]
+                imms = [p for p in srcs if p.startswith("0x")]
+                if len(regs) == 1 and regs[0] in offset and len(imms) == 1:
+                    new = offset[regs[0]] + int(imms[0], 16)
+                    pi = _param_at(PARAM_BASE + new - PARAM_SPACE_BIAS, params)
+                    if pi is not None:
+                        ins.extra["param_exact"] = pi  # this parameter only, not what the chain passed
+            elif len(srcs) == 1 and srcs[0] in offset:
+                new = offset[srcs[0]]
+        # every register this instruction writes no longer holds a known offset, except its
+        # first destination when it now holds `new`
         for d in ins.dests:
             offset.pop(d, None)
-        if new is not None:
-            for d in dests:
-                offset[d] = new
+        if new is not None and ins.dests:
+            offset[ins.dests[0]] = new
 
 
 def _instr_text(rest: str) -> str:
