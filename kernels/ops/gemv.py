@@ -132,7 +132,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
                     "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288}
+                    "wg_k64_from_n": 12288, "wg_red_ring": 0}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -329,12 +329,13 @@ class GemvOp(OpBase):
                              f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
 
     def _plan_wg(self) -> None:
-        """Batches from `wg_from_batch` that are a multiple of 8 ("wg"): the staged design's
-        CTA and ring, with the warpgroup tensor cores. CTA (split s, row block) owns `wg_rows`
-        weight rows (one warpgroup of 128 threads for 64 rows, two for 128 or 256) and a k chunk; every thread
-        issues its 16-byte `cp.async` copies of a stage (W `.cg`, x `.ca`) into 128-byte-swizzled
-        slots of `wg_k` k, `wg_stages - 1` stages ahead; each warpgroup then runs
-        `wgmma.mma_async` m64nBk16 straight from those slots (W is the A operand, x the B
+        """Batches from `wg_from_batch` that are a multiple of 8 ("wg"): CTAs with a ring of
+        128-byte-swizzled shared-memory slots of `wg_k` k and the warpgroup tensor cores. CTA
+        (split s, row block) owns `wg_rows` weight rows (one warpgroup of 128 threads for 64
+        rows, two for 128 or 256) and a k chunk. The slots are filled by TMA (`wg_tma` 1, the
+        default: `_wg_tma_body`) or, with `wg_tma` 0, by every thread's 16-byte `cp.async`
+        copies (W `.cg`, x `.ca`) `wg_stages - 1` stages ahead (`_wg_body`); each warpgroup
+        runs `wgmma.mma_async` m64nBk16 straight from the slots (W is the A operand, x the B
         operand, both k-major), so no fragment passes through a register load. k is split over
         the fewest CTAs that reach `wg_min_ctas` (0: the most that are all resident at
         once on FILL_CTAS SMs, one full wave); the partials meet as in the tiled design, the
@@ -380,6 +381,12 @@ class GemvOp(OpBase):
         self.tma_hint = int(t["wg_tma_hint"])
         if self.tma_hint not in (0, 1, 2):
             raise ValueError("gemv: wg_tma_hint must be 0, 1 or 2")
+        self.red_ring = int(t["wg_red_ring"])
+        if self.red_ring not in (0, 1):
+            raise ValueError("gemv: wg_red_ring must be 0 or 1")
+        if self.red_ring and not (self.tma and self.wg_cluster):
+            raise ValueError("gemv: wg_red_ring 1 needs wg_tma 1 and wg_cluster 1 (it reuses the TMA ring "
+                             "for the cluster's reduction)")
         self.tma_l2 = int(t["wg_tma_l2"])
         if self.tma_l2 not in (0, 64, 128, 256):
             raise ValueError("gemv: wg_tma_l2 must be 0, 64, 128 or 256")
@@ -407,6 +414,11 @@ class GemvOp(OpBase):
         while self.stages > 2 and self._wg_smem() > STAGED_SMEM_LIMIT:
             self.stages -= 1
         self.smem_bytes = self._wg_smem()
+        if self.red_ring and self.cluster is not None:
+            red = self.splits * self.batch * self._red_pitch() * 4
+            if red > self._wg_ring_w_bytes():  # cannot happen with wgmma's tiles; kept as a guard
+                raise ValueError(f"gemv: the cluster reduction's {red} B do not fit the W ring "
+                                 f"({self._wg_ring_w_bytes()} B); use wg_red_ring 0")
         if self.smem_bytes > STAGED_SMEM_LIMIT:
             raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
                              f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
@@ -433,6 +445,8 @@ class GemvOp(OpBase):
         splits = splits or self.splits
         ring = self.stages * self.stage_k * 2
         red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if self.wg_cluster and splits > 1 else 0
+        if self.red_ring:  # the reduction's slots lie in the W ring (`_wg_cluster_reduce`)
+            red = 0
         bars = 2 * self.stages * 8 + 8 if self.tma else 0  # full + empty mbarriers
         return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red + bars
 
@@ -861,8 +875,10 @@ class GemvOp(OpBase):
                 _trap()
             # A CTA may touch a peer's shared memory only once the peer has started: arrive
             # now (relaxed, nothing waits here); the reduction waits on this phase before
-            # its first remote store.
-            cute.arch.cluster_arrive_relaxed()
+            # its first remote store. (With wg_red_ring the reduction's first cluster barrier,
+            # after every main loop, implies it.)
+            if cutlass.const_expr(not self.red_ring):
+                cute.arch.cluster_arrive_relaxed()
 
     def _wg_layouts(self):
         """Trace-time: the tiled wgmma and the staged W and x slot layouts (128-byte swizzled,
@@ -892,8 +908,11 @@ class GemvOp(OpBase):
         sRed = None
         if cutlass.const_expr(self.cluster is not None):
             pitch = self._red_pitch()
-            sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
-                (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
+            red_layout = cute.make_layout((self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1))
+            if cutlass.const_expr(self.red_ring):  # the W ring, idle once every CTA's main loop is done
+                sRed = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=cutlass.Float32), red_layout)
+            else:
+                sRed = smem.allocate_tensor(cutlass.Float32, red_layout, byte_alignment=16)
         bars = smem.allocate_array(cutlass.Int64, 2 * self.stages) if self.tma else None
         return mma, sW, sX, sLast, sRed, bars
 
@@ -1119,19 +1138,30 @@ class GemvOp(OpBase):
         accumulators into the shared memory of the row's owner, into the slot of its own rank
         (`mapa` + `st.shared::cluster`: stores, nothing waits for them); one cluster barrier
         (arrive release, wait acquire) makes every push visible; then each CTA sums its slots
-        in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. The
-        slots are a region of their own, not the ring, so a push cannot land while its owner's
-        wgmmas still read the ring; after the barrier nobody touches a peer's shared memory, so
-        a CTA may exit as soon as its rows are written. Before the first push, a wait on the
-        cluster phase every CTA arrived at on entry: a CTA's shared memory may be written by a
-        peer only once that CTA has started (compute-sanitizer's racecheck flagged the pushes
-        without it, evidence_reports/foundation/round5/)."""
+        in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. With
+        `wg_red_ring` 0 the slots are a region of their own, not the ring, so a push cannot
+        land while its owner's wgmmas still read the ring; before the first push, a wait on
+        the cluster phase every CTA arrived at on entry: a CTA's shared memory may be written
+        by a peer only once that CTA has started (compute-sanitizer's racecheck flagged the
+        pushes without it, evidence_reports/foundation/round5/). With `wg_red_ring` 1 the
+        slots lie in the W ring, which frees their shared memory for one more stage: a first
+        cluster barrier, after a proxy fence, holds every push until every CTA of the cluster
+        is past its main loop (which also means it has started). After the last barrier
+        nobody touches a peer's shared memory, so a CTA may exit as soon as its rows are
+        written."""
         f32 = cutlass.Float32
         C = self.splits
         T = self.threads
         share = self.rows_per_cta // C  # rows each CTA of the cluster owns
         s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=32)
-        cute.arch.cluster_wait()  # every peer has started (the relaxed arrive at kernel entry)
+        if cutlass.const_expr(self.red_ring):
+            # The slots lie in the W ring: a peer may push into it only once this CTA's wgmmas
+            # (async-proxy reads, each waited for) are done with it, and this CTA into a
+            # peer's likewise: order them before generic-proxy writes, then one cluster
+            # barrier (arrive release, wait acquire) after every CTA's main loop.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()  # every peer has started (entry arrive) / finished its main loop
         one = cute.make_layout(1)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, b = tCc[i]
