@@ -1,6 +1,6 @@
-"""The routed experts (moe_w13, moe_w2) at batches 2..64: the stream path with several tokens per
+"""The routed experts (moe_w13, moe_w2) at batches 2..16: the stream path with several tokens per
 group (kernels/ops/moe_experts.py, `stream_max_batch`, `stream_slots`) against the block's
-pipelined path (past batch 16: the manifest's persistent path, `_pers`), in one GPU call; numerics over the routing patterns; stress; the dynamic race
+pipelined path, in one GPU call; numerics over the routing patterns; stress; the dynamic race
 audit of the multi-token stream path (its token loop and the moe_w2 counters).
 
   python scripts/experts_batch_explore.py plan               # CPU host with the DSL: build, audit
@@ -51,8 +51,8 @@ PATTERNS = ("uniform", "hot", "same", "distinct")
 CALLS = 8
 
 
-def stream_tunables(slots: int, kib: int = 32, batch: int = 16) -> dict:
-    return {"stream": 1, "stream_max_batch": max(16, batch), "stream_slots": slots, "stream_threads": 128,
+def stream_tunables(slots: int, kib: int = 32) -> dict:
+    return {"stream": 1, "stream_max_batch": 16, "stream_slots": slots, "stream_threads": 128,
             "stream_cta_kib": kib, "pdl": 1}
 
 
@@ -63,15 +63,11 @@ def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
-            if T <= 16:
-                v.append((f"b{T}_{tag}_pipe", kern, shape, PIPELINED))
-            else:  # past batch 16 the base is the manifest's persistent path (the block's choice)
-                v.append((f"b{T}_{tag}_pers", kern, shape, {}))
+            v.append((f"b{T}_{tag}_pipe", kern, shape, PIPELINED))
             for slots in (1, 2, 4):
                 if slots <= T:
-                    v.append((f"b{T}_{tag}_s{slots}", kern, shape, stream_tunables(slots, batch=T)))
-            if T <= 16:
-                v.append((f"b{T}_{tag}_s2_16k", kern, shape, stream_tunables(2, 16)))
+                    v.append((f"b{T}_{tag}_s{slots}", kern, shape, stream_tunables(slots)))
+            v.append((f"b{T}_{tag}_s2_16k", kern, shape, stream_tunables(2, 16)))
     return v + small_variants()
 
 
@@ -111,8 +107,7 @@ def _entries() -> dict:
 
 def _pair_ids(ents, T):
     """(w13 id, w2 id) of each design at batch T, base first."""
-    tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")},
-                  key=lambda t: t not in ("pipe", "pers"))
+    tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")}, key=lambda t: t != "pipe")
     return [(f"b{T}_w13_{t}", f"b{T}_w2_{t}") for t in tags]
 
 

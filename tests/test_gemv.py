@@ -239,8 +239,8 @@ def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
 
 def test_warpgroup_design_plan():
     """From wg_from_batch (8), batches that are a multiple of 8: 64-row CTAs (one warpgroup), 128
-    rows (two) from batch 32 where the wider blocks still fill half the SMs (not the router's 896
-    rows); k split into as many CTAs as are resident in one wave, at most 8, one cluster per
+    rows (two) from batch 32 where the 64-row blocks are more than one per SM and the wider
+    blocks still fill half the SMs (only 12288 rows); k split into as many CTAs as are resident in one wave, at most 8, one cluster per
     row block; 6-slot rings of 64 k, clamped to the CTA's stages + 1 and to shared memory."""
     b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=64)
     assert b8.wg and not (b8.stream or b8.staged or b8.tiled)
@@ -256,11 +256,17 @@ def test_warpgroup_design_plan():
     with pytest.raises(ValueError, match="wg_tma 1 needs wg_k 64 or 128"):
         G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=256)
     assert b8.tensor_specs()["partials"].shape == (1, 1, 1)  # the cluster reduces in shared memory
+    # From batch 32, 128-row CTAs only where the 64-row blocks alone are more than one per SM:
+    # 7168 rows stay at 64 (112 blocks, no split), 12288 widen (192 narrow blocks -> 96, no split)
     b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64)
-    assert (b64.rows_per_cta, b64.threads, b64.splits) == (128, 256, 2)  # 184 KB: one CTA per SM, 112
+    assert (b64.rows_per_cta, b64.threads, b64.splits) == (64, 128, 1)  # 112 CTAs, one per SM
+    assert b64.launch_config().cluster is None
+    assert (G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64, wg_rows=128).rows_per_cta,
+            G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64, wg_rows=128).splits) == (128, 2)
     router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"}, wg_k=64)
-    assert (router.rows_per_cta, router.splits) == (64, 8)  # 7 blocks of 128 x 8 < 66: stays at 64
+    assert (router.rows_per_cta, router.splits) == (64, 8)  # 14 blocks: stays at 64
     whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
+    assert whole.rows_per_cta == 128 and G.GemvOp({"batch": 16, "n": 12288, "k": 7168}).rows_per_cta == 64
     assert whole.splits == 1 and whole.launch_config().cluster is None and "cluster" not in whole.launch_config().to_dict()
     # Fixed split counts, and the global-partials reduction without clusters.
     fixed = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_cluster=0, wg_k=64)
@@ -273,8 +279,11 @@ def test_warpgroup_design_plan():
     assert deep.smem_bytes <= G.STAGED_SMEM_LIMIT
     # The defaults: 128 k per stage (two TMA boxes per operand), 64 from n = 12288 on
     d64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
-    assert (d64.stage_k, d64.rows_per_cta, d64.splits, d64.stages) == (128, 128, 2, 3)
-    assert d64.tensor_specs()["w"].tma.box == (64, 128)  # a box stays one 128-byte line of k
+    assert (d64.stage_k, d64.rows_per_cta, d64.splits, d64.stages) == (128, 64, 1, 6)
+    assert d64.tensor_specs()["w"].tma.box == (64, 64)  # a box stays one 128-byte line of k
+    wide = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_rows=128)
+    assert (wide.stage_k, wide.rows_per_cta, wide.splits, wide.stages) == (128, 128, 2, 3)
+    assert wide.tensor_specs()["w"].tma.box == (64, 128)
     assert G.GemvOp({"batch": 64, "n": 12288, "k": 7168}).stage_k == 64
     assert G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, wg_k64_from_n=65536).stage_k == 128
     assert G.GemvOp({"batch": 20, "n": 3584, "k": 7168}).wg is False  # not a multiple of 8
@@ -287,7 +296,8 @@ def test_warpgroup_design_plan():
 
 @pytest.mark.slow
 def test_warpgroup_sass(tmp_path):
-    """Through the real build, batch 64 on 3584 -> 7168 (128-row CTAs, 2 splits in one cluster),
+    """Through the real build, batch 64 on 3584 -> 7168 with `wg_rows` 128 (128-row CTAs, 2 splits
+    in one cluster),
     the cp.async ring (`wg_tma` 0):
     W reaches shared memory only through 16-byte L2-only copies (no register load of W), the
     tensor cores are wgmma (HGMMA 64x64x16, 4 per stage per warpgroup), the async-proxy fence
@@ -300,7 +310,7 @@ def test_warpgroup_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0, "wg_k": 64}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0, "wg_k": 64, "wg_rows": 128}, root=tmp_path)
         assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
         opc, w_copies, x_copies = _sass_copies(art)
@@ -468,7 +478,8 @@ def test_numerics_on_gpu(case):
 
 @pytest.mark.slow
 def test_warpgroup_tma_sass(tmp_path):
-    """The default TMA path, batch 64 on 3584 -> 7168: x and w are by-value tensor maps; the
+    """The TMA path with 128-row CTAs (`wg_rows` 128; the default there is 64, no split),
+    batch 64 on 3584 -> 7168: x and w are by-value tensor maps; the
     slots (128 k) are filled only by TMA (UTMALDG, 4 per stage: two 64-k boxes of W, two of x), nothing global is
     read into a register or by cp.async; every stage waits on its full mbarrier before its
     wgmmas and there is no CTA barrier in the loop; the copies carry the eviction policies
@@ -479,7 +490,7 @@ def test_warpgroup_tma_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "wg_rows": 128}, root=tmp_path)
         assert [(p["name"], p["size"], p["align"]) for p in art.meta["params"][:2]] == [("x", 128, 64), ("w", 128, 64)]
         assert art.meta["params"][1]["spec"]["tma"] == {"box": [64, 128], "swizzle": 128, "l2_promotion": 0}
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0

@@ -201,7 +201,7 @@ def test_cluster_reduction_is_clean_and_its_missing_entry_barrier_is_flagged():
     from validation.race.audit import audit_ptx
 
     spec = load_manifest().kernel("gemv")
-    art = build_variant_of(spec, {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"})
+    art = build_variant_of(spec, {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}, {"wg_rows": 128})
     assert art.meta["launch"]["cluster"] == [2, 1, 1]
     good = audit_artifact(art, spec)
     assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]

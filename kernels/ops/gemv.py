@@ -132,7 +132,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
                     "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_red_ring": 0}
+                    "wg_k64_from_n": 12288}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -355,9 +355,12 @@ class GemvOp(OpBase):
         if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or stages < 2 or min_ctas < 0:
             raise ValueError(f"gemv: wg_k must be a multiple of {SWIZZLE_CHUNKS * BF16_PER_VECTOR}, "
                              "wg_stages at least 2, wg_min_ctas not negative")
-        if self.batch >= int(t["wg_wide_from_batch"]) and rows < 4 * WG_M:
+        if self.batch >= int(t["wg_wide_from_batch"]) and rows < 4 * WG_M and self.n // rows > FILL_CTAS:
             # Wider batches: twice the rows per CTA (each x byte crossing L2 then feeds twice the
-            # weight rows), unless the wider blocks cannot fill half the SMs even split 8 ways.
+            # weight rows), where the narrow row blocks alone are more than one per SM, unless the
+            # wider blocks cannot fill half the SMs even split 8 ways. (Measured, foundation/round7:
+            # where the narrow blocks fit one wave, widening only adds a split and its reduction;
+            # 7168->12288, 192 narrow blocks, is the shape that gains.)
             if self.n % (2 * rows) == 0 and (self.n // (2 * rows)) * MAX_CLUSTER >= FILL_CTAS // 2:
                 rows *= 2
         while rows > WG_M and self.n % rows:
@@ -381,12 +384,6 @@ class GemvOp(OpBase):
         self.tma_hint = int(t["wg_tma_hint"])
         if self.tma_hint not in (0, 1, 2):
             raise ValueError("gemv: wg_tma_hint must be 0, 1 or 2")
-        self.red_ring = int(t["wg_red_ring"])
-        if self.red_ring not in (0, 1):
-            raise ValueError("gemv: wg_red_ring must be 0 or 1")
-        if self.red_ring and not (self.tma and self.wg_cluster):
-            raise ValueError("gemv: wg_red_ring 1 needs wg_tma 1 and wg_cluster 1 (it reuses the TMA ring "
-                             "for the cluster's reduction)")
         self.tma_l2 = int(t["wg_tma_l2"])
         if self.tma_l2 not in (0, 64, 128, 256):
             raise ValueError("gemv: wg_tma_l2 must be 0, 64, 128 or 256")
@@ -414,11 +411,6 @@ class GemvOp(OpBase):
         while self.stages > 2 and self._wg_smem() > STAGED_SMEM_LIMIT:
             self.stages -= 1
         self.smem_bytes = self._wg_smem()
-        if self.red_ring and self.cluster is not None:
-            red = self.splits * self.batch * self._red_pitch() * 4
-            if red > self._wg_ring_w_bytes():  # cannot happen with wgmma's tiles; kept as a guard
-                raise ValueError(f"gemv: the cluster reduction's {red} B do not fit the W ring "
-                                 f"({self._wg_ring_w_bytes()} B); use wg_red_ring 0")
         if self.smem_bytes > STAGED_SMEM_LIMIT:
             raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
                              f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
@@ -445,8 +437,6 @@ class GemvOp(OpBase):
         splits = splits or self.splits
         ring = self.stages * self.stage_k * 2
         red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if self.wg_cluster and splits > 1 else 0
-        if self.red_ring:  # the reduction's slots lie in the W ring (`_wg_cluster_reduce`)
-            red = 0
         bars = 2 * self.stages * 8 + 8 if self.tma else 0  # full + empty mbarriers
         return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red + bars
 
@@ -875,10 +865,8 @@ class GemvOp(OpBase):
                 _trap()
             # A CTA may touch a peer's shared memory only once the peer has started: arrive
             # now (relaxed, nothing waits here); the reduction waits on this phase before
-            # its first remote store. (With wg_red_ring the reduction's first cluster barrier,
-            # after every main loop, implies it.)
-            if cutlass.const_expr(not self.red_ring):
-                cute.arch.cluster_arrive_relaxed()
+            # its first remote store.
+            cute.arch.cluster_arrive_relaxed()
 
     def _wg_layouts(self):
         """Trace-time: the tiled wgmma and the staged W and x slot layouts (128-byte swizzled,
@@ -908,11 +896,8 @@ class GemvOp(OpBase):
         sRed = None
         if cutlass.const_expr(self.cluster is not None):
             pitch = self._red_pitch()
-            red_layout = cute.make_layout((self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1))
-            if cutlass.const_expr(self.red_ring):  # the W ring, idle once every CTA's main loop is done
-                sRed = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=cutlass.Float32), red_layout)
-            else:
-                sRed = smem.allocate_tensor(cutlass.Float32, red_layout, byte_alignment=16)
+            sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
+                (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
         bars = smem.allocate_array(cutlass.Int64, 2 * self.stages) if self.tma else None
         return mma, sW, sX, sLast, sRed, bars
 
@@ -1138,30 +1123,19 @@ class GemvOp(OpBase):
         accumulators into the shared memory of the row's owner, into the slot of its own rank
         (`mapa` + `st.shared::cluster`: stores, nothing waits for them); one cluster barrier
         (arrive release, wait acquire) makes every push visible; then each CTA sums its slots
-        in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. With
-        `wg_red_ring` 0 the slots are a region of their own, not the ring, so a push cannot
-        land while its owner's wgmmas still read the ring; before the first push, a wait on
-        the cluster phase every CTA arrived at on entry: a CTA's shared memory may be written
-        by a peer only once that CTA has started (compute-sanitizer's racecheck flagged the
-        pushes without it, evidence_reports/foundation/round5/). With `wg_red_ring` 1 the
-        slots lie in the W ring, which frees their shared memory for one more stage: a first
-        cluster barrier, after a proxy fence, holds every push until every CTA of the cluster
-        is past its main loop (which also means it has started). After the last barrier
-        nobody touches a peer's shared memory, so a CTA may exit as soon as its rows are
-        written."""
+        in rank order 0..C-1 (the same bits whichever CTA finishes first) and writes y. The
+        slots are a region of their own, not the ring, so a push cannot land while its owner's
+        wgmmas still read the ring; after the barrier nobody touches a peer's shared memory, so
+        a CTA may exit as soon as its rows are written. Before the first push, a wait on the
+        cluster phase every CTA arrived at on entry: a CTA's shared memory may be written by a
+        peer only once that CTA has started (compute-sanitizer's racecheck flagged the pushes
+        without it, evidence_reports/foundation/round5/)."""
         f32 = cutlass.Float32
         C = self.splits
         T = self.threads
         share = self.rows_per_cta // C  # rows each CTA of the cluster owns
         s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=32)
-        if cutlass.const_expr(self.red_ring):
-            # The slots lie in the W ring: a peer may push into it only once this CTA's wgmmas
-            # (async-proxy reads, each waited for) are done with it, and this CTA into a
-            # peer's likewise: order them before generic-proxy writes, then one cluster
-            # barrier (arrive release, wait acquire) after every CTA's main loop.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()  # every peer has started (entry arrive) / finished its main loop
+        cute.arch.cluster_wait()  # every peer has started (the relaxed arrive at kernel entry)
         one = cute.make_layout(1)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, b = tCc[i]

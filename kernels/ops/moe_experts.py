@@ -84,7 +84,7 @@ GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
 PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
 
-STREAM_LIMIT = 64  # the stream path's largest batch (a group of more tokens than slots loops over them)
+STREAM_LIMIT = 16  # the stream path's largest batch: its token loop is planned for small groups
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream`,
 # `stream_slots` and `pdl` act up to `stream_max_batch` tokens (the stream path); `pipeline` up
