@@ -1,6 +1,6 @@
 """The routed experts (moe_w13, moe_w2) at batches 2..16: the stream path with several tokens per
 group (kernels/ops/moe_experts.py, `stream_max_batch`, `stream_slots`) against the block's
-pipelined path, in one GPU call; numerics over the routing patterns; stress; the dynamic race
+pipelined path (batches 32 and 64: the persistent path's tunables, PERSISTENT_SWEEP), in one GPU call; numerics over the routing patterns; stress; the dynamic race
 audit of the multi-token stream path (its token loop and the moe_w2 counters).
 
   python scripts/experts_batch_explore.py plan               # CPU host with the DSL: build, audit
@@ -48,6 +48,17 @@ SMALL = {"batch": 3, "n_experts": 64, "latent": 512, "expert_inter": 512, "top_k
 BATCHES = (2, 4, 8, 16)
 PIPELINED = {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3, "stream": 0}
 PATTERNS = ("uniform", "hot", "same", "distinct")
+STREAM_MAX = 16  # kernels/ops/moe_experts.py STREAM_LIMIT: past it, batches sweep the persistent path
+# Batches 32 and 64 (the manifest's persistent path, `_pers`): rt = row tiles, w = warps per CTA,
+# c = CTAs per SM, ku = k unroll (moe_w13 needs an even row_tiles).
+PERSISTENT_SWEEP = {
+    "rt4": {"row_tiles": 4},
+    "c3": {"ctas_per_sm": 3},
+    "rt4c3": {"row_tiles": 4, "ctas_per_sm": 3},
+    "rt4w4c3": {"row_tiles": 4, "warps_per_cta": 4, "ctas_per_sm": 3},
+    "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4},
+    "ku4": {"k_unroll": 4},
+}
 CALLS = 8
 
 
@@ -63,6 +74,11 @@ def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
+            if T > STREAM_MAX:  # past the stream path: the persistent path's tunables
+                v.append((f"b{T}_{tag}_pers", kern, shape, {}))
+                for name, tun in PERSISTENT_SWEEP.items():
+                    v.append((f"b{T}_{tag}_{name}", kern, shape, tun))
+                continue
             v.append((f"b{T}_{tag}_pipe", kern, shape, PIPELINED))
             for slots in (1, 2, 4):
                 if slots <= T:
@@ -107,7 +123,8 @@ def _entries() -> dict:
 
 def _pair_ids(ents, T):
     """(w13 id, w2 id) of each design at batch T, base first."""
-    tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")}, key=lambda t: t != "pipe")
+    tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")},
+                  key=lambda t: t not in ("pipe", "pers"))
     return [(f"b{T}_w13_{t}", f"b{T}_w2_{t}") for t in tags]
 
 
