@@ -32,12 +32,21 @@ BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "la
 
 # The routed experts' tunables the block uses up to one 16-row mma tile of tokens, chosen on an
 # H200 by scripts/block_explore.py (evidence_reports/moe_block/round2): the pipelined path with
-# 32-row items. Past 16 tokens the block keeps the manifest defaults (the per-item path).
+# 32-row items. Past 16 tokens: PERSISTENT_EXPERTS (the per-item path).
 PIPELINED_EXPERTS = {
     "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
     # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
     # warps batches 2 and 4 need 130: one CTA per SM, half the persistent grid waiting)
     "moe_w2": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
+}
+
+
+# Past 16 tokens (the persistent per-item path), chosen on an H200 by
+# scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/): 4 row tiles per warp at
+# batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults).
+PERSISTENT_EXPERTS = {
+    32: {"moe_w13": {"row_tiles": 4}, "moe_w2": {"row_tiles": 4}},
+    64: {"moe_w2": {"warps_per_cta": 4, "ctas_per_sm": 4}},
 }
 
 
@@ -76,7 +85,9 @@ def block_tunables(kernel: str, batch: int) -> dict:
         if batch == 1:
             return dict(STREAM_EXPERTS[kernel])
         return {**STREAM_EXPERTS[kernel], "stream_max_batch": batch, "stream_slots": STREAM_SLOTS}
-    return dict(PIPELINED_EXPERTS.get(kernel, {})) if batch <= 16 else {}
+    if batch <= 16:
+        return dict(PIPELINED_EXPERTS.get(kernel, {}))
+    return dict(PERSISTENT_EXPERTS.get(batch, {}).get(kernel, {}))
 
 
 def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, dict]]:
