@@ -92,6 +92,13 @@ def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
 SMALL_SLOTS = (1, 2)
 
 
+# The persistent path on the same small model at batch 20 (past the stream path and past one
+# 16-row mma tile: a "hot" routing gives groups on both the one-tile and the full path), with
+# the tunables the block uses at batches 32 and 64 (kernels/block.py PERSISTENT_EXPERTS).
+SMALL_PERSISTENT = {**SMALL, "batch": 20}
+SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4}}
+
+
 def small_variants() -> list[tuple[str, str, dict, dict]]:
     v = []
     for slots in SMALL_SLOTS:
@@ -99,6 +106,9 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
             tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": slots, "pdl": pdl}
             v.append((f"small_w13_s{slots}_p{pdl}", "moe_w13", SMALL, tun))
             v.append((f"small_w2_s{slots}_p{pdl}", "moe_w2", SMALL, tun))
+    for tag, tun in SMALL_PERSISTENT_TUNABLES.items():
+        v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, tun))
+        v.append((f"small_w2_{tag}", "moe_w2", SMALL_PERSISTENT, tun))
     return v
 
 
@@ -265,42 +275,51 @@ SMALL_KERNELS = [ident for ident, *_ in small_variants()]
 
 def child() -> int:
     """The sanitized child: each small stream variant on a "hot" routing at batch 3 (groups of
-    3 tokens through 1 or 2 slots), checked against the reference (act, then c), a marker per
-    kernel."""
+    3 tokens through 1 or 2 slots), then each small persistent variant on a "hot" routing at
+    batch 20, checked against the reference (act, then c), a marker per kernel."""
     import dataclasses
 
     import torch
 
-    from block_explore import _meta_of, _rel
     from kernels import reference as R
     from kernels.config import get_config
-    from validation.race.dynamic import marker
 
-    s = SMALL
-    cfg = dataclasses.replace(get_config("mini"), name="mini_i512", expert_inter=s["expert_inter"])
+    cfg = dataclasses.replace(get_config("mini"), name="mini_i512", expert_inter=SMALL["expert_inter"])
     ents = _entries()
     w = R.make_weights(cfg, "cuda", seed=3)
     g = torch.Generator(device="cpu").manual_seed(5)
-    ids, z, wts = routing_inputs(s, "hot", g)
     kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
-    want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
-    for slots, p in ((s_, p_) for s_ in SMALL_SLOTS for p_ in (0, 1)):
-        tag = f"s{slots}_p{p}"
-        x = ExpertsPair(CARRY, ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
-        m = _meta_of(ids, cfg.n_experts, x.up.groups)
-        act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        x.w13(z, w.w13, m, act)
-        torch.cuda.synchronize()
-        a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
-        print(marker(f"small_w13_{tag}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
-                     rel_err=f"{a_err:.2e}"), flush=True)
-        c = torch.full((s["batch"], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
-        x.w2(act, w.w2, wts, m, c)
-        torch.cuda.synchronize()
-        c_err = _rel(c, want)
-        ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
-        print(marker(f"small_w2_{tag}", ok, rel_err=f"{c_err:.2e}"), flush=True)
+    stream_tags = [f"s{slots}_p{p}" for slots in SMALL_SLOTS for p in (0, 1)]
+    for s, tags in ((SMALL, stream_tags), (SMALL_PERSISTENT, list(SMALL_PERSISTENT_TUNABLES))):
+        ids, z, wts = routing_inputs(s, "hot", g)
+        want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
+        for tag in tags:
+            _small_pair(ents, cfg, s, tag, ids, z, wts, w, want)
     return 0
+
+
+def _small_pair(ents, cfg, s, tag, ids, z, wts, w, want) -> None:
+    """One small (moe_w13, moe_w2) pair on its routing, checked against the reference, a marker
+    per kernel."""
+    import torch
+
+    from block_explore import _meta_of, _rel
+    from validation.race.dynamic import marker
+
+    x = ExpertsPair(CARRY, ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
+    m = _meta_of(ids, cfg.n_experts, x.up.groups)
+    act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    x.w13(z, w.w13, m, act)
+    torch.cuda.synchronize()
+    a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
+    print(marker(f"small_w13_{tag}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
+                 rel_err=f"{a_err:.2e}"), flush=True)
+    c = torch.full((s["batch"], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+    x.w2(act, w.w2, wts, m, c)
+    torch.cuda.synchronize()
+    c_err = _rel(c, want)
+    ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
+    print(marker(f"small_w2_{tag}", ok, rel_err=f"{c_err:.2e}"), flush=True)
 
 
 def sanitize(res: dict, out_dir: Path) -> None:
