@@ -325,7 +325,9 @@ def _small_pair(ents, cfg, s, tag, ids, z, wts, w, want) -> None:
 def sanitize(res: dict, out_dir: Path) -> None:
     from explore_common import run_sanitizers
 
-    run_sanitizers(res, "scripts/experts_batch_explore.py", SMALL_KERNELS, out_dir)
+    # racecheck over the persistent variants (batch 20, every shared-memory access instrumented)
+    # needs more than explore_common's default minute
+    run_sanitizers(res, "scripts/experts_batch_explore.py", SMALL_KERNELS, out_dir, timeout_s=300)
 
 
 def sanitize_only(out_dir: Path) -> int:
