@@ -37,6 +37,9 @@ def variants(batches) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): the defaults, the mma design, and stream alternatives."""
     v = []
     for T in batches:
+        if T > MMA_SWEEP_FROM:
+            v += _mma_variants(T)
+            continue
         s = {"batch": T, **SGU}
         sm = {"stream_max_batch": max(1, T)}
         v.append((f"sgu_b{T}_default", "shared_gate_up", s, {}))
@@ -49,6 +52,23 @@ def variants(batches) -> list[tuple[str, str, dict, dict]]:
         for rows, up, down in ((1, 32, 64), (1, 64, 96), (1, 64, 192), (2, 64, 128), (2, 32, 64)):
             v.append((f"lo_b{T}_r{rows}u{up}d{down}", "latent_out", s,
                       {**sm, "stream_rows": rows, "stream_up_threads": up, "stream_down_threads": down}))
+    return v
+
+
+# Past the stream design's batches (its stream_max_batch goes to 4): the mma design's tunables,
+# w = warps per CTA, rt = row tiles per warp, ku = k unroll (defaults w8 rt2 ku8).
+MMA_SWEEP_FROM = 4
+MMA_SWEEP = {"w4": {"warps_per_cta": 4}, "w16": {"warps_per_cta": 16}, "rt4": {"row_tiles": 4},
+             "w4rt4": {"warps_per_cta": 4, "row_tiles": 4}, "w16rt4": {"warps_per_cta": 16, "row_tiles": 4},
+             "ku4": {"k_unroll": 4}}
+
+
+def _mma_variants(T: int) -> list[tuple[str, str, dict, dict]]:
+    v = []
+    for tag, name, shape in (("sgu", "shared_gate_up", SGU), ("lo", "latent_out", LO)):
+        s = {"batch": T, **shape}
+        v.append((f"{tag}_b{T}_default", name, s, {}))
+        v += [(f"{tag}_b{T}_{k}", name, s, tun) for k, tun in MMA_SWEEP.items()]
     return v
 
 
