@@ -399,6 +399,19 @@ def _check_dynamic_smem(ptx_text: str, launch: dict, where: str) -> None:
         )
 
 
+# Shared memory one CTA may use on sm_90 (the opt-in maximum, static and dynamic together).
+SM90_SMEM_PER_CTA = 227 * 1024
+
+
+def _check_smem_limit(resources: dict, where: str) -> None:
+    """A launch asking for more shared memory than one CTA may have fails only on the GPU host
+    (`cuFuncSetAttribute` refuses it): refuse the variant here, naming the sizes."""
+    dynamic, static = int(resources.get("dynamic_smem_bytes", 0)), int(resources.get("static_smem_bytes", 0))
+    if dynamic + static > SM90_SMEM_PER_CTA:
+        raise BuildError(f"{where}: needs {dynamic + static} B of shared memory per CTA (dynamic {dynamic}, "
+                         f"static {static}); sm_90 allows at most {SM90_SMEM_PER_CTA}: choose smaller tunables")
+
+
 def _check_tensor_maps(ptx_text: str, params: list[dict], where: str) -> None:
     """A kernel that takes tensor maps must copy by TMA, with boxes of the rank the maps
     declare: the launcher encodes each map from its spec, the kernel's TMA atom was built by the
@@ -437,6 +450,7 @@ def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], versi
     resources = parse_resource_usage(usage, entry.name)
     resources.update(local_memory_traffic(sass))
     resources["dynamic_smem_bytes"] = int(launch.get("smem_bytes", 0))
+    _check_smem_limit(resources, where)
     meta = {
         "format": BUILD_FORMAT,
         "kernel": plan.spec.name,

@@ -333,6 +333,20 @@ def test_dynamic_shared_memory_must_be_requested():
     build._check_dynamic_smem(".visible .entry k(\n)\n{\n}\n", {"smem_bytes": 0}, "kernel 'k'")
 
 
+def test_shared_memory_over_the_sm90_limit_is_refused():
+    """A variant whose CTA needs more shared memory than sm_90 gives one (the latent_out mma
+    design at batch 64 with 16 warps of 4 row tiles asked for 262208 B and failed only at
+    cuFuncSetAttribute on the GPU host) is refused by the build, naming both sizes."""
+    limit = build.SM90_SMEM_PER_CTA
+    assert limit == 232448
+    build._check_smem_limit({"dynamic_smem_bytes": limit - 1024, "static_smem_bytes": 1024}, "kernel 'k'")
+    with pytest.raises(BuildError, match=r"kernel 'k': needs 262208 B of shared memory per CTA \(dynamic 262208, "
+                                         r"static 0\); sm_90 allows at most 232448"):
+        build._check_smem_limit({"dynamic_smem_bytes": 262208, "static_smem_bytes": 0}, "kernel 'k'")
+    with pytest.raises(BuildError, match=r"needs 232449 B"):
+        build._check_smem_limit({"dynamic_smem_bytes": limit, "static_smem_bytes": 1}, "kernel 'k'")
+
+
 def test_relative_root_compiles_and_hits(manifest, tmp_path, monkeypatch):
     # The compile worker runs in a staging folder; a relative root must not resolve there.
     monkeypatch.chdir(tmp_path)
