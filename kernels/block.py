@@ -30,9 +30,11 @@ from kernels.config import ModelConfig
 
 BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out")
 
-# The routed experts' tunables the block uses up to one 16-row mma tile of tokens, chosen on an
-# H200 by scripts/block_explore.py (evidence_reports/moe_block/round2): the pipelined path with
-# 32-row items. Past 16 tokens: PERSISTENT_EXPERTS (the per-item path).
+# The routed experts' pipelined path (32-row items), chosen on an H200 by scripts/block_explore.py
+# (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3
+# the stream path (STREAM_EXPERTS, below) serves every batch up to STREAM_EXPERTS_MAX_BATCH (16),
+# so block_tunables reaches these only if that bound is lowered; past 16 tokens the block takes
+# the persistent per-item path with PERSISTENT_EXPERTS.
 PIPELINED_EXPERTS = {
     "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
     # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
@@ -41,9 +43,10 @@ PIPELINED_EXPERTS = {
 }
 
 
-# Past 16 tokens (the persistent per-item path), chosen on an H200 by
+# Past 16 tokens (the persistent per-item path), per decode batch size, chosen on an H200 by
 # scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/): 4 row tiles per warp at
-# batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults).
+# batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults). A
+# batch without an entry (not one of the decode sizes) takes the manifest defaults.
 PERSISTENT_EXPERTS = {
     32: {"moe_w13": {"row_tiles": 4}, "moe_w2": {"row_tiles": 4}},
     64: {"moe_w2": {"warps_per_cta": 4, "ctas_per_sm": 4}},

@@ -74,11 +74,11 @@ def _variants() -> list[tuple[str, str, dict, dict]]:
 
 
 def plan(jobs: int, mini_only: bool = False) -> int:
-    from explore_common import build_and_carry
+    from explore_common import build_and_carry, invocation
 
     variants = [v for v in _variants() if v[0].startswith("mini_") or not mini_only]
     return build_and_carry(variants, build_root=BUILD, carry=CARRY, jobs=jobs,
-                           command="python scripts/block_explore.py plan" + (" --mini-only" if mini_only else ""))
+                           command=invocation())
 
 
 # -- GPU helpers -----------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""The block's dense output-side ops at the smallest batches, variant by variant, on a GPU host:
-shared_gate_up (a_s = SiTU(h @ W_sgu.T), 7168 -> 2 x 6144) and latent_out (out = x + n @ W_up.T
-+ a_s @ W_sd.T), each as the mma design (stream_max_batch 0, round 2's) and as stream variants
-(kernels/ops/latent_out.py), side by side with the read-only streaming ceiling of the same run.
+"""The block's dense output-side ops, variant by variant, on a GPU host: shared_gate_up
+(a_s = SiTU(h @ W_sgu.T), 7168 -> 2 x 6144) and latent_out (out = x + n @ W_up.T + a_s @ W_sd.T).
+Up to the stream design's largest batch (STREAM_MAX_BATCH), each as the mma design
+(stream_max_batch 0, round 2's) and as stream variants (kernels/ops/latent_out.py); past it, the
+mma design's tunables (MMA_SWEEP). Side by side with the read-only streaming ceiling of the same
+run. A variant the build refuses (say, more shared memory than a CTA may have) or the GPU host
+cannot load is recorded as such and the others go on.
 
   python scripts/dense_b1.py plan [--root .devcarry/dense]       # CPU host with the DSL: build
   PYTHONPATH=. python3 scripts/dense_b1.py run --out DIR          # GPU host (no DSL), carrying ROOT
@@ -37,7 +40,7 @@ def variants(batches) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): the defaults, the mma design, and stream alternatives."""
     v = []
     for T in batches:
-        if T > MMA_SWEEP_FROM:
+        if T > STREAM_MAX_BATCH:
             v += _mma_variants(T)
             continue
         s = {"batch": T, **SGU}
@@ -55,9 +58,10 @@ def variants(batches) -> list[tuple[str, str, dict, dict]]:
     return v
 
 
-# Past the stream design's batches (its stream_max_batch goes to 4): the mma design's tunables,
-# w = warps per CTA, rt = row tiles per warp, ku = k unroll (defaults w8 rt2 ku8).
-MMA_SWEEP_FROM = 4
+# The stream design's largest batch (the manifest's stream_max_batch choices end at 4); past it
+# the mma design's tunables: w = warps per CTA, rt = row tiles per warp, ku = k unroll (defaults
+# w8 rt2 ku8).
+STREAM_MAX_BATCH = 4
 MMA_SWEEP = {"w4": {"warps_per_cta": 4}, "w16": {"warps_per_cta": 16}, "rt4": {"row_tiles": 4},
              "w4rt4": {"warps_per_cta": 4, "row_tiles": 4}, "w16rt4": {"warps_per_cta": 16, "row_tiles": 4},
              "ku4": {"k_unroll": 4}}
@@ -78,12 +82,17 @@ def _git(*args: str) -> str | None:
 
 
 def plan(args) -> int:
-    from kernels.build import build_variant
+    from kernels.build import BuildError, build_variant
 
     root = Path(args.root).resolve()
-    cases = []
+    cases, refused = [], []
     for vid, name, shape, tun in variants(args.batches):
-        a = build_variant(name, shape, tun, root=root)
+        try:
+            a = build_variant(name, shape, tun, root=root)
+        except BuildError as e:  # e.g. more shared memory than a CTA may have: not a variant
+            refused.append({"id": vid, "kernel": name, "shape": shape, "tunables": tun, "error": str(e)})
+            print(f"  {vid:28s} refused by the build: {e}", flush=True)
+            continue
         r = a.meta["resources"]
         cases.append({"id": vid, "kernel": name, "shape": shape, "tunables": a.tunables,
                       "dir": str(Path(a.dir).resolve().relative_to(REPO)), "cubin_sha256": a.cubin_sha256,
@@ -91,7 +100,7 @@ def plan(args) -> int:
         print(f"  {vid:28s} regs {r['registers']:3d} {a.meta['launch']['grid'][0]:5d} x {a.meta['launch']['block'][0]:4d}"
               f" smem {a.meta['launch']['smem_bytes']}", flush=True)
     doc = {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts")),
-           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "cases": cases}
+           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "cases": cases, "refused": refused}
     out = root / "dense_plan.json"
     out.write_text(json.dumps(doc, indent=1))
     print(f"plan: {len(cases)} variants -> {out.relative_to(REPO)}")
@@ -105,7 +114,7 @@ def run(args) -> int:
     from block_proof import judge, op_bytes
     from kernels import reference as R
     from kernels.config import get_config
-    from kernels.launch import CubinKernel
+    from kernels.launch import CubinKernel, LaunchError
 
     cfg = get_config("k3")
     plan_doc = json.loads((Path(args.root) / "dense_plan.json").read_text())
@@ -136,7 +145,14 @@ def run(args) -> int:
         k = CubinKernel.from_dir(REPO / case["dir"])
         if k.sha256 != case["cubin_sha256"]:
             raise SystemExit(f"{case['dir']}: cubin sha256 differs from the plan's")
-        k.load()
+        try:
+            k.load()
+        except LaunchError as e:  # this variant only: record it and go on
+            doc["cases"].append({"id": case["id"], "kernel": case["kernel"], "batch": case["shape"]["batch"],
+                                 "tunables": case["tunables"], "cubin_sha256": case["cubin_sha256"],
+                                 "error": f"load: {e}"})
+            print(f"{case['id']:28s} cannot be loaded: {e}", flush=True)
+            continue
         T = case["shape"]["batch"]
         torch.manual_seed(100 + T)  # the same inputs for every variant of a batch
         h = torch.randn(T, H, device="cuda").to(torch.bfloat16)

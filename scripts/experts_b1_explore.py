@@ -78,10 +78,10 @@ DEFAULT_W2 = "w2_s128_32_p1"
 
 
 def plan(jobs: int) -> int:
-    from explore_common import build_and_carry
+    from explore_common import build_and_carry, invocation
 
     return build_and_carry(variants(), build_root=BUILD, carry=CARRY, jobs=jobs,
-                           command="python scripts/experts_b1_explore.py plan")
+                           command=invocation())
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

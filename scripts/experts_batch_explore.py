@@ -1,7 +1,8 @@
-"""The routed experts (moe_w13, moe_w2) at batches 2..16: the stream path with several tokens per
+"""The routed experts (moe_w13, moe_w2): at batches 2..16 the stream path with several tokens per
 group (kernels/ops/moe_experts.py, `stream_max_batch`, `stream_slots`) against the block's
-pipelined path (batches 32 and 64: the persistent path's tunables, PERSISTENT_SWEEP), in one GPU call; numerics over the routing patterns; stress; the dynamic race
-audit of the multi-token stream path (its token loop and the moe_w2 counters).
+pipelined path; at batches 32 and 64 the persistent path's tunables (PERSISTENT_SWEEP) against
+its defaults. One GPU call: numerics over the routing patterns; stress; the dynamic race audit of
+the multi-token stream path (its token loop and the moe_w2 counters) and of the persistent path.
 
   python scripts/experts_batch_explore.py plan               # CPU host with the DSL: build, audit
   PYTHONPATH=. python3 scripts/experts_batch_explore.py gpu --out DIR
@@ -12,18 +13,19 @@ SASS against the manifest roles) and copies cubin and metadata to .devcarry/expe
 plan.json. `gpu`, in order:
   * the read-only ceiling;
   * k3, per batch, on 8 "uniform" routings (distinct inputs): every moe_w13 variant (act against
-    the pipelined base's: relative difference), then every moe_w2 variant on the base's act (c the
-    same way, counters left zero), each timed as a CUDA graph of the 8 launches (past the L2);
+    the base's: relative difference), then every moe_w2 variant on the base's act (c the same
+    way, counters left zero), each timed as a CUDA graph of the 8 launches (past the L2);
   * numerics against the float64 oracle over the routing patterns (uniform, hot, same, distinct;
     "same" puts every token of the batch in each group: the token loop's longest run), every
     (moe_w13, moe_w2) pair of one design; the error beside the bf16 torch path's (at most 2x);
-  * stress: every stream moe_w2 variant of batch 8 and 16 launched 16 times on the same "hot"
-    inputs, the second half beside bf16 matmuls on another stream: bitwise identical, counters
-    zero after each launch;
+  * stress: every moe_w2 variant but the base, of the batches from 8, launched 16 times on the
+    same "hot" inputs, the second half beside bf16 matmuls on another stream: bitwise
+    identical, counters zero after each launch;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
-    a child that launches small stream variants at batch 3 with 2 slots (64 experts, latent 512,
-    intermediate 512, top 8, "hot" routing: groups of 3 tokens run the token loop twice) with and
-    without pdl and checks them against the references.
+    a child that launches, on a small model (64 experts, latent 512, intermediate 512, top 8),
+    the stream variants at batch 3 with 1 and 2 slots, with and without pdl ("hot" routing:
+    groups of 3 tokens run the token loop), and the persistent path at batch 20 (SMALL_PERSISTENT)
+    and checks them against the references.
 Results: DIR/experts_bx.json and DIR/sanitizers.log (the JSON is rewritten after every stage).
 """
 
@@ -94,7 +96,8 @@ SMALL_SLOTS = (1, 2)
 
 # The persistent path on the same small model at batch 20 (past the stream path and past one
 # 16-row mma tile: a "hot" routing gives groups on both the one-tile and the full path), with
-# the tunables the block uses at batches 32 and 64 (kernels/block.py PERSISTENT_EXPERTS).
+# the defaults and the tunable sets of kernels/block.py PERSISTENT_EXPERTS (rt4: both kernels at
+# batch 32; w4c4: moe_w2 at batch 64, moe_w13 built alongside to make a pair).
 SMALL_PERSISTENT = {**SMALL, "batch": 20}
 SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4}}
 
@@ -116,10 +119,10 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
 
 
 def plan(jobs: int, batches) -> int:
-    from explore_common import build_and_carry
+    from explore_common import build_and_carry, invocation
 
     return build_and_carry(variants(batches), build_root=BUILD, carry=CARRY, jobs=jobs,
-                           command="python scripts/experts_batch_explore.py plan", extra={"batches": list(batches)})
+                           command=invocation(), extra={"batches": list(batches)})
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
@@ -232,8 +235,9 @@ def k3_sweep(res: dict, path: Path, read_tbps: float, batches) -> None:
 
 
 def stress(ents, w, cfg, batches, runs: int = 16) -> dict:
-    """Every stream moe_w2 variant of `batches`, `runs` launches on the same "hot" inputs (the
-    second half beside matmuls on another stream): bitwise identical, counters zero after each."""
+    """Every moe_w2 variant of `batches` but the base (stream variants to batch 16, persistent
+    tunables past it), `runs` launches on the same "hot" inputs (the second half beside matmuls
+    on another stream): bitwise identical, counters zero after each."""
     import torch
 
     from block_explore import Occupier, _meta_of, _same_bits

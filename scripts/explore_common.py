@@ -29,6 +29,13 @@ def _git(*args: str) -> str:
     return p.stdout.strip()
 
 
+def invocation(prefix: str = "python") -> str:
+    """This process's command line as it was typed (script and arguments), for the record."""
+    import shlex
+
+    return " ".join([prefix, *(shlex.quote(a) for a in sys.argv)])
+
+
 def build_and_carry(variants, *, build_root: Path, carry: Path, command: str, jobs: int = 2,
                     extra: dict | None = None) -> int:
     """Build every (ident, kernel, shape, tunables) under `build_root`, audit it (PTX and SASS,
@@ -125,7 +132,7 @@ def measure(script: str, carry: Path, out_dir: Path, name: str, sweep, sanitize=
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_doc = read_plan(carry)
     res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
-           "command": f"PYTHONPATH=. python3 {script} gpu --out $OUT/...", "variants": plan_doc["entries"]}
+           "command": invocation("PYTHONPATH=. python3"), "variants": plan_doc["entries"]}
     path = out_dir / f"{name}.json"
     t0 = time.time()
     res["ceiling_read"] = read_bandwidth(reps=10)

@@ -69,10 +69,10 @@ MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
 
 
 def plan(jobs: int) -> int:
-    from explore_common import build_and_carry
+    from explore_common import build_and_carry, invocation
 
     return build_and_carry([(ident, "router", shape, tun) for ident, shape, tun in _variants()],
-                           build_root=BUILD, carry=CARRY, jobs=jobs, command="python scripts/router_explore.py plan")
+                           build_root=BUILD, carry=CARRY, jobs=jobs, command=invocation())
 
 
 # -- GPU helpers -----------------------------------------------------------------------------------

@@ -347,6 +347,17 @@ def test_shared_memory_over_the_sm90_limit_is_refused():
         build._check_smem_limit({"dynamic_smem_bytes": limit, "static_smem_bytes": 1}, "kernel 'k'")
 
 
+def test_a_real_build_checks_the_shared_memory_limit(manifest, tmp_path, monkeypatch):
+    """Through the whole build (compile, then _finish): with the limit set below what the toy
+    kernel's CTA uses, the build refuses it and caches nothing under that key."""
+    monkeypatch.setattr(build, "SM90_SMEM_PER_CTA", -1)
+    with pytest.raises(BuildError, match=r"kernel 'scale' \[.*\]: needs \d+ B of shared memory per CTA"):
+        build_variant("scale", {"rows": 2, "cols": 32}, root=tmp_path, manifest=manifest)
+    monkeypatch.setattr(build, "SM90_SMEM_PER_CTA", 227 * 1024)
+    art = build_variant("scale", {"rows": 2, "cols": 32}, root=tmp_path, manifest=manifest)
+    assert not art.cache_hit and (art.dir / "kernel.cubin").is_file()
+
+
 def test_relative_root_compiles_and_hits(manifest, tmp_path, monkeypatch):
     # The compile worker runs in a staging folder; a relative root must not resolve there.
     monkeypatch.chdir(tmp_path)

@@ -263,6 +263,12 @@ def test_warpgroup_design_plan():
     assert b64.launch_config().cluster is None
     assert (G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64, wg_rows=128).rows_per_cta,
             G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_k=64, wg_rows=128).splits) == (128, 2)
+    # 3584 rows: 56 blocks of 64, k split over a cluster of 2 (112 CTAs), not 28 of 128 split 4 ways
+    down = G.GemvOp({"batch": 64, "n": 3584, "k": 7168})
+    assert (down.rows_per_cta, down.splits, down.cluster) == (64, 2, (2, 1, 1))
+    # the boundary: 132 narrow blocks (one per SM) stay narrow, 136 widen
+    assert G.GemvOp({"batch": 32, "n": 132 * 64, "k": 3584}).rows_per_cta == 64
+    assert G.GemvOp({"batch": 32, "n": 136 * 64, "k": 3584}).rows_per_cta == 128
     router = G.GemvOp({"batch": 64, "n": 896, "k": 7168, "out_dtype": "float32"}, wg_k=64)
     assert (router.rows_per_cta, router.splits) == (64, 8)  # 14 blocks: stays at 64
     whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
