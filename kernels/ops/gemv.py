@@ -48,8 +48,9 @@ Five designs, chosen at build time from the batch:
     `wg_k64_from_n`) with L2 eviction policies (W evict-first, x evict-last; `wg_tma_hint`)
     and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers replace the CTA barrier;
     with `wg_tma` 0 every thread fills them by 16-byte cp.async.
-    64-row CTAs (one warpgroup), 128 rows (two) from `wg_wide_from_batch` (32); k split into
-    as many CTAs as are all resident in one wave (at most 8), and the splits of a row block
+    64-row CTAs (one warpgroup); from `wg_wide_from_batch` (32) 128 rows (two) where the 64-row
+    blocks alone are more than one per SM (7168->12288); k split into as many CTAs as are all
+    resident in one wave (at most 8), and the splits of a row block
     form one thread block cluster that reduces through distributed shared memory (each CTA
     pushes its accumulators to the CTA that owns their rows, then sums the slots it owns in
     rank order): no global partials, no counters, no serial last-CTA tail. See `_plan_wg`
@@ -332,7 +333,8 @@ class GemvOp(OpBase):
         """Batches from `wg_from_batch` that are a multiple of 8 ("wg"): CTAs with a ring of
         128-byte-swizzled shared-memory slots of `wg_k` k and the warpgroup tensor cores. CTA
         (split s, row block) owns `wg_rows` weight rows (one warpgroup of 128 threads for 64
-        rows, two for 128 or 256) and a k chunk. The slots are filled by TMA (`wg_tma` 1, the
+        rows, two for 128 or 256; twice `wg_rows` from `wg_wide_from_batch` where the `wg_rows`
+        blocks alone are more than one per SM) and a k chunk. The slots are filled by TMA (`wg_tma` 1, the
         default: `_wg_tma_body`) or, with `wg_tma` 0, by every thread's 16-byte `cp.async`
         copies (W `.cg`, x `.ca`) `wg_stages - 1` stages ahead (`_wg_body`); each warpgroup
         runs `wgmma.mma_async` m64nBk16 straight from the slots (W is the A operand, x the B
@@ -355,14 +357,14 @@ class GemvOp(OpBase):
         if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or stages < 2 or min_ctas < 0:
             raise ValueError(f"gemv: wg_k must be a multiple of {SWIZZLE_CHUNKS * BF16_PER_VECTOR}, "
                              "wg_stages at least 2, wg_min_ctas not negative")
-        if self.batch >= int(t["wg_wide_from_batch"]) and rows < 4 * WG_M and self.n // rows > FILL_CTAS:
+        if (self.batch >= int(t["wg_wide_from_batch"]) and rows < 4 * WG_M and self.n // rows > FILL_CTAS
+                and self.n % (2 * rows) == 0):
             # Wider batches: twice the rows per CTA (each x byte crossing L2 then feeds twice the
-            # weight rows), where the narrow row blocks alone are more than one per SM, unless the
-            # wider blocks cannot fill half the SMs even split 8 ways. (Measured, foundation/round7:
-            # where the narrow blocks fit one wave, widening only adds a split and its reduction;
-            # 7168->12288, 192 narrow blocks, is the shape that gains.)
-            if self.n % (2 * rows) == 0 and (self.n // (2 * rows)) * MAX_CLUSTER >= FILL_CTAS // 2:
-                rows *= 2
+            # weight rows), where the narrow row blocks alone are more than one per SM (so the
+            # wider ones still fill every SM). Measured (foundation/round7): where the narrow
+            # blocks fit one wave, widening only adds a split and its reduction; 7168->12288
+            # (192 narrow blocks) is the shape that gains.
+            rows *= 2
         while rows > WG_M and self.n % rows:
             rows //= 2  # one warpgroup rather than a ragged row block
         if self.n % rows:
