@@ -48,8 +48,7 @@ PIPELINED_EXPERTS = {
 # batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults). A
 # batch without an entry (not one of the decode sizes) takes the manifest defaults.
 PERSISTENT_EXPERTS = {
-    32: {"moe_w13": {"row_tiles": 4, "warps_per_cta": 4, "ctas_per_sm": 3},
-         "moe_w2": {"row_tiles": 4, "warps_per_cta": 4, "ctas_per_sm": 3}},
+    32: {"moe_w13": {"row_tiles": 4}, "moe_w2": {"row_tiles": 4}},
     64: {"moe_w2": {"warps_per_cta": 4, "ctas_per_sm": 4}},
 }
 
