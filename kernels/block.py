@@ -126,14 +126,17 @@ class BlockKernels:
         return {f"{role}:{k.meta['kernel']}": k.sha256 for role, k in vars(self).items()}
 
 
-def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT) -> BlockKernels:
+def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, tunables=None) -> BlockKernels:
     """Find and load (on the current device) every prebuilt cubin of the block at `batch`.
+    `tunables(kernel, shape)` gives each variant's tunables: by default this checkout's choice
+    (`block_tunables`); scripts/block_proof.py passes its plan's, so a plan runs as it was built.
 
     Raises kernels.build.BuildError naming a missing or stale variant.
     """
     from kernels.launch import CubinKernel
 
-    ks = [CubinKernel.from_dir(find_artifact(name, shape, block_tunables(name, batch), root=root).dir)
+    pick = tunables or (lambda name, shape: block_tunables(name, batch))
+    ks = [CubinKernel.from_dir(find_artifact(name, shape, pick(name, shape), root=root).dir)
           for name, shape in block_variants(cfg, batch)]
     for k in ks:
         k.load()  # before any graph capture (module loading is not capturable)

@@ -64,6 +64,22 @@ def _git(*args: str) -> str | None:
 # -- plan (CPU host) ---------------------------------------------------------------------------
 
 
+def plan_tunables(plan_doc: dict, batch: int):
+    """`tunables(kernel, shape)` for load_block_kernels from a plan's cases: the block runs the
+    variants the plan built, not this checkout's block_tunables (so two plans of two block
+    configurations can be timed in one call). A variant the plan lacks is a ProofError."""
+    known = {(c["kernel"], json.dumps(c["shape"], sort_keys=True)): c["tunables"] for c in plan_doc["cases"]}
+
+    def pick(name: str, shape: dict) -> dict:
+        try:
+            return known[(name, json.dumps(shape, sort_keys=True))]
+        except KeyError:
+            raise ProofError(f"the plan has no {name} variant for {shape} (batch {batch}): plan that batch "
+                             "with `block_proof.py plan --batches ...`") from None
+
+    return pick
+
+
 def plan(args) -> int:
     """Build every kernel variant the block launches at the batch sizes; write the plan."""
     from kernels.block import block_tunables, block_variants
@@ -442,7 +458,8 @@ def run(args) -> int:
         row = {}
         doc["batches"][str(T)] = row
         try:
-            kern = load_block_kernels(cfg, T, root=REPO / plan_doc.get("root", "build"))
+            kern = load_block_kernels(cfg, T, root=REPO / plan_doc.get("root", "build"),
+                                      tunables=plan_tunables(plan_doc, T))
             row["cubins"] = kern.hashes()
             blk = MoEBlock(cfg, T, w, kernels=kern, concurrent=not args.sequential)
             if not args.skip_numerics:

@@ -94,3 +94,17 @@ def test_block_on_gpu_matches_the_oracle(T):
     row = BP.judge("block", out, reference.moe_block(x, w, K3, compute_dtype=torch.float64, ids=ids),
                    reference.moe_block(x, w, K3, ids=ids))
     assert row["passed"], row
+
+
+def test_the_proof_runs_the_plans_tunables_not_the_checkouts():
+    """block_proof run looks each variant up in its plan (the plan records the tunables it
+    built), so a plan made with another block configuration runs as built; a variant the plan
+    lacks is named."""
+    shape = dict(block_variants(K3, 32)[2][1])  # moe_w13 at batch 32
+    theirs = {**block_tunables("moe_w13", 32), "warps_per_cta": 4, "ctas_per_sm": 3}
+    plan_doc = {"cases": [{"kernel": "moe_w13", "shape": {**shape}, "tunables": theirs}]}
+    pick = BP.plan_tunables(plan_doc, 32)
+    assert pick("moe_w13", dict(reversed(list(shape.items())))) == theirs  # key order does not matter
+    assert pick("moe_w13", shape) != block_tunables("moe_w13", 32)
+    with pytest.raises(BP.ProofError, match=r"the plan has no moe_w2 variant .*batch 32"):
+        pick("moe_w2", shape)
