@@ -77,7 +77,7 @@ STREAM_SLOTS = 1
 # with the mma router (evidence_reports/moe_block/round3/final/, when batch 2's experts were still
 # the persistent pipelined kernels; not re-measured since they moved to the stream path), so the
 # block keeps the mma router there.
-ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 32: {"warps_per_cta": 4}, 64: {"warps_per_cta": 4}}
+ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}}
 
 
 def block_tunables(kernel: str, batch: int) -> dict:
