@@ -77,7 +77,10 @@ STREAM_SLOTS = 1
 # with the mma router (evidence_reports/moe_block/round3/final/, when batch 2's experts were still
 # the persistent pipelined kernels; not re-measured since they moved to the stream path), so the
 # block keeps the mma router there.
-ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}}
+# Batches 32 and 64: the mma design with 16 warps per CTA, timed beside the default 8 (and 4) in
+# one call (evidence_reports/moe_block/round4/router_warps/): router+down 158 -> 131 us at batch 64,
+# 89 -> 71 at 32 (4 warps: 270 and 141).
+ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 32: {"warps_per_cta": 16}, 64: {"warps_per_cta": 16}}
 
 
 def block_tunables(kernel: str, batch: int) -> dict:
