@@ -35,3 +35,19 @@ def test_bound_and_unbound_cases_and_bad_input(tmp_path, capsys):
     assert len(err) == 1 and "case 0 has no shape, tunables, cubin_sha256" in err[0]
     assert not (tmp_path / "none").exists()
     assert E.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_current_evidence_list_names_evidence_files():
+    """evidence_reports/CURRENT (read by .ci/run): every path exists and holds cases of the shape
+    evidence_binding needs, so CI's binding step cannot fail on a stale list."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    paths = [ln.strip() for ln in (repo / "evidence_reports" / "CURRENT").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert paths
+    for p in paths:
+        doc = json.loads((repo / p).read_text())
+        assert doc["cases"] and all({"kernel", "shape", "tunables", "cubin_sha256"} <= set(c) for c in doc["cases"]), p
+    readme = (repo / "README.md").read_text()
+    assert all(p in readme for p in paths), "README.md's binding command should name the same files"
