@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -39,6 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from scripts.explore_common import invocation  # noqa: E402
 
 PLAN_PATH = Path("build") / "block_plan.json"
 SCHEMA = "fasttrack.block_proof/1"
@@ -108,7 +109,7 @@ def plan(args) -> int:
             print(f"  {name} {shape} regs {r['registers']} {'(cached)' if a.cache_hit else ''}", flush=True)
     dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")
     doc = {"schema": SCHEMA + "#plan", "commit": _git("rev-parse", "HEAD"), "dirty": bool(dirty),
-           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "batches": list(args.batches),
+           "command": invocation("python"), "batches": list(args.batches),
            "root": str(Path(args.root).resolve().relative_to(REPO)), "cases": cases}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
@@ -435,7 +436,7 @@ def run(args) -> int:
     cfg = get_config("k3")
     doc = {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "PYTHONPATH=. python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": invocation("PYTHONPATH=. python"),
         "plan_command": plan_doc.get("command"), "commit": plan_doc.get("commit"),
         "sources_dirty": plan_doc.get("dirty"), "environment": gpu_environment(),
         "cubins": {f"{c['kernel']} {json.dumps(c['shape'], sort_keys=True)}": c["cubin_sha256"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 for p in (REPO, REPO / "scripts"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from scripts.explore_common import invocation  # noqa: E402
 
 SGU = {"hidden": 7168, "shared_inter": 6144}
 LO = {"hidden": 7168, "latent": 3584, "shared_inter": 6144}
@@ -100,7 +101,7 @@ def plan(args) -> int:
         print(f"  {vid:28s} regs {r['registers']:3d} {a.meta['launch']['grid'][0]:5d} x {a.meta['launch']['block'][0]:4d}"
               f" smem {a.meta['launch']['smem_bytes']}", flush=True)
     doc = {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--", "kernels", "scripts")),
-           "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "cases": cases, "refused": refused}
+           "command": invocation("python"), "cases": cases, "refused": refused}
     out = root / "dense_plan.json"
     out.write_text(json.dumps(doc, indent=1))
     print(f"plan: {len(cases)} variants -> {out.relative_to(REPO)}")
@@ -114,14 +115,14 @@ def run(args) -> int:
     from block_proof import judge, op_bytes
     from kernels import reference as R
     from kernels.config import get_config
-    from kernels.launch import CubinKernel, LaunchError
+    from kernels.launch import CubinKernel
 
     cfg = get_config("k3")
     plan_doc = json.loads((Path(args.root) / "dense_plan.json").read_text())
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+           "command": invocation("PYTHONPATH=. python3"),
            "plan_command": plan_doc["command"], "commit": plan_doc["commit"], "sources_dirty": plan_doc["dirty"],
            "environment": gpu_environment(), "cases": []}
     doc["read_ceiling"] = read_bandwidth(reps=20)
@@ -145,14 +146,6 @@ def run(args) -> int:
         k = CubinKernel.from_dir(REPO / case["dir"])
         if k.sha256 != case["cubin_sha256"]:
             raise SystemExit(f"{case['dir']}: cubin sha256 differs from the plan's")
-        try:
-            k.load()
-        except LaunchError as e:  # this variant only: record it and go on
-            doc["cases"].append({"id": case["id"], "kernel": case["kernel"], "batch": case["shape"]["batch"],
-                                 "tunables": case["tunables"], "cubin_sha256": case["cubin_sha256"],
-                                 "error": f"load: {e}"})
-            print(f"{case['id']:28s} cannot be loaded: {e}", flush=True)
-            continue
         T = case["shape"]["batch"]
         torch.manual_seed(100 + T)  # the same inputs for every variant of a batch
         h = torch.randn(T, H, device="cuda").to(torch.bfloat16)
@@ -181,6 +174,7 @@ def run(args) -> int:
         row = {"id": case["id"], "kernel": case["kernel"], "batch": T, "tunables": case["tunables"],
                "cubin_sha256": case["cubin_sha256"], "launch": case["launch"], "registers": case["registers"]}
         try:
+            k.load()  # a variant the host cannot load (LaunchError) is recorded below like any other failure
             for o in outs:
                 o.fill_(float("nan"))
                 launch_once(o)
@@ -241,7 +235,7 @@ def block(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "command": "PYTHONPATH=. python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+           "command": invocation("PYTHONPATH=. python3"),
            "commit": plan_doc["commit"], "environment": gpu_environment(), "configs": {}}
     doc["read_ceiling"] = read_bandwidth(reps=20)
     tb = doc["read_ceiling"]["tbps"]

@@ -234,10 +234,8 @@ def child() -> int:
 
     import torch
 
-    from block_explore import _meta_of, _rel
     from kernels import reference as R
     from kernels.config import get_config
-    from validation.race.dynamic import marker
 
     s = SMALL
     cfg = dataclasses.replace(get_config("mini"), name="mini_i512", expert_inter=s["expert_inter"])
@@ -249,19 +247,7 @@ def child() -> int:
     want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
     for p in (0, 1):
         x = ExpertsPair(CARRY, ents[f"small_w13_p{p}"], ents[f"small_w2_p{p}"])
-        m = _meta_of(ids, cfg.n_experts, x.up.groups)
-        act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        x.w13(z, w.w13, m, act)
-        torch.cuda.synchronize()
-        a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
-        print(marker(f"small_w13_p{p}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
-                     rel_err=f"{a_err:.2e}"), flush=True)
-        c = torch.full((1, cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
-        x.w2(act, w.w2, wts, m, c)
-        torch.cuda.synchronize()
-        c_err = _rel(c, want)
-        ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
-        print(marker(f"small_w2_p{p}", ok, rel_err=f"{c_err:.2e}"), flush=True)
+        x.check_markers(f"small_w13_p{p}", f"small_w2_p{p}", cfg, ids, z, wts, w, want)
     return 0
 
 

@@ -298,32 +298,9 @@ def child() -> int:
         ids, z, wts = routing_inputs(s, "hot", g)
         want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
         for tag in tags:
-            _small_pair(ents, cfg, s, tag, ids, z, wts, w, want)
+            x = ExpertsPair(CARRY, ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
+            x.check_markers(f"small_w13_{tag}", f"small_w2_{tag}", cfg, ids, z, wts, w, want)
     return 0
-
-
-def _small_pair(ents, cfg, s, tag, ids, z, wts, w, want) -> None:
-    """One small (moe_w13, moe_w2) pair on its routing, checked against the reference, a marker
-    per kernel."""
-    import torch
-
-    from block_explore import _meta_of, _rel
-    from validation.race.dynamic import marker
-
-    x = ExpertsPair(CARRY, ents[f"small_w13_{tag}"], ents[f"small_w2_{tag}"])
-    m = _meta_of(ids, cfg.n_experts, x.up.groups)
-    act = torch.full((x.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-    x.w13(z, w.w13, m, act)
-    torch.cuda.synchronize()
-    a_err = _rel(act, x.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
-    print(marker(f"small_w13_{tag}", bool(torch.isfinite(act.float()).all()) and a_err < 1e-2,
-                 rel_err=f"{a_err:.2e}"), flush=True)
-    c = torch.full((s["batch"], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
-    x.w2(act, w.w2, wts, m, c)
-    torch.cuda.synchronize()
-    c_err = _rel(c, want)
-    ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((x.counters != 0).sum().item()) == 0
-    print(marker(f"small_w2_{tag}", ok, rel_err=f"{c_err:.2e}"), flush=True)
 
 
 def sanitize(res: dict, out_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """What the exploration scripts (block_explore, router_explore, experts_b1_explore,
-experts_batch_explore) share: build a list of kernel variants on the CPU host, audit each
+experts_batch_explore) share (and `invocation`, the recorded command line, which gpu_proof,
+block_proof and dense_b1 use too): build a list of kernel variants on the CPU host, audit each
 statically against its manifest roles, and copy the few files a GPU call needs into a small
 carry folder with a plan.json; on the GPU host, read that plan back.
 
@@ -191,3 +192,26 @@ class ExpertsPair:
     def w2(self, act, w2, wts, m, c):
         self.k2(act, w2, wts, m["n_groups"], m["group_expert"], m["group_start"], m["sorted_slots"], self.o,
                 self.counters, c)
+
+    def check_markers(self, w13_id: str, w2_id: str, cfg, ids, z, wts, w, want) -> None:
+        """The sanitized children's check of this pair on one routing: act against moe_w13's
+        reference, then c against `want` (the routed experts' reference) with the counters left
+        zero; a run marker per kernel (validation/race/dynamic.py), outputs NaN-poisoned first."""
+        import torch
+
+        from block_explore import _meta_of, _rel
+        from validation.race.dynamic import marker
+
+        m = _meta_of(ids, cfg.n_experts, self.up.groups)
+        act = torch.full((self.up.slots, cfg.expert_inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        self.w13(z, w.w13, m, act)
+        torch.cuda.synchronize()
+        a_err = _rel(act, self.up.reference(z=z, w13=w.w13, ids=ids, **m)["act"])
+        print(marker(w13_id, bool(torch.isfinite(act.float()).all()) and a_err < 1e-2, rel_err=f"{a_err:.2e}"),
+              flush=True)
+        c = torch.full((ids.shape[0], cfg.latent), float("nan"), dtype=torch.bfloat16, device="cuda")
+        self.w2(act, w.w2, wts, m, c)
+        torch.cuda.synchronize()
+        c_err = _rel(c, want)
+        ok = bool(torch.isfinite(c.float()).all()) and c_err < 1e-2 and int((self.counters != 0).sum().item()) == 0
+        print(marker(w2_id, ok, rel_err=f"{c_err:.2e}"), flush=True)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from scripts.explore_common import invocation  # noqa: E402
 
 PLAN_PATH = Path("build") / "proof_plan.json"
 KERNELS = ("rmsnorm", "gemv")
@@ -221,7 +222,7 @@ def plan(args) -> int:
         "schema": SCHEMA + "#plan",
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(dirty),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": invocation("python"),
         "cases": cases,
     }
     path = Path(args.out)
@@ -298,7 +299,7 @@ def run(args) -> int:
     doc = {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "PYTHONPATH=. python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": invocation("PYTHONPATH=. python"),
         "plan_command": plan_doc.get("command"),
         "commit": plan_doc.get("commit"),
         "sources_dirty": plan_doc.get("dirty"),
