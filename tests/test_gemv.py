@@ -526,3 +526,50 @@ def test_warpgroup_tma_sass(tmp_path):
         param = defs[defs[m.group(1)]].rsplit("_param_", 1)[1]  # map register <- cvta.param <- mov
         policies.setdefault(param, set()).add(int(defs[m.group(2)]))
     assert policies == {"0": {G.TMA_EVICT_LAST}, "1": {G.TMA_EVICT_FIRST}}, policies
+
+
+def test_x_multicast_plan():
+    """`wg_mcast` M: M neighbouring row blocks form a (1, M, 1) cluster, no k split, and each
+    CTA's x box is 1/M of the tile's rows; where the row blocks or the batch do not divide, the
+    largest smaller power of two that does; it needs the TMA path."""
+    shape = {"batch": 64, "n": 7168, "k": 3584}
+    for m, box in ((1, 64), (2, 32), (4, 16)):
+        op = G.GemvOp(shape, wg_mcast=m)
+        lc = op.launch_config()
+        assert (op.mcast, op.splits, lc.grid) == (m, 1, (1, 112, 1))
+        assert lc.cluster == ((1, m, 1) if m > 1 else None) and not op.cluster_reduce
+        assert op.tensor_specs()["x"].tma.box == (64, box) and op.tensor_specs()["w"].tma.box == (64, 64)
+    assert G.GemvOp({"batch": 64, "n": 896, "k": 7168}, wg_mcast=4).mcast == 2  # 14 row blocks
+    b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_mcast=2)  # 8 rows: one swizzle atom, no share
+    assert b8.mcast == 1 and b8.cluster == ((b8.splits, 1, 1) if b8.splits > 1 else None)
+    with pytest.raises(ValueError, match="wg_mcast > 1 needs wg_tma 1"):
+        G.GemvOp(shape, wg_mcast=2, wg_tma=0)
+
+
+def test_x_multicast_ptx(tmp_path):
+    """With `wg_mcast` 2 every x copy is a cluster multicast to both CTAs (mask 0b11) and every
+    W copy stays local; each slot's empty barrier counts both CTAs' warps and each warp arrives
+    on it in both CTAs; a cluster barrier separates the barriers' initialisation from the first
+    copy, and the last cluster wait comes after the last store of y (no CTA leaves while a
+    peer's multicast may still target it)."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
+    art = build_variant("gemv", shape, {"wg_mcast": 2}, root=tmp_path)
+    assert art.meta["launch"]["cluster"] == [1, 2, 1] and art.meta["params"][0]["spec"]["tma"]["box"] == [64, 32]
+    ptx = Path(art.paths["ptx"]).read_text()
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.(\S+) ", ptx)
+    mcast = [c for c in copies if "multicast::cluster" in c]
+    assert len(copies) == 2 * len(mcast) and len(mcast) == 2 * 6 + 2  # 6 prologue stages + the refill, 2 boxes each
+    masks = set(re.findall(r"multicast::cluster\S* \[[^\]]+\], \[[^\]]+\], \[[^\]]+\], (%rs\d+)", ptx))
+    for reg in masks:
+        assert re.search(rf"mov\.u16\s+{reg}, 3;", ptx) or re.search(rf"mov\.b16\s+{reg}, 3;", ptx), reg
+    counts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
+    inits = {counts[r] for r in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\], (%r\d+);", ptx)}
+    assert inits == {"1", "8"}  # full: one arrival; empty: 4 warps x 2 CTAs
+    remote = re.findall(r"mapa\.shared::cluster\.u32\s+%r\d+, %r\d+, (\d+);", ptx)
+    assert sorted(remote) == ["0", "1"] and ptx.count("mbarrier.arrive.shared::cluster.b64") == 2
+    first_copy = ptx.index("cp.async.bulk.tensor")
+    assert ptx.index("mbarrier.init") < ptx.index("barrier.cluster.arrive;") < ptx.index("barrier.cluster.wait;") < first_copy
+    assert ptx.rindex("st.global") < ptx.rindex("barrier.cluster.wait;")
