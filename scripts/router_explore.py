@@ -19,7 +19,8 @@ dynamic race audit of the stream design's arrival counter on the mini preset; a 
     identical, counter zero after each;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
     a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
-    several rows per CTA; mma: batch 3) and checks them against the reference; a mini stress.
+    several rows per CTA; mma: batch 3 with 4 warps, batch 20 with 16) and checks them against
+    the reference; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
 """
 
@@ -59,6 +60,9 @@ def _variants() -> list[tuple[str, dict, dict]]:
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
+    # the block's router at batches 32 and 64 (kernels/block.py ROUTER_IN_BLOCK): 16 warps, two
+    # batch tiles (batch 20: the second one partly padded)
+    v.append(("mini_b20_mma_w16", {"batch": 20, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 16}))
     return v
 
 
