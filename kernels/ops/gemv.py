@@ -133,7 +133,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
                     "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_mcast": 1}
+                    "wg_k64_from_n": 12288}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -391,18 +391,7 @@ class GemvOp(OpBase):
             raise ValueError("gemv: wg_tma_l2 must be 0, 64, 128 or 256")
         total = self.k // self.stage_k
         blocks = self.n // rows
-        self.mcast = int(t["wg_mcast"])
-        if self.mcast not in (1, 2, 4):
-            raise ValueError("gemv: wg_mcast must be 1, 2 or 4")
-        if self.mcast > 1 and not self.tma:
-            raise ValueError("gemv: wg_mcast > 1 needs wg_tma 1")
-        # x multicast: `wg_mcast` neighbouring row blocks form a cluster; each CTA's TMA brings
-        # 1/wg_mcast of every x tile to all of them (no k split: one CTA per row block). Where the
-        # row blocks or the batch do not divide (each CTA's share is whole 8-row swizzle atoms
-        # of x), the largest smaller power of two that does.
-        while self.mcast > 1 and (blocks % self.mcast or self.batch % (8 * self.mcast)):
-            self.mcast //= 2
-        max_splits = 1 if self.mcast > 1 else MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
+        max_splits = MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
         # (a cluster's CTAs each reduce an equal share of whole float4s of the rows)
         fits = [s for s in range(1, min(total, max_splits) + 1)
                 if total % s == 0 and not (self.wg_cluster and rows % (4 * s))]
@@ -417,9 +406,7 @@ class GemvOp(OpBase):
             self.splits = wave[-1] if wave else fits[0]
         else:
             self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
-        self.cluster_reduce = bool(self.wg_cluster and self.splits > 1)
-        self.cluster = ((self.splits, 1, 1) if self.cluster_reduce
-                        else (1, self.mcast, 1) if self.mcast > 1 else None)
+        self.cluster = (self.splits, 1, 1) if self.wg_cluster and self.splits > 1 else None
         self.k_chunk = self.k // self.splits
         self.groups = total // self.splits
         self.stages = max(2, min(stages, self.groups + 1))
@@ -473,7 +460,7 @@ class GemvOp(OpBase):
         # With wg_tma, x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
         # swizzle) that the launcher encodes from the tensors; the contract stays x and w.
         # (a box's inner extent is at most the 128-byte swizzle: 64 k; a 128-k slot is two boxes)
-        x_map = TensorMap((TMA_BOX_K, self.batch // self.mcast), l2_promotion=self.tma_l2) if self.tma else None
+        x_map = TensorMap((TMA_BOX_K, self.batch), l2_promotion=self.tma_l2) if self.tma else None
         w_map = TensorMap((TMA_BOX_K, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
         return {
             "x": TmaTensorSpec((self.batch, self.k), "bfloat16", x_map),
@@ -876,9 +863,8 @@ class GemvOp(OpBase):
         if cutlass.const_expr(self.cluster is not None):
             # Launched without its cluster (a launcher that drops the attribute), the pushes
             # would address CTAs that do not exist: stop with an error instead.
-            if cute.arch.cluster_size() != self.cluster[0] * self.cluster[1]:
+            if cute.arch.cluster_size() != self.splits:
                 _trap()
-        if cutlass.const_expr(self.cluster_reduce):
             # A CTA may touch a peer's shared memory only once the peer has started: arrive
             # now (relaxed, nothing waits here); the reduction waits on this phase before
             # its first remote store.
@@ -910,7 +896,7 @@ class GemvOp(OpBase):
         sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
         sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
         sRed = None
-        if cutlass.const_expr(self.cluster_reduce):
+        if cutlass.const_expr(self.cluster is not None):
             pitch = self._red_pitch()
             sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
                 (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
@@ -938,11 +924,11 @@ class GemvOp(OpBase):
         """y from the accumulators: directly without a split, through the cluster's reduction,
         or through global partials and the last CTA."""
         row0 = block * self.rows_per_cta
-        if cutlass.const_expr(not self.cluster_reduce):
+        if cutlass.const_expr(self.cluster is None):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, b = tCc[i]
                 self._tiled_out(mY, mP, split, b, row0 + r, acc[i])
-        if cutlass.const_expr(self.cluster_reduce):
+        if cutlass.const_expr(self.cluster is not None):
             self._wg_cluster_reduce(mY, acc, tCc, sRed, tidx, split, block)
         elif cutlass.const_expr(self.splits > 1):
             self._wg_reduce(mY, mP, mC, sLast, sW.iterator, tidx, block)
@@ -959,12 +945,8 @@ class GemvOp(OpBase):
         one_x = cute.slice_(lay_x, (None, None, 0))
         tma_w, gW = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mW, one_w,
                                                 (self.rows_per_cta, self.stage_k))
-        if cutlass.const_expr(self.mcast > 1):  # each CTA's box: 1/wg_mcast of the x tile
-            tma_x, gX = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), mX, one_x,
-                                                    (self.batch, self.stage_k), num_multicast=self.mcast)
-        else:
-            tma_x, gX = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, one_x,
-                                                    (self.batch, self.stage_k))
+        tma_x, gX = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX, one_x,
+                                                (self.batch, self.stage_k))
         if cutlass.const_expr(lc.cluster is not None):
             self.tma_kernel(tma_x, gX, tma_w, gW, mY, mP, mC).launch(
                 grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes, cluster=list(lc.cluster))
@@ -989,17 +971,7 @@ class GemvOp(OpBase):
         before refilling the slot with the tile `wg_stages` ahead. No CTA barrier in the
         loop; the TMA writes and the wgmma reads are both async-proxy accesses, ordered by the
         mbarriers. With pdl, the prologue's W tiles are issued before `griddepcontrol.wait`
-        (static), every x tile after it.
-
-        With `wg_mcast` M > 1, M neighbouring row blocks form a cluster that shares x: CTA
-        rank r issues rows r*B/M .. (r+1)*B/M - 1 of every x tile once, multicast into the same
-        slot of all M CTAs, each of which still expects the whole tile's bytes on its own full
-        barrier. A slot may be refilled only when every CTA of the cluster is done with it:
-        the empty barriers count the warps of all M CTAs, and each warp arrives on the slot's
-        empty barrier in every CTA (remote arrive) for the tiles a producer still waits on
-        (it + S < G). The barriers are initialised before a cluster barrier that precedes any
-        copy, and no CTA exits before the cluster's last barrier, after the main loop (its
-        peers' multicasts into it have all landed by then)."""
+        (static), every x tile after it."""
         from cutlass.cute.nvgpu import cpasync, warpgroup
 
         S = self.stages
@@ -1015,27 +987,20 @@ class GemvOp(OpBase):
         mma, sW, sX, sLast, sRed, bars = self._wg_smem_tensors()
         full = bars
         empty = bars + S
-        M = self.mcast
         if tidx == 0:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_x)
             for st in cutlass.range_constexpr(S):
                 cute.arch.mbarrier_init(full + st, 1)
-                cute.arch.mbarrier_init(empty + st, self.warps * M)
+                cute.arch.mbarrier_init(empty + st, self.warps)
             cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(M > 1):
-            # every CTA's barriers are initialised before any peer copies into it or arrives
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
 
         gW = cute.local_tile(mW, (self.rows_per_cta, BK), (block, None))  # (BM, BK, k tiles)
         gX = cute.local_tile(mX, (self.batch, BK), (0, None))  # (B, BK, k tiles)
         tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
                                          cute.group_modes(gW, 0, 2))
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) if M > 1 else 0
-        tXs, tXg = cpasync.tma_partition(tma_x, rank, cute.make_layout(M), cute.group_modes(sX, 0, 2),
+        tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                                          cute.group_modes(gX, 0, 2))
         kt0 = split * G
         tCrA, tCrB, tCc, acc = self._wg_operands(mma, sW, sX, tidx)
@@ -1051,13 +1016,13 @@ class GemvOp(OpBase):
                         cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
                     self._tma_copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], full + st, TMA_EVICT_FIRST)
                     if cutlass.const_expr(not self.pdl or early_x):
-                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST, M)
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
         if cutlass.const_expr(self.pdl and not early_x):
             self._pdl_wait()
             if warp == 0:
                 for st in cutlass.range_constexpr(S):
                     if cutlass.const_expr(st < G):
-                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST, M)
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
 
         # --- main loop: mbarriers only ---------------------------------------------------------
         for it in cutlass.range(G, unroll=1):
@@ -1069,14 +1034,8 @@ class GemvOp(OpBase):
                 cute.gemm(mma, acc, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], acc)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            if cutlass.const_expr(M > 1):
-                if it + S < G:
-                    if lane == 0:
-                        for peer in cutlass.range_constexpr(M):
-                            cute.arch.mbarrier_arrive(empty + slot, peer)
-            else:
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(empty + slot)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(empty + slot)
             if warp == 0:
                 nxt = it + S
                 if nxt < G:
@@ -1084,28 +1043,22 @@ class GemvOp(OpBase):
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, tile_bytes)
                     self._tma_copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], full + slot, TMA_EVICT_FIRST)
-                    self._tma_copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], full + slot, TMA_EVICT_LAST, M)
+                    self._tma_copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], full + slot, TMA_EVICT_LAST)
         if cutlass.const_expr(self.pdl and early_x):
             self._pdl_wait()
         self._pdl_trigger()
-        if cutlass.const_expr(M > 1):
-            cute.arch.cluster_arrive_relaxed()  # this CTA has every tile; the wait is at the end
         self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
-        if cutlass.const_expr(M > 1):
-            cute.arch.cluster_wait()  # no CTA exits while a peer's multicast may target it
 
-    def _tma_copy(self, atom, src, dst, bar, policy, mcast=1):
+    def _tma_copy(self, atom, src, dst, bar, policy):
         """Trace-time: one TMA tile copy completing on `bar`; with `wg_tma_hint` 1 it carries
         an L2 eviction policy (W streams through once: evict first; x is read by every row
-        block: evict last), else the DSL's default hint. `mcast` > 1: multicast to the CTAs
-        0 .. mcast-1 of the cluster."""
-        extra = {"mcast_mask": cutlass.Int16((1 << mcast) - 1)} if mcast > 1 else {}
+        block: evict last), else the DSL's default hint."""
         if self.tma_hint == 2 and policy == TMA_EVICT_FIRST:  # 2: only x's hint (evict last)
-            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(TMA_EVICT_NORMAL), **extra)
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(TMA_EVICT_NORMAL))
         elif self.tma_hint:
-            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(policy), **extra)
+            cute.copy(atom, src, dst, tma_bar_ptr=bar, cache_policy=cutlass.Int64(policy))
         else:
-            cute.copy(atom, src, dst, tma_bar_ptr=bar, **extra)
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
     @cute.jit
     def _wg_reduce(self, mY, mP, mC, sLast, ring, tidx, block):
