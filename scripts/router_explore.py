@@ -2,10 +2,11 @@
 at the smallest batches: the stream design's variants beside the mma design, on k3 shapes; the
 dynamic race audit of the stream design's arrival counter on the mini preset; a stress series.
 
-  python scripts/router_explore.py plan                        # CPU host with the DSL
+  python scripts/router_explore.py plan [--sweep]              # CPU host with the DSL
   PYTHONPATH=. python3 scripts/router_explore.py gpu --out DIR # GPU host, carrying .devcarry/router_x
 
-`plan` builds every variant of `_variants()` into build/router_explore, audits each statically
+`plan` builds every variant of `_variants()` (with --sweep also the mma design's CTA widths at
+batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
 (PTX and SASS against the manifest roles) and copies its cubin and metadata to
 .devcarry/router_x/<id>/ with plan.json. `gpu`, in order:
   * the read-only ceiling, and a pure streaming read of exactly the router+down weight bytes per
@@ -19,7 +20,8 @@ dynamic race audit of the stream design's arrival counter on the mini preset; a 
     identical, counter zero after each;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
     a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
-    several rows per CTA; mma: batch 3 with 4 warps, batch 20 with 16) and checks them against
+    several rows per CTA; mma: batch 3 with 4 warps, batch 20 with 16, batch 40 with 16-row
+    router and 32-row down CTAs) and checks them against
     the reference; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
 """
@@ -43,9 +45,29 @@ K3 = {"n_experts": 896, "hidden": 7168, "top_k": 16, "latent": 3584}
 MINI = {"n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512}
 
 
-def _variants() -> list[tuple[str, dict, dict]]:
+# The mma design's CTA widths swept past batch 4 (`plan --sweep`): (warps, row_tiles, down_row_tiles)
+MMA_SWEEP = ((8, 1, 2), (16, 1, 2), (8, 1, 4), (8, 1, 8), (8, 2, 4), (8, 4, 8), (16, 1, 4), (16, 2, 4), (16, 4, 4))
+SWEEP_BATCHES = (8, 16, 32, 64)
+
+
+def _mma_sweep() -> list[tuple[str, dict, dict]]:
+    """b<batch>_w<warps>_rt<row_tiles>_d<down_row_tiles>, where the CTA's partials fit in
+    sm_90's shared memory (the build refuses the others)."""
+    from kernels.build import SM90_SMEM_PER_CTA
+    from kernels.ops.router import RouterOp
+
+    v = []
+    for T in SWEEP_BATCHES:
+        for w, rt, d in MMA_SWEEP:
+            shape, tun = {"batch": T, **K3}, {"warps_per_cta": w, "row_tiles": rt, "down_row_tiles": d}
+            if RouterOp(shape, **tun).smem_bytes + 1024 <= SM90_SMEM_PER_CTA:
+                v.append((f"b{T}_w{w}_rt{rt}_d{d}", shape, tun))
+    return v
+
+
+def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream), b<batch>_mma, or
-    b<batch>_default (the manifest's defaults)."""
+    b<batch>_default (the manifest's defaults); with `sweep`, the mma widths of `_mma_sweep`."""
     v = [("b1_default", {"batch": 1, **K3}, {})]
     for t, kib, pdl in ((128, 8, 0), (64, 8, 1)):
         v.append((f"b1_s{t}_k{kib}_p{pdl}", {"batch": 1, **K3},
@@ -63,7 +85,10 @@ def _variants() -> list[tuple[str, dict, dict]]:
     # the block's router at batches 32 and 64 (kernels/block.py ROUTER_IN_BLOCK): 16 warps, two
     # batch tiles (batch 20: the second one partly padded)
     v.append(("mini_b20_mma_w16", {"batch": 20, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 16}))
-    return v
+    # wider router and down CTAs (row_tiles, down_row_tiles), batch 40: three batch tiles
+    v.append(("mini_b40_mma_rt2_d4", {"batch": 40, **MINI},
+              {"stream_max_batch": 0, "warps_per_cta": 8, "row_tiles": 2, "down_row_tiles": 4}))
+    return v + (_mma_sweep() if sweep else [])
 
 
 MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
@@ -72,10 +97,10 @@ MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
 
 
-def plan(jobs: int) -> int:
+def plan(jobs: int, sweep: bool = False) -> int:
     from explore_common import build_and_carry, invocation
 
-    return build_and_carry([(ident, "router", shape, tun) for ident, shape, tun in _variants()],
+    return build_and_carry([(ident, "router", shape, tun) for ident, shape, tun in _variants(sweep)],
                            build_root=BUILD, carry=CARRY, jobs=jobs, command=invocation())
 
 
@@ -327,13 +352,14 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--sweep", action="store_true", help="also the mma design's CTA widths at batches 8-64")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitize", action="store_true")
     sub.add_parser("child")
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs)
+        return plan(a.jobs, a.sweep)
     if a.cmd == "child":
         return child()
     return gpu(a.out, a.skip_sanitize)

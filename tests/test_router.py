@@ -132,6 +132,24 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["sel"] + small.slots)
 
 
+def test_mma_design_cta_widths():
+    """row_tiles and down_row_tiles widen the mma design's router and down CTAs (8 rows per
+    tile): fewer CTAs, each reading h once, so less h per weight byte; the partials grow with
+    the rows."""
+    b64 = {**K3, "batch": 64}
+    base = RT.RouterOp(b64)
+    assert (base.rows_per_cta, base.down_rows_per_cta, base.ctas, base.down_ctas) == (8, 16, 112, 224)
+    wide = RT.RouterOp(b64, row_tiles=4, down_row_tiles=8)
+    assert (wide.rows_per_cta, wide.down_rows_per_cta, wide.ctas, wide.down_ctas) == (32, 64, 28, 56)
+    assert wide.launch_config().grid[0] == 28 + 56 and wide.partial_rows == 64
+    assert wide.plan.row_tiles == 4 and wide.down_plan.row_tiles == 8
+    assert wide.smem_bytes > base.smem_bytes
+    with pytest.raises(ValueError, match="not a multiple of 24 rows"):
+        RT.RouterOp({**b64, "n_experts": 64 * 14}, row_tiles=3)
+    with pytest.raises(ValueError, match="must be positive"):
+        RT.RouterOp(b64, down_row_tiles=0)
+
+
 @pytest.mark.parametrize("shape, fragment", [
     ({**K3, "batch": 65}, "batch 65"),
     ({**K3, "top_k": 0}, "top_k 0"),

@@ -20,8 +20,10 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
     its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
     next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
     comes after the wait, so a launch never arrives before the previous one has reset it.
-  * larger batches, "mma": CTAs 0 .. n_experts/8-1 are router CTAs (phase 1, then the arrival);
-    the others are down CTAs, 16 rows of W_down each, same mma scheme, no arrival.
+  * larger batches, "mma": CTAs 0 .. n_experts/(8 * row_tiles)-1 are router CTAs (phase 1, then
+    the arrival); the others are down CTAs, 8 * `down_row_tiles` rows of W_down each (16 by
+    default), same mma scheme, no arrival. Every CTA reads all of h (from L2): T / rows bytes
+    of h per weight byte, so wider CTAs cut that traffic at large batches.
 
 Phase 1 of the mma design, every router CTA: `8 * row_tiles` router rows for every token on
 the tensor cores (the decode mma scheme of kernels/ops/decode_mma.py; W_g through the read-only
@@ -80,8 +82,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
 # row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <= stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
-                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1}
-DOWN_ROW_TILES = 2  # 16 rows of W_down per down CTA
+                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 
 
@@ -155,8 +156,8 @@ class RouterOp(OpBase):
             self._plan_mma()
 
     def _plan_mma(self) -> None:
-        """Larger batches: router CTAs of `8 * row_tiles` rows, down CTAs of 16 rows, on the
-        tensor cores (kernels/ops/decode_mma.py)."""
+        """Larger batches: router CTAs of `8 * row_tiles` rows, down CTAs of `8 *
+        down_row_tiles` rows, on the tensor cores (kernels/ops/decode_mma.py)."""
         self.warps = int(self.tunables["warps_per_cta"])
         self.row_tiles = int(self.tunables["row_tiles"])
         self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
@@ -171,13 +172,15 @@ class RouterOp(OpBase):
         self.plan = MmaPlan(warps=self.warps, row_tiles=self.row_tiles, batch_tiles=self.batch_tiles,
                             k=self.hidden, k_unroll=k_unroll)
         self.ctas = self.n_experts // self.rows_per_cta
-        self.down_row_tiles = DOWN_ROW_TILES
-        self.down_rows_per_cta = ROWS_PER_TILE * DOWN_ROW_TILES
+        self.down_row_tiles = int(self.tunables["down_row_tiles"])
+        if min(self.row_tiles, self.down_row_tiles) < 1:
+            raise ValueError("router: row_tiles and down_row_tiles must be positive")
+        self.down_rows_per_cta = ROWS_PER_TILE * self.down_row_tiles
         if self.latent % self.down_rows_per_cta:
             raise ValueError(f"router: latent {self.latent} is not a multiple of {self.down_rows_per_cta}")
         self.down_ctas = self.latent // self.down_rows_per_cta
-        du = max(1, min(int(self.tunables["k_unroll"]), LOAD_GROUP_VECTORS // (DOWN_ROW_TILES + x_vectors)))
-        self.down_plan = MmaPlan(warps=self.warps, row_tiles=DOWN_ROW_TILES, batch_tiles=self.batch_tiles,
+        du = max(1, min(int(self.tunables["k_unroll"]), LOAD_GROUP_VECTORS // (self.down_row_tiles + x_vectors)))
+        self.down_plan = MmaPlan(warps=self.warps, row_tiles=self.down_row_tiles, batch_tiles=self.batch_tiles,
                                  k=self.hidden, k_unroll=du)
         self.partial_rows = max(self.rows_per_cta, self.down_rows_per_cta)
         self.threads = self.warps * WARP
@@ -319,7 +322,7 @@ class RouterOp(OpBase):
             if sLast[0] == 1:
                 self._select_and_group(mLogits, mBias, outs, sMask, sStart, sIds, sSel, tidx)
         else:
-            # --- down CTAs: z = h @ W_down.T for 16 rows --------------------------------------
+            # --- down CTAs: z = h @ W_down.T for 8 * down_row_tiles rows ------------------------
             RD = self.down_rows_per_cta
             d0 = (bidx - self.ctas) * RD
             gWd = vector_view(mWd)
