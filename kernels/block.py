@@ -77,10 +77,14 @@ STREAM_SLOTS = 1
 # with the mma router (evidence_reports/moe_block/round3/final/, when batch 2's experts were still
 # the persistent pipelined kernels; not re-measured since they moved to the stream path), so the
 # block keeps the mma router there.
-# Batches 32 and 64: the mma design with 16 warps per CTA, timed beside the default 8 (and 4) in
-# one call (evidence_reports/moe_block/round4/router_warps/): router+down 158 -> 131 us at batch 64,
-# 89 -> 71 at 32 (4 warps: 270 and 141).
-ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 32: {"warps_per_cta": 16}, 64: {"warps_per_cta": 16}}
+# Batches 8-64: the mma design's CTA shape, swept in one call (evidence_reports/moe_block/round5/
+# router_widths/; round 4 had 16 warps at 32 and 64): 16 warps with 16-row router and 32-row down
+# CTAs from batch 16 (router+down 52.4 -> 40.7 us at 16, 69.2 -> 62.8 at 32, 124.1 -> 109.3 at 64
+# against 16 warps of 8- and 16-row CTAs); at batch 8 8 warps with 32-row router and 64-row down
+# CTAs (36.6 -> 34.6 us).
+_WIDE_ROUTER = {"warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
+ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_tiles": 8},
+                   16: _WIDE_ROUTER, 32: _WIDE_ROUTER, 64: _WIDE_ROUTER}
 
 
 def block_tunables(kernel: str, batch: int) -> dict:
