@@ -4,7 +4,8 @@ pipelined path; at batches 32 and 64 the persistent path's tunables (PERSISTENT_
 its defaults. One GPU call: numerics over the routing patterns; stress; the dynamic race audit of
 the multi-token stream path (its token loop and the moe_w2 counters) and of the persistent path.
 
-  python scripts/experts_batch_explore.py plan               # CPU host with the DSL: build, audit
+  python scripts/experts_batch_explore.py plan [--stream-sweep --batches 16 32 64]
+                                                             # CPU host with the DSL: build, audit
   PYTHONPATH=. python3 scripts/experts_batch_explore.py gpu --out DIR
                                                              # GPU host (no DSL), carrying .devcarry/experts_bx
 
@@ -24,7 +25,8 @@ plan.json. `gpu`, in order:
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
     a child that launches, on a small model (64 experts, latent 512, intermediate 512, top 8),
     the stream variants at batch 3 with 1 and 2 slots, with and without pdl ("hot" routing:
-    groups of 3 tokens run the token loop), and the persistent path at batch 20 (SMALL_PERSISTENT)
+    groups of 3 tokens run the token loop), and with the persistent stream grid (4 CTAs per
+    SM striding over the items), and the persistent path at batch 20 (SMALL_PERSISTENT)
     and checks them against the references.
 Results: DIR/experts_bx.json and DIR/sanitizers.log (the JSON is rewritten after every stage).
 """
@@ -50,7 +52,7 @@ SMALL = {"batch": 3, "n_experts": 64, "latent": 512, "expert_inter": 512, "top_k
 BATCHES = (2, 4, 8, 16)
 PIPELINED = {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3, "stream": 0}
 PATTERNS = ("uniform", "hot", "same", "distinct")
-STREAM_MAX = 16  # kernels/ops/moe_experts.py STREAM_LIMIT: past it, batches sweep the persistent path
+STREAM_MAX = 16  # past it, batches sweep the persistent path (`plan --stream-sweep`: the stream path)
 # Batches 32 and 64 (the manifest's persistent path, `_pers`): rt = row tiles, w = warps per CTA,
 # c = CTAs per SM, ku = k unroll (moe_w13 needs an even row_tiles).
 PERSISTENT_SWEEP = {
@@ -64,18 +66,35 @@ PERSISTENT_SWEEP = {
 CALLS = 8
 
 
-def stream_tunables(slots: int, kib: int = 32) -> dict:
-    return {"stream": 1, "stream_max_batch": 16, "stream_slots": slots, "stream_threads": 128,
-            "stream_cta_kib": kib, "pdl": 1}
+def stream_tunables(slots: int, kib: int = 32, batch: int = 16, threads: int = 128, persist: int = 0) -> dict:
+    return {"stream": 1, "stream_max_batch": max(16, batch), "stream_slots": slots, "stream_threads": threads,
+            "stream_cta_kib": kib, "pdl": 1, "stream_ctas_per_sm": persist}
 
 
-def variants(batches=BATCHES) -> list[tuple[str, str, dict, dict]]:
+# `plan --stream-sweep` (batches 16-64): the block's choice (`blk`, kernels/block.py) against the
+# stream path with one slot, a CTA per possible item (`s1`) or a persistent grid of N CTAs per SM
+# striding over the routing's items (`spN`), and with 64 KiB CTAs of 256 threads (half the CTAs).
+def stream_sweep(T: int) -> dict:
+    return {"s1": stream_tunables(1, batch=T), "sp5": stream_tunables(1, batch=T, persist=5),
+            "sp6": stream_tunables(1, batch=T, persist=6), "sp7": stream_tunables(1, batch=T, persist=7),
+            "s1_64k": stream_tunables(1, 64, batch=T, threads=256)}
+
+
+def variants(batches=BATCHES, stream_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
-    choice before), then the stream candidates; then the small sanitized variants."""
+    choice before), then the stream candidates; then the small sanitized variants. With
+    `stream_sweep_`, the block's choice and `stream_sweep` instead."""
+    from kernels.block import block_tunables
+
     v = []
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
+            if stream_sweep_:
+                v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
+                for name, tun in stream_sweep(T).items():
+                    v.append((f"b{T}_{tag}_{name}", kern, shape, tun))
+                continue
             if T > STREAM_MAX:  # past the stream path: the persistent path's tunables
                 v.append((f"b{T}_{tag}_pers", kern, shape, {}))
                 for name, tun in PERSISTENT_SWEEP.items():
@@ -109,6 +128,10 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
             tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": slots, "pdl": pdl}
             v.append((f"small_w13_s{slots}_p{pdl}", "moe_w13", SMALL, tun))
             v.append((f"small_w2_s{slots}_p{pdl}", "moe_w2", SMALL, tun))
+    # the persistent stream grid (4 CTAs per SM: 528 CTAs striding over 24 groups x 256 blocks)
+    tun = {"stream": 1, "stream_max_batch": 4, "stream_slots": 1, "pdl": 1, "stream_ctas_per_sm": 4}
+    v.append(("small_w13_sp4_p1", "moe_w13", SMALL, tun))
+    v.append(("small_w2_sp4_p1", "moe_w2", SMALL, tun))
     for tag, tun in SMALL_PERSISTENT_TUNABLES.items():
         v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, tun))
         v.append((f"small_w2_{tag}", "moe_w2", SMALL_PERSISTENT, tun))
@@ -118,10 +141,10 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
 
 
-def plan(jobs: int, batches) -> int:
+def plan(jobs: int, batches, stream_sweep_: bool = False) -> int:
     from explore_common import build_and_carry, invocation
 
-    return build_and_carry(variants(batches), build_root=BUILD, carry=CARRY, jobs=jobs,
+    return build_and_carry(variants(batches, stream_sweep_), build_root=BUILD, carry=CARRY, jobs=jobs,
                            command=invocation(), extra={"batches": list(batches)})
 
 
@@ -137,7 +160,7 @@ def _entries() -> dict:
 def _pair_ids(ents, T):
     """(w13 id, w2 id) of each design at batch T, base first."""
     tags = sorted({i.split("_", 2)[2] for i in ents if i.startswith(f"b{T}_w13_")},
-                  key=lambda t: t not in ("pipe", "pers"))
+                  key=lambda t: t not in ("pipe", "pers", "blk"))
     return [(f"b{T}_w13_{t}", f"b{T}_w2_{t}") for t in tags]
 
 
@@ -293,7 +316,7 @@ def child() -> int:
     w = R.make_weights(cfg, "cuda", seed=3)
     g = torch.Generator(device="cpu").manual_seed(5)
     kw = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
-    stream_tags = [f"s{slots}_p{p}" for slots in SMALL_SLOTS for p in (0, 1)]
+    stream_tags = [f"s{slots}_p{p}" for slots in SMALL_SLOTS for p in (0, 1)] + ["sp4_p1"]
     for s, tags in ((SMALL, stream_tags), (SMALL_PERSISTENT, list(SMALL_PERSISTENT_TUNABLES))):
         ids, z, wts = routing_inputs(s, "hot", g)
         want = R.routed_experts(z, ids, wts, w.w13, w.w2, **kw)
@@ -343,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--small-only", action="store_true", help="only the sanitized small variants")
+    p.add_argument("--stream-sweep", action="store_true",
+                   help="the block's choice against the stream path's grids (batches 16-64)")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitizers", action="store_true")
@@ -352,7 +377,7 @@ def main(argv=None) -> int:
     z.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs, [] if a.small_only else a.batches)
+        return plan(a.jobs, [] if a.small_only else a.batches, a.stream_sweep)
     if a.cmd == "child":
         return child()
     if a.cmd == "sanitize":

@@ -160,7 +160,8 @@ def test_pipelined_chunks_cover_every_item_once_in_order(n_items, grid):
     (MX.ExpertsUpOp, K3, {"stream_threads": 32}, "at least 64 threads"),
     (MX.ExpertsDownOp, K3, {"pdl": 2}, "pdl must be 0 or 1"),
     (MX.ExpertsDownOp, {**K3, "expert_inter": 384}, {}, "stream=0 takes"),  # 48 vectors: no whole warps
-    (MX.ExpertsUpOp, {**K3, "batch": 8}, {"stream_max_batch": 32}, "outside 1..16"),
+    (MX.ExpertsUpOp, {**K3, "batch": 8}, {"stream_max_batch": 128}, "outside 1..64"),
+    (MX.ExpertsDownOp, {**K3, "batch": 8}, {"stream_ctas_per_sm": -1}, "must not be negative"),
     (MX.ExpertsDownOp, {**K3, "batch": 8}, {"stream_slots": 0}, "at least 1"),
 ])
 def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
@@ -234,3 +235,19 @@ def test_audit_flags_a_routing_read_before_the_pdl_wait():
     rep = audit_kernel("moe_w13", mutant="routing_before_wait")
     assert not rep.clean and "load-before-griddep-wait" in rep.rules_hit()
     assert "group_expert" in str([f for f in rep.findings if f.rule == "load-before-griddep-wait"])
+
+
+def test_stream_persistent_grid():
+    """`stream_ctas_per_sm` N > 0: the stream path's grid is N CTAs per SM (at most one per
+    possible item), striding over the routing's items; 0 keeps a CTA per possible item."""
+    shape = {**K3, "batch": 64}
+    for cls in (MX.ExpertsUpOp, MX.ExpertsDownOp):
+        per_item = cls(shape, stream_max_batch=64)
+        blocks = per_item.col_blocks if cls is MX.ExpertsUpOp else per_item.row_blocks
+        assert per_item.streamed and per_item.launch_config().grid == (896 * blocks, 1, 1)
+        persist = cls(shape, stream_max_batch=64, stream_ctas_per_sm=6)
+        assert persist.launch_config().grid == (6 * MX.SMS, 1, 1)
+        assert (persist.smem_bytes, persist.threads) == (per_item.smem_bytes, per_item.threads)
+    tiny = MX.ExpertsDownOp({"batch": 1, "n_experts": 4, "latent": 64, "expert_inter": 256, "top_k": 1},
+                            stream_ctas_per_sm=8)
+    assert tiny.launch_config().grid == (tiny.groups * tiny.row_blocks, 1, 1)  # fewer items than the grid

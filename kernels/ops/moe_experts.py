@@ -84,14 +84,14 @@ GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
 PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
 
-STREAM_LIMIT = 16  # the stream path's largest batch: its token loop is planned for small groups
+STREAM_LIMIT = 64  # the stream path's largest batch (a group of more tokens than slots loops over them)
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream`,
 # `stream_slots` and `pdl` act up to `stream_max_batch` tokens (the stream path); `pipeline` up
 # to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
                     "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
-                    "stream_max_batch": 16, "stream_slots": 1}
+                    "stream_max_batch": 16, "stream_slots": 1, "stream_ctas_per_sm": 0}
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
@@ -169,6 +169,12 @@ class _GroupedBase(OpBase):
         self.pdl = int(self.tunables["pdl"])
         if self.pdl not in (0, 1):
             raise ValueError(f"{self.kernel_name}: pdl must be 0 or 1")
+        # The stream path's grid: 0, one CTA per possible (group, block) item (those past the
+        # routing's n_groups exit at once); N > 0, a persistent grid of N CTAs per SM striding
+        # over the routing's items (no CTA per item to launch, none launched for nothing).
+        self.stream_persist = int(self.tunables["stream_ctas_per_sm"])
+        if self.stream_persist < 0:
+            raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm must not be negative")
 
     def _stream_plan(self, n: int, k: int, min_rows: int) -> StreamPlan:
         """The stream path's CTA: whole rows of k bf16, at least `min_rows` of them, within
@@ -183,6 +189,8 @@ class _GroupedBase(OpBase):
 
     def _stream_launch(self, ctas: int) -> LaunchConfig:
         # pdl only where the kernel waits (griddepcontrol.wait is in the stream path alone)
+        if self.stream_persist:
+            ctas = min(ctas, self.stream_persist * SMS)
         return LaunchConfig(grid=(ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes,
                             pdl=bool(self.pdl))
 
@@ -334,33 +342,49 @@ class ExpertsUpOp(_GroupedBase):
         if cutlass.const_expr(self.mutant == "routing_before_wait"):
             early = mGroupExpert[u]  # the planted hazard the audit must flag
         self._pdl_wait()  # the routing and z are the router's outputs
-        if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
-            gW = vector_view(expert_view(mW, mGroupExpert[u] if early is None else early, 2 * I, L))
-            row = (r // R) * I + cb * R + r % R
-            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, row, vW, r * P.kv, kv0)
-            pos0 = mGroupStart[u]
-            if cutlass.const_expr(T == 1):  # one token: z row 0, no sorted slot to read
-                if r == 0:
-                    stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mZ), 0, vX, 0, kv0)
-                cute.arch.cp_async_commit_group()
-                self._pdl_trigger()
-                self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, cb, mAct)
-            else:
-                cnt = mGroupStart[u + 1] - pos0
-                gZ = vector_view(mZ)
+        if cutlass.const_expr(self.stream_persist > 0):
+            gdim, _, _ = cute.arch.grid_dim()
+            for item in cutlass.range(bidx, mNGroups[0] * self.col_blocks, gdim, unroll=1):
+                self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, item // self.col_blocks, item % self.col_blocks,
+                                     None, mZ, mW, mGroupExpert, mGroupStart, mSorted, mAct)
+                cute.arch.sync_threads()  # every thread is done with this item's shared memory
+        else:
+            if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
+                self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
+                                     mSorted, mAct)
 
-                def z_row(s, c0, pos0=pos0, cnt=cnt):
-                    return mSorted[pos0 + cutlass.min(c0 + s, cnt - 1)] // K
+    @cute.jit
+    def _up_stream_item(self, P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
+                        mSorted, mAct):
+        """One (group u, column block cb) item of the stream path: its copies, one wait, its chunks."""
+        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.stream_cols, self.x_slots
+        bf16 = cutlass.BFloat16
+        gW = vector_view(expert_view(mW, mGroupExpert[u] if early is None else early, 2 * I, L))
+        row = (r // R) * I + cb * R + r % R
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, row, vW, r * P.kv, kv0)
+        pos0 = mGroupStart[u]
+        if cutlass.const_expr(T == 1):  # one token: z row 0, no sorted slot to read
+            if r == 0:
+                stream.copy_row(P, stream.activation_copy_atom(bf16), vector_view(mZ), 0, vX, 0, kv0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, cb, mAct)
+        else:
+            cnt = mGroupStart[u + 1] - pos0
+            gZ = vector_view(mZ)
 
-                self._copy_slots(P, gZ, vX, r, kv0, z_row, 0)
+            def z_row(s, c0, pos0=pos0, cnt=cnt):
+                return mSorted[pos0 + cutlass.min(c0 + s, cnt - 1)] // K
+
+            self._copy_slots(P, gZ, vX, r, kv0, z_row, 0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, cb, mAct)
+            for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
+                cute.arch.sync_threads()  # every thread is done with the slots and partials
+                self._copy_slots(P, gZ, vX, r, kv0, z_row, c0)
                 cute.arch.cp_async_commit_group()
-                self._pdl_trigger()
-                self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, cb, mAct)
-                for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
-                    cute.arch.sync_threads()  # every thread is done with the slots and partials
-                    self._copy_slots(P, gZ, vX, r, kv0, z_row, c0)
-                    cute.arch.cp_async_commit_group()
-                    self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, cb, mAct)
+                self._up_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, cb, mAct)
 
     @cute.jit
     def _up_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, cb, mAct):
@@ -591,54 +615,73 @@ class ExpertsDownOp(_GroupedBase):
 
         self._pdl_wait()  # the routing and act are earlier kernels' outputs
         n_groups = mNGroups[0]
-        if u < n_groups:  # CTA-uniform: every thread takes the same branch
-            gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
-            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
-            pos0 = mGroupStart[u]
-            gA = vector_view(mAct)
-            if cutlass.const_expr(T == 1):  # one token: the group's one act row
-                if r == 0:
-                    stream.copy_row(P, stream.activation_copy_atom(bf16), gA, pos0, vX, 0, kv0)
-                cute.arch.cp_async_commit_group()
-                self._pdl_trigger()
-                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, rb, mSorted, mO)
-            else:
-                cnt = mGroupStart[u + 1] - pos0
+        if cutlass.const_expr(self.stream_persist > 0):
+            gdim, _, _ = cute.arch.grid_dim()
+            for item in cutlass.range(bidx, n_groups * self.row_blocks, gdim, unroll=1):
+                self._down_stream_item(P, vW, vX, sP, sLast, r, kv0, tidx, item // self.row_blocks,
+                                       item % self.row_blocks, n_groups, mAct, mW, mWeights, mGroupExpert,
+                                       mGroupStart, mSorted, mO, mCounters, mC)
+                cute.arch.sync_threads()  # every thread is done with this item's shared memory
+        else:
+            if u < n_groups:  # CTA-uniform: every thread takes the same branch
+                self._down_stream_item(P, vW, vX, sP, sLast, r, kv0, tidx, u, rb, n_groups, mAct, mW, mWeights,
+                                       mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
 
-                def a_row(s, c0, pos0=pos0, cnt=cnt):
-                    return pos0 + cutlass.min(c0 + s, cnt - 1)
+    @cute.jit
+    def _down_stream_item(self, P, vW, vX, sP, sLast, r, kv0, tidx, u, rb, n_groups, mAct, mW, mWeights,
+                          mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
+        """One (group u, row block rb) item of the stream path: its copies, one wait, its chunks,
+        the arrival on the row block's counter and, in the CTA that completes it, the combine."""
+        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.rows_per_cta, self.x_slots
+        bf16 = cutlass.BFloat16
+        i32 = cutlass.Int32
+        gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
+        pos0 = mGroupStart[u]
+        gA = vector_view(mAct)
+        if cutlass.const_expr(T == 1):  # one token: the group's one act row
+            if r == 0:
+                stream.copy_row(P, stream.activation_copy_atom(bf16), gA, pos0, vX, 0, kv0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, rb, mSorted, mO)
+        else:
+            cnt = mGroupStart[u + 1] - pos0
 
-                self._copy_slots(P, gA, vX, r, kv0, a_row, 0)
+            def a_row(s, c0, pos0=pos0, cnt=cnt):
+                return pos0 + cutlass.min(c0 + s, cnt - 1)
+
+            self._copy_slots(P, gA, vX, r, kv0, a_row, 0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, rb, mSorted, mO)
+            for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
+                cute.arch.sync_threads()  # every thread is done with the slots and partials
+                self._copy_slots(P, gA, vX, r, kv0, a_row, c0)
                 cute.arch.cp_async_commit_group()
-                self._pdl_trigger()
-                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, rb, mSorted, mO)
-                for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
-                    cute.arch.sync_threads()  # every thread is done with the slots and partials
-                    self._copy_slots(P, gA, vX, r, kv0, a_row, c0)
-                    cute.arch.cp_async_commit_group()
-                    self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO)
-            # Arrival on the row block (after the barrier that orders every o write of every
-            # chunk before it); the CTA that completes the row block combines it.
-            cute.arch.sync_threads()
-            if tidx == 0:
-                old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
-                last = i32(0)
-                if old == n_groups - 1:
-                    last = i32(1)
-                    # Every group has arrived: nothing reads the counter again this launch.
-                    cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
-                sLast[0] = last
-            cute.arch.sync_threads()
-            if sLast[0] == 1:
-                for j in cutlass.range_constexpr(ceil_div(R * T, P.threads)):
-                    idx = tidx + j * P.threads
-                    if idx < R * T:
-                        t = idx // R
-                        col = rb * R + idx % R
-                        s = mWeights[t, 0] * mO[t * K, col]
-                        for k in cutlass.range_constexpr(1, K):
-                            s = s + mWeights[t, k] * mO[t * K + k, col]
-                        mC[t, col] = s.to(bf16)
+                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO)
+        # Arrival on the row block (after the barrier that orders every o write of every
+        # chunk before it); the CTA that completes the row block combines it.
+        cute.arch.sync_threads()
+        if tidx == 0:
+            old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
+            last = i32(0)
+            if old == n_groups - 1:
+                last = i32(1)
+                # Every group has arrived: nothing reads the counter again this launch.
+                cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
+            sLast[0] = last
+        cute.arch.sync_threads()
+        if sLast[0] == 1:
+            for j in cutlass.range_constexpr(ceil_div(R * T, P.threads)):
+                idx = tidx + j * P.threads
+                if idx < R * T:
+                    t = idx // R
+                    col = rb * R + idx % R
+                    s = mWeights[t, 0] * mO[t * K, col]
+                    for k in cutlass.range_constexpr(1, K):
+                        s = s + mWeights[t, k] * mO[t * K + k, col]
+                    mC[t, col] = s.to(bf16)
 
     @cute.jit
     def _down_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO):
