@@ -47,8 +47,14 @@ PIPELINED_EXPERTS = {
 # scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/): 4 row tiles per warp at
 # batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults). A
 # batch without an entry (not one of the decode sizes) takes the manifest defaults.
+# Batch 32's moe_w13 (round 5, evidence_reports/moe_block/round5/experts_stream/): the stream path
+# again, on a persistent grid of 6 CTAs per SM striding over the items (`stream_ctas_per_sm`),
+# 3944 us (95.0% of read) against this path's 4101 (91.3%) in one call; its grid of a CTA per item
+# 4127 us, at batch 64 every stream grid 6-26% slower than the persistent path.
 PERSISTENT_EXPERTS = {
-    32: {"moe_w13": {"row_tiles": 4}, "moe_w2": {"row_tiles": 4}},
+    32: {"moe_w13": {"stream": 1, "stream_max_batch": 32, "stream_slots": 1, "stream_threads": 128,
+                     "stream_cta_kib": 32, "pdl": 1, "stream_ctas_per_sm": 6},
+         "moe_w2": {"row_tiles": 4}},
     64: {"moe_w2": {"warps_per_cta": 4, "ctas_per_sm": 4}},
 }
 

@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.block_baseline import torch_block
 from kernels import reference
-from kernels.block import STREAM_EXPERTS_MAX_BATCH, block_tunables, block_variants
+from kernels.block import PERSISTENT_EXPERTS, STREAM_EXPERTS_MAX_BATCH, block_tunables, block_variants
 from kernels.config import DECODE_BATCH_SIZES, get_config
 from kernels.manifest import load_manifest
 from scripts import block_proof as BP
@@ -31,13 +31,17 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
             experts = name in ("moe_w13", "moe_w2")
             stream_max = STREAM_EXPERTS_MAX_BATCH
+            # the stream path up to its batch, and past 16 where PERSISTENT_EXPERTS asks for it
+            streamed = experts and (T <= stream_max or bool(PERSISTENT_EXPERTS.get(T, {}).get(name, {}).get("stream")))
             assert bool(tun.get("pipeline")) == (experts and stream_max < T <= 16), (name, T)
-            assert bool(tun.get("stream")) == (experts and T <= stream_max), (name, T)  # the stream path
+            assert bool(tun.get("stream")) == streamed, (name, T)
             if experts:  # the op takes the path the block asks for at this batch
                 from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
 
                 op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
-                assert op.streamed == (T <= stream_max) and op.pipelined == (stream_max < T <= 16), (name, T)
+                assert op.streamed == streamed and op.pipelined == (stream_max < T <= 16), (name, T)
+    # batch 32's moe_w13: the stream path on a persistent grid of 6 CTAs per SM (round 5)
+    assert block_tunables("moe_w13", 32)["stream_ctas_per_sm"] == 6 and block_tunables("moe_w2", 32) == {"row_tiles": 4}
 
 
 def test_block_imports_without_the_dsl():
