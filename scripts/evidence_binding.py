@@ -1,7 +1,7 @@
 """Does committed GPU evidence still name the cubins this checkout builds?
 
     python scripts/evidence_binding.py evidence_reports/foundation/final/gpu_proof.json \
-        evidence_reports/moe_block/round3/final/block_plan.json
+        evidence_reports/moe_block/round5/final/block_plan.json
 
 Every file is a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the
 `cubin_sha256` it measured (what `scripts/gpu_proof.py` and `scripts/block_proof.py` write, plans
