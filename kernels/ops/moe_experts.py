@@ -35,6 +35,11 @@ into shared memory, waits once, and runs fp32 FMAs with a warp-shuffle and warp-
 chunk's rows into the same slots, wait, FMAs against the weights still in shared memory (read
 from DRAM once per group). Slots past the group's tokens repeat its last row and are not stored.
 One slot measured fastest at batches 2-16 (more slots: more shared memory, fewer CTAs per SM).
+The stream path runs up to batch 64 (`STREAM_LIMIT`; past 16 only where asked for). Its grid is
+one CTA per possible item by default (`stream_ctas_per_sm` 0); with N > 0 it is a persistent
+grid of N CTAs per SM striding over the routing's items, each item exactly as above, a CTA
+barrier between items (shared memory is reused). That pays only where N CTAs fit on an SM at
+once: batch 32's moe_w13 with 6 (evidence_reports/moe_block/round5/experts_stream/).
   moe_w13: a CTA owns R gate rows and the R matching up rows (R = stream rows / 2) and writes
   R columns of act after SiTU for each of the group's tokens.
   moe_w2: a CTA owns a block of W2_e's rows and writes them to o[slot] in fp32 for each of the
