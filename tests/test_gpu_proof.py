@@ -104,3 +104,25 @@ def test_a_hanging_case_stops_the_run_with_one_line_and_keeps_what_was_measured(
     assert len(lines) == 1 and lines[0].startswith("gpu_proof: case 2/2 gemv") and "did not finish within 0.5 s" in lines[0]
     doc = json.loads(out.read_text())
     assert doc["hung"] == {"case": '2/2 gemv {"batch": 64}', "after_s": 0.5} and doc["cases"] == [{"kernel": "gemv", "measured": True}]
+
+
+def test_experts_cases_refuses_with_one_line(tmp_path, capsys, monkeypatch):
+    """scripts/experts_cases.py (a profiler's launcher on the GPU host): ids in pairs, a carried
+    plan that exists and names them, a GPU; each refusal is one line and exit 2."""
+    import json
+
+    import torch
+
+    from scripts import experts_cases
+
+    with pytest.raises(SystemExit) as e:
+        experts_cases.main(["b64_w13_blk"])
+    assert e.value.code == 2 and "pairs" in capsys.readouterr().err
+    assert experts_cases.main(["a", "b", "--carry", str(tmp_path / "none")]) == 2
+    assert "cannot read the carried plan" in capsys.readouterr().err
+    (tmp_path / "plan.json").write_text(json.dumps({"entries": [{"id": "a"}, {"id": "b"}]}))
+    assert experts_cases.main(["a", "c", "--carry", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().endswith("['c']")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert experts_cases.main(["a", "b", "--carry", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "experts_cases: no CUDA device: run this on the GPU host\n"
