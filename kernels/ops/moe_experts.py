@@ -326,7 +326,7 @@ class ExpertsUpOp(_GroupedBase):
         first `x_slots` z rows, then, a chunk of tokens at a time, writes
         act[pos, cb*R + r] = bf16(SiTU(gate . z[token], up . z[token])) for each sorted position."""
         P = self.stream_plan
-        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.stream_cols, self.x_slots
+        S = self.x_slots
         bf16 = cutlass.BFloat16
 
         tidx, _, _ = cute.arch.thread_idx()
@@ -599,7 +599,7 @@ class ExpertsDownOp(_GroupedBase):
         it arrives on counters[rb] (one arrival per group); the CTA that completes the row block
         resets its counter and writes c[t, rows] = bf16(sum_k w[t, k] o[t*K + k, rows]), k in order."""
         P = self.stream_plan
-        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.rows_per_cta, self.x_slots
+        S = self.x_slots
         bf16 = cutlass.BFloat16
         i32 = cutlass.Int32
 
@@ -637,9 +637,8 @@ class ExpertsDownOp(_GroupedBase):
                           mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
         """One (group u, row block rb) item of the stream path: its copies, one wait, its chunks,
         the arrival on the row block's counter and, in the CTA that completes it, the combine."""
-        T, K, L, I, R, S = self.batch, self.top_k, self.latent, self.inter, self.rows_per_cta, self.x_slots
+        T, L, I, R, S = self.batch, self.latent, self.inter, self.rows_per_cta, self.x_slots
         bf16 = cutlass.BFloat16
-        i32 = cutlass.Int32
         gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
         stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
         pos0 = mGroupStart[u]
@@ -665,28 +664,8 @@ class ExpertsDownOp(_GroupedBase):
                 self._copy_slots(P, gA, vX, r, kv0, a_row, c0)
                 cute.arch.cp_async_commit_group()
                 self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO)
-        # Arrival on the row block (after the barrier that orders every o write of every
-        # chunk before it); the CTA that completes the row block combines it.
-        cute.arch.sync_threads()
-        if tidx == 0:
-            old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
-            last = i32(0)
-            if old == n_groups - 1:
-                last = i32(1)
-                # Every group has arrived: nothing reads the counter again this launch.
-                cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
-            sLast[0] = last
-        cute.arch.sync_threads()
-        if sLast[0] == 1:
-            for j in cutlass.range_constexpr(ceil_div(R * T, P.threads)):
-                idx = tidx + j * P.threads
-                if idx < R * T:
-                    t = idx // R
-                    col = rb * R + idx % R
-                    s = mWeights[t, 0] * mO[t * K, col]
-                    for k in cutlass.range_constexpr(1, K):
-                        s = s + mWeights[t, k] * mO[t * K + k, col]
-                    mC[t, col] = s.to(bf16)
+        # one arrival per group, after every chunk's o writes
+        _arrive_and_combine(self, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
 
     @cute.jit
     def _down_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO):
@@ -709,12 +688,11 @@ class ExpertsDownOp(_GroupedBase):
     @cute.jit
     def _down_grouped(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
         """The per-item and pipelined paths (persistent over (group, row block) items)."""
-        T, K, L, I = self.batch, self.top_k, self.latent, self.inter
+        T, L, I = self.batch, self.latent, self.inter
         R = self.rows_per_cta
         NT = self.row_tiles
         W = self.warps
         RB = self.row_blocks
-        bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
         i32 = cutlass.Int32
 
@@ -798,26 +776,7 @@ class ExpertsDownOp(_GroupedBase):
                     if b < cnt:
                         mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
 
-                # Arrival on the row block; the CTA that completes it combines it.
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
-                    last = i32(0)
-                    if old == n_groups - 1:
-                        last = i32(1)
-                        cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
-                    sLast[0] = last
-                cute.arch.sync_threads()
-                if sLast[0] == 1:
-                    for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
-                        idx = tidx + j * self.threads
-                        if idx < R * T:
-                            t = idx // R
-                            col = rb * R + idx % R
-                            s = mWeights[t, 0] * mO[t * K, col]
-                            for k in cutlass.range_constexpr(1, K):
-                                s = s + mWeights[t, k] * mO[t * K + k, col]
-                            mC[t, col] = s.to(bf16)
+                _arrive_and_combine(self, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
 
 
 def _up_load(op, plan, begin, mW, mGroupExpert, mGroupStart, mSorted, gX, warp, g, q, frags, j):
@@ -881,8 +840,7 @@ def _down_epilogue(op, plan, sP, sLast, acc, item, n_groups, mWeights, mGroupSta
     """moe_w2's pipelined path: store one finished item's o rows, arrive on its row block's counter
     (acq_rel, after a CTA barrier); the CTA that completes the row block resets the counter and
     combines it (the per-item path's epilogue)."""
-    T, K, R, W, RB = op.batch, op.top_k, op.rows_per_cta, op.warps, op.row_blocks
-    i32 = cutlass.Int32
+    T, R, W, RB = op.batch, op.rows_per_cta, op.warps, op.row_blocks
     u = item // RB
     rb = item % RB
     start = mGroupStart[u]
@@ -896,15 +854,26 @@ def _down_epilogue(op, plan, sP, sLast, acc, item, n_groups, mWeights, mGroupSta
         r = idx % R
         if b < cnt:
             mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
-    # Arrival on the row block (one per item: the race audit wants every write of o published in
-    # the iteration that wrote it); the CTA that completes the row block combines it.
+    # one arrival per item: the race audit wants every write of o published in the iteration
+    # that wrote it
+    _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
+
+
+@cute.jit
+def _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC):
+    """moe_w2's arrival on row block rb, in every path, after this CTA's o writes of the item:
+    a CTA barrier orders them; thread 0 adds 1 to the row block's gpu-scope counter with acq_rel
+    semantics; the CTA whose arrival is the n_groups-th resets the counter (release: nothing
+    reads it again this launch) and writes c[t, rows] = bf16(sum_k w[t, k] o[t*K + k, rows]),
+    k in order 0..top_k-1 (bitwise deterministic)."""
+    T, K, R = op.batch, op.top_k, op.rows_per_cta
+    i32 = cutlass.Int32
     cute.arch.sync_threads()
     if tidx == 0:
         old = cute.arch.atomic_add(mCounters.iterator + rb, i32(1), sem="acq_rel", scope="gpu")
         last = i32(0)
         if old == n_groups - 1:
             last = i32(1)
-            # Every item of the row block has arrived: nothing reads the counter again this launch.
             cute.arch.store(mCounters.iterator + rb, i32(0), sem="release", scope="gpu")
         sLast[0] = last
     cute.arch.sync_threads()
