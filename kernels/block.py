@@ -34,7 +34,8 @@ BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "la
 # (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3
 # the stream path (STREAM_EXPERTS, below) serves every batch up to STREAM_EXPERTS_MAX_BATCH (16),
 # so block_tunables reaches these only if that bound is lowered; past 16 tokens the block takes
-# the persistent per-item path with PERSISTENT_EXPERTS.
+# PERSISTENT_EXPERTS (the persistent per-item path, and at batch 32 moe_w13's stream path on a
+# persistent grid).
 PIPELINED_EXPERTS = {
     "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
     # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
@@ -43,7 +44,8 @@ PIPELINED_EXPERTS = {
 }
 
 
-# Past 16 tokens (the persistent per-item path), per decode batch size, chosen on an H200 by
+# Past 16 tokens, per decode batch size (the persistent per-item path but where an entry asks for
+# the stream path), chosen on an H200 by
 # scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/): 4 row tiles per warp at
 # batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults). A
 # batch without an entry (not one of the decode sizes) takes the manifest defaults.
@@ -59,7 +61,8 @@ PERSISTENT_EXPERTS = {
 }
 
 
-# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design instead
+# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design (past it, only
+# where PERSISTENT_EXPERTS asks for it)
 # (kernels/ops/moe_experts.py: a short CTA per expert and block of whole weight rows, every cp.async
 # issued before one wait; past batch 1 a group's tokens go through `stream_slots` activation rows
 # in shared memory a chunk at a time), chosen on an H200 by scripts/experts_b1_explore.py

@@ -20,8 +20,9 @@ batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
     identical, counter zero after each;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
     a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
-    several rows per CTA; mma: batch 3 with 4 warps, batch 20 with 16, batch 40 with 16-row
-    router and 32-row down CTAs) and checks them against
+    several rows per CTA; mma: batch 3 with 4 warps, and the block's shapes: batches 20 and 40
+    with 16 warps of 16-row router and 32-row down CTAs, batch 8 with 32/64-row CTAs) and checks
+    them against
     the reference; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
 """
@@ -82,12 +83,14 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
-    # the block's router at batches 32 and 64 (kernels/block.py ROUTER_IN_BLOCK): 16 warps, two
-    # batch tiles (batch 20: the second one partly padded)
-    v.append(("mini_b20_mma_w16", {"batch": 20, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 16}))
-    # wider router and down CTAs (row_tiles, down_row_tiles), batch 40: three batch tiles
-    v.append(("mini_b40_mma_rt2_d4", {"batch": 40, **MINI},
-              {"stream_max_batch": 0, "warps_per_cta": 8, "row_tiles": 2, "down_row_tiles": 4}))
+    # the block's router shapes (kernels/block.py ROUTER_IN_BLOCK): batches 16-64, 16 warps with
+    # 16-row router and 32-row down CTAs (batch 20: a second, partly padded batch tile; batch 40:
+    # three); batch 8, 8 warps with 32-row router and 64-row down CTAs
+    wide = {"stream_max_batch": 0, "warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
+    v.append(("mini_b20_mma_w16", {"batch": 20, **MINI}, wide))
+    v.append(("mini_b40_mma_w16_rt2_d4", {"batch": 40, **MINI}, wide))
+    v.append(("mini_b8_mma_rt4_d8", {"batch": 8, **MINI},
+              {"stream_max_batch": 0, "warps_per_cta": 8, "row_tiles": 4, "down_row_tiles": 8}))
     return v + (_mma_sweep() if sweep else [])
 
 

@@ -238,8 +238,9 @@ def test_audit_flags_a_routing_read_before_the_pdl_wait():
 
 
 def test_stream_persistent_grid():
-    """`stream_ctas_per_sm` N > 0: the stream path's grid is N CTAs per SM (at most one per
-    possible item), striding over the routing's items; 0 keeps a CTA per possible item."""
+    """`stream_ctas_per_sm` N > 0, the host plan: the stream path's grid is N CTAs per SM (at
+    most one per possible item; the kernel strides them over the routing's items, which the GPU
+    runs check); 0 keeps a CTA per possible item; N past what fits on an SM at once is refused."""
     shape = {**K3, "batch": 64}
     for cls in (MX.ExpertsUpOp, MX.ExpertsDownOp):
         per_item = cls(shape, stream_max_batch=64)
@@ -251,3 +252,9 @@ def test_stream_persistent_grid():
     tiny = MX.ExpertsDownOp({"batch": 1, "n_experts": 4, "latent": 64, "expert_inter": 256, "top_k": 1},
                             stream_ctas_per_sm=8)
     assert tiny.launch_config().grid == (tiny.groups * tiny.row_blocks, 1, 1)  # fewer items than the grid
+    # 6 moe_w13 CTAs (35920 B) fit on an SM, 7 of moe_w2 (30816 B): one more would wait a whole share
+    with pytest.raises(ValueError, match="stream_ctas_per_sm 7 asks for more CTAs than fit on an SM"):
+        MX.ExpertsUpOp(shape, stream_max_batch=64, stream_ctas_per_sm=7)
+    MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=7)
+    with pytest.raises(ValueError, match="stream_ctas_per_sm 8 asks for more CTAs"):
+        MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=8)

@@ -143,11 +143,18 @@ def test_mma_design_cta_widths():
     assert (wide.rows_per_cta, wide.down_rows_per_cta, wide.ctas, wide.down_ctas) == (32, 64, 28, 56)
     assert wide.launch_config().grid[0] == 28 + 56 and wide.partial_rows == 64
     assert wide.plan.row_tiles == 4 and wide.down_plan.row_tiles == 8
-    assert wide.smem_bytes > base.smem_bytes
+    # the block's settings (kernels/block.py ROUTER_IN_BLOCK) fit sm_90's shared memory per CTA
+    from kernels.block import block_tunables
+    from kernels.build import SM90_SMEM_PER_CTA
+
+    for T in (8, 16, 32, 64):
+        op = RT.RouterOp({**K3, "batch": T}, **block_tunables("router", T))
+        assert not op.stream and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA, (T, op.smem_bytes)
     with pytest.raises(ValueError, match="not a multiple of 24 rows"):
         RT.RouterOp({**b64, "n_experts": 64 * 14}, row_tiles=3)
-    with pytest.raises(ValueError, match="must be positive"):
-        RT.RouterOp(b64, down_row_tiles=0)
+    for bad in ({"down_row_tiles": 0}, {"row_tiles": 0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            RT.RouterOp(b64, **bad)
 
 
 @pytest.mark.parametrize("shape, fragment", [

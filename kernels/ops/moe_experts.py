@@ -24,7 +24,8 @@ counter (release) and sums, for every token, w_k * o[t * top_k + k] over k in or
 (fixed order: bitwise deterministic), rounding c to bf16 once. The host zeroes the counters once.
 
 Up to `stream_max_batch` tokens (default 16), tunable `stream` (the design of
-kernels/ops/stream.py, read its docstring): no persistent loop and no tensor cores. At batch 1
+kernels/ops/stream.py, read its docstring): no tensor cores and, by default, no persistent loop
+(`stream_ctas_per_sm`, below). At batch 1
 every group is one token and a weight byte feeds one FMA; at batch 8 almost every group still has
 one token (a few 2-3), so all that matters is how many bytes are in flight. The grid has one short
 CTA per (possible group, block of whole weight rows): it reads the group's expert id (after
@@ -90,10 +91,13 @@ PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of
 PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
 
 STREAM_LIMIT = 64  # the stream path's largest batch (a group of more tokens than slots loops over them)
+SM_SMEM = 228 * 1024  # shared memory per SM of sm_90 (what resident CTAs share)
+CTA_SMEM_RESERVED = 2048  # per resident CTA: the driver's 1 KB reserve + the DSL's 1 KB of static smem
+SM_THREADS = 2048  # resident threads per SM
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream`,
-# `stream_slots` and `pdl` act up to `stream_max_batch` tokens (the stream path); `pipeline` up
-# to batch 16 (and wins over `stream`).
+# `stream_slots`, `stream_ctas_per_sm` and `pdl` act up to `stream_max_batch` tokens (the stream
+# path); `pipeline` up to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
                     "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
                     "stream_max_batch": 16, "stream_slots": 1, "stream_ctas_per_sm": 0}
@@ -192,6 +196,15 @@ class _GroupedBase(OpBase):
             raise ValueError(f"{self.kernel_name}: the stream path: {e} (stream=0 takes the "
                              f"persistent path)") from None
 
+    def _check_stream_persist(self) -> None:
+        """A persistent stream grid must be resident at once: a CTA past what fits on an SM would
+        start only when another ends, that is, after its whole share of the items."""
+        fit = min(SM_SMEM // (self.smem_bytes + CTA_SMEM_RESERVED), SM_THREADS // self.threads)
+        if self.stream_persist > fit:
+            raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm {self.stream_persist} asks for more CTAs "
+                             f"than fit on an SM ({fit} of {self.smem_bytes} B shared memory and "
+                             f"{self.threads} threads): the rest would wait a whole share of the items")
+
     def _stream_launch(self, ctas: int) -> LaunchConfig:
         # pdl only where the kernel waits (griddepcontrol.wait is in the stream path alone)
         if self.stream_persist:
@@ -266,6 +279,7 @@ class ExpertsUpOp(_GroupedBase):
         self.threads = P.threads
         self.ctas = self.groups * self.col_blocks
         self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps)
+        self._check_stream_persist()
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I = self.batch, self.n_experts, self.latent, self.inter
@@ -536,6 +550,7 @@ class ExpertsDownOp(_GroupedBase):
         self.threads = P.threads
         self.ctas = self.groups * self.row_blocks
         self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps) + 16  # + the verdict
+        self._check_stream_persist()
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
@@ -895,4 +910,5 @@ class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit fin
     mutant = "routing_before_wait"
 
     def __init__(self, shape: dict, **tunables):
-        super().__init__(shape, **{**tunables, "pdl": 1})
+        # a CTA per item: the early read is of the CTA's own group (a persistent grid has none yet)
+        super().__init__(shape, **{**tunables, "pdl": 1, "stream_ctas_per_sm": 0})

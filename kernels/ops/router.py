@@ -80,7 +80,8 @@ WEIGHT_EPS = 1e-20  # kernels.reference.router
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
 
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
-# row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <= stream_max_batch).
+# row_tiles, down_row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <=
+# stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
@@ -160,6 +161,9 @@ class RouterOp(OpBase):
         down_row_tiles` rows, on the tensor cores (kernels/ops/decode_mma.py)."""
         self.warps = int(self.tunables["warps_per_cta"])
         self.row_tiles = int(self.tunables["row_tiles"])
+        self.down_row_tiles = int(self.tunables["down_row_tiles"])
+        if min(self.row_tiles, self.down_row_tiles) < 1:
+            raise ValueError("router: row_tiles and down_row_tiles must be positive")
         self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
         if self.n_experts % self.rows_per_cta:
             raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of {self.rows_per_cta} rows per CTA")
@@ -172,9 +176,6 @@ class RouterOp(OpBase):
         self.plan = MmaPlan(warps=self.warps, row_tiles=self.row_tiles, batch_tiles=self.batch_tiles,
                             k=self.hidden, k_unroll=k_unroll)
         self.ctas = self.n_experts // self.rows_per_cta
-        self.down_row_tiles = int(self.tunables["down_row_tiles"])
-        if min(self.row_tiles, self.down_row_tiles) < 1:
-            raise ValueError("router: row_tiles and down_row_tiles must be positive")
         self.down_rows_per_cta = ROWS_PER_TILE * self.down_row_tiles
         if self.latent % self.down_rows_per_cta:
             raise ValueError(f"router: latent {self.latent} is not a multiple of {self.down_rows_per_cta}")
