@@ -142,18 +142,23 @@ class BlockKernels:
         return {f"{role}:{k.meta['kernel']}": k.sha256 for role, k in vars(self).items()}
 
 
-def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, tunables=None) -> BlockKernels:
-    """Find and load (on the current device) every prebuilt cubin of the block at `batch`.
-    `tunables(kernel, shape)` gives each variant's tunables: by default this checkout's choice
-    (`block_tunables`); scripts/block_proof.py passes its plan's, so a plan runs as it was built.
+def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, dirs=None) -> BlockKernels:
+    """Load (on the current device) every prebuilt cubin of the block at `batch`.
 
-    Raises kernels.build.BuildError naming a missing or stale variant.
+    By default each variant is this checkout's choice (`block_tunables`), found under `root` and
+    verified against today's sources (kernels.build.find_artifact raises BuildError naming a
+    missing or stale variant). `dirs(kernel, shape)` instead names each variant's build folder:
+    scripts/block_proof.py passes its plan's (whose cubins it has checked against the plan's
+    hashes), so a plan runs as it was built, whatever the checkout's sources are now.
     """
     from kernels.launch import CubinKernel
 
-    pick = tunables or (lambda name, shape: block_tunables(name, batch))
-    ks = [CubinKernel.from_dir(find_artifact(name, shape, pick(name, shape), root=root).dir)
-          for name, shape in block_variants(cfg, batch)]
+    def folder(name, shape):
+        if dirs is not None:
+            return dirs(name, shape)
+        return find_artifact(name, shape, block_tunables(name, batch), root=root).dir
+
+    ks = [CubinKernel.from_dir(folder(name, shape)) for name, shape in block_variants(cfg, batch)]
     for k in ks:
         k.load()  # before any graph capture (module loading is not capturable)
     return BlockKernels(*ks)

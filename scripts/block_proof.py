@@ -5,7 +5,10 @@ baseline measured in the same run.
   python scripts/block_proof.py plan                         # CPU host with the DSL: build, write the plan
   PYTHONPATH=. python scripts/block_proof.py run --out DIR   # GPU host (no DSL), carrying `build`
 
-`run`, with the k3 weights generated on the device (kernels.reference.make_weights, ~61 GB):
+`run` launches exactly the cubins its plan built: each case's folder (carried with the run) is
+checked against the plan's sha256, then loaded as it is, so an older plan, made with another
+block configuration or before a source change, still runs as built (a same-call A/B).
+With the k3 weights generated on the device (kernels.reference.make_weights, ~61 GB):
   * ceilings first: read-only streaming and device copy (benchmarks/common.py);
   * per batch size (1, 2, 4, 8, 16, 32, 64), numerics (outputs poisoned with NaN first, checked
     fully written and finite; relative Frobenius error against the float64 oracle at most
@@ -65,15 +68,17 @@ def _git(*args: str) -> str | None:
 # -- plan (CPU host) ---------------------------------------------------------------------------
 
 
-def plan_tunables(plan_doc: dict, batch: int):
-    """`tunables(kernel, shape)` for load_block_kernels from a plan's cases: the block runs the
-    variants the plan built, not this checkout's block_tunables (so two plans of two block
-    configurations can be timed in one call). A variant the plan lacks is a ProofError."""
-    known = {(c["kernel"], json.dumps(c["shape"], sort_keys=True)): c["tunables"] for c in plan_doc["cases"]}
+def plan_dirs(plan_doc: dict, batch: int):
+    """`dirs(kernel, shape)` for load_block_kernels from a plan's cases: the block runs the
+    cubins the plan built (their folders; `run` checks each against the plan's sha256 first),
+    not this checkout's block_tunables nor a rebuild from today's sources. So two plans of two
+    block configurations can be timed in one call, also when the sources changed between them.
+    A variant the plan lacks is a ProofError."""
+    known = {(c["kernel"], json.dumps(c["shape"], sort_keys=True)): c["dir"] for c in plan_doc["cases"]}
 
-    def pick(name: str, shape: dict) -> dict:
+    def pick(name: str, shape: dict) -> Path:
         try:
-            return known[(name, json.dumps(shape, sort_keys=True))]
+            return REPO / known[(name, json.dumps(shape, sort_keys=True))]
         except KeyError:
             raise ProofError(f"the plan has no {name} variant for {shape} (batch {batch}): plan that batch "
                              "with `block_proof.py plan --batches ...`") from None
@@ -459,8 +464,7 @@ def run(args) -> int:
         row = {}
         doc["batches"][str(T)] = row
         try:
-            kern = load_block_kernels(cfg, T, root=REPO / plan_doc.get("root", "build"),
-                                      tunables=plan_tunables(plan_doc, T))
+            kern = load_block_kernels(cfg, T, dirs=plan_dirs(plan_doc, T))
             row["cubins"] = kern.hashes()
             blk = MoEBlock(cfg, T, w, kernels=kern, concurrent=not args.sequential)
             if not args.skip_numerics:

@@ -1,6 +1,8 @@
 """The block chain (kernels/block.py), the torch baseline and the proof's byte accounting on CPU;
 on a GPU host with a carried build, the chained kernels against the float64 oracle."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,15 +102,25 @@ def test_block_on_gpu_matches_the_oracle(T):
     assert row["passed"], row
 
 
-def test_the_proof_runs_the_plans_tunables_not_the_checkouts():
-    """block_proof run looks each variant up in its plan (the plan records the tunables it
-    built), so a plan made with another block configuration runs as built; a variant the plan
-    lacks is named."""
-    shape = dict(block_variants(K3, 32)[2][1])  # moe_w13 at batch 32
-    theirs = {**block_tunables("moe_w13", 32), "warps_per_cta": 4, "ctas_per_sm": 3}
-    plan_doc = {"cases": [{"kernel": "moe_w13", "shape": {**shape}, "tunables": theirs}]}
-    pick = BP.plan_tunables(plan_doc, 32)
-    assert pick("moe_w13", dict(reversed(list(shape.items())))) == theirs  # key order does not matter
-    assert pick("moe_w13", shape) != block_tunables("moe_w13", 32)
+def test_the_proof_runs_the_plans_cubins_not_the_checkouts(tmp_path, monkeypatch):
+    """block_proof run loads each variant from the folder its plan recorded (after checking the
+    cubin against the plan's sha256), not from this checkout's block_tunables or a rebuild of
+    today's sources: a plan made with another block configuration, or before a source change,
+    runs as built; a variant the plan lacks is named."""
+    from kernels import block as B
+    from kernels.launch import CubinKernel
+
+    variants = B.block_variants(K3, 32)
+    plan_doc = {"cases": [{"kernel": name, "shape": dict(shape), "dir": f"built/{name}"} for name, shape in variants]}
+    pick = BP.plan_dirs(plan_doc, 32)
+    name, shape = variants[2]  # moe_w13 at batch 32
+    assert pick(name, dict(reversed(list(shape.items())))) == BP.REPO / "built/moe_w13"  # key order does not matter
     with pytest.raises(BP.ProofError, match=r"the plan has no moe_w2 variant .*batch 32"):
-        pick("moe_w2", shape)
+        BP.plan_dirs({"cases": plan_doc["cases"][:3]}, 32)("moe_w2", dict(variants[3][1]))
+    # load_block_kernels takes exactly those folders (no lookup under a build root)
+    seen = []
+    monkeypatch.setattr(CubinKernel, "from_dir", classmethod(lambda cls, d: seen.append(Path(d)) or cls.__new__(cls)))
+    monkeypatch.setattr(CubinKernel, "load", lambda self: None)
+    monkeypatch.setattr(B, "find_artifact", lambda *a, **k: pytest.fail("looked up a build"))
+    B.load_block_kernels(K3, 32, dirs=pick)
+    assert seen == [BP.REPO / f"built/{n}" for n, _ in variants]
