@@ -22,8 +22,7 @@ batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
     a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
     several rows per CTA; mma: batch 3 with 4 warps, and the block's shapes: batches 20 and 40
     with 16 warps of 16-row router and 32-row down CTAs, batch 8 with 32/64-row CTAs) and checks
-    them against
-    the reference; a mini stress.
+    them against the reference; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
 """
 
