@@ -285,7 +285,12 @@ def test_warpgroup_design_plan():
     assert deep.smem_bytes <= G.STAGED_SMEM_LIMIT
     # The defaults: 128 k per stage (two TMA boxes per operand), 64 from n = 12288 on
     d64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
-    assert (d64.stage_k, d64.rows_per_cta, d64.splits, d64.stages) == (128, 64, 1, 6)
+    # batch 64's stages are 32 KB (64 W rows + 64 x rows of 128 k): 5 fit `wg_ring_kib` (160)
+    assert (d64.stage_k, d64.rows_per_cta, d64.splits, d64.stages) == (128, 64, 1, 5)
+    assert G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_ring_kib=192).stages == 6
+    assert G.GemvOp({"batch": 32, "n": 7168, "k": 3584}).stages == 6  # 24 KB stages: 144 KB
+    assert G.GemvOp({"batch": 64, "n": 12288, "k": 7168}).stages == 6  # 128 rows of 64 k: 24 KB
+    assert G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_ring_kib=96).stages == 3
     assert d64.tensor_specs()["w"].tma.box == (64, 64)  # a box stays one 128-byte line of k
     wide = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_rows=128)
     assert (wide.stage_k, wide.rows_per_cta, wide.splits, wide.stages) == (128, 128, 2, 3)
@@ -316,7 +321,8 @@ def test_warpgroup_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "wg_tma": 0, "wg_k": 64, "wg_rows": 128}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "pdl_from_batch": 65, "wg_tma": 0, "wg_k": 64,
+                                            "wg_rows": 128}, root=tmp_path)
         assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
         opc, w_copies, x_copies = _sass_copies(art)
@@ -427,13 +433,18 @@ def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
 
 
 def test_pdl_is_recorded_in_the_launch_config():
-    """pdl=1 asks the launcher for programmatic dependent launch in both designs; pdl=0 (the
-    default) launches plainly, and the op's launch dict (meta.json "launch") says which."""
-    for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 32, "n": 3584, "k": 7168}):
-        plain = G.GemvOp(shape).launch_config()
+    """pdl=1 asks the launcher for programmatic dependent launch in every design; pdl=0 (the
+    default) launches plainly below `pdl_from_batch` (32), from which the warpgroup design takes
+    pdl anyway; the op's launch dict (meta.json "launch") says which."""
+    for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 16, "n": 3584, "k": 7168},
+                  {"batch": 32, "n": 3584, "k": 7168}):
+        plain = G.GemvOp(shape, pdl_from_batch=65).launch_config()
         assert plain.pdl is False and "pdl" not in plain.to_dict()
         lc = G.GemvOp(shape, pdl=1).launch_config()
         assert lc.pdl is True and lc.to_dict()["pdl"] is True and not lc.cooperative
+    for batch, pdl in ((1, False), (2, False), (4, False), (8, False), (16, False), (32, True), (64, True)):
+        assert G.GemvOp({"batch": batch, "n": 7168, "k": 6144}).launch_config().pdl is pdl, batch
+    assert G.GemvOp({"batch": 16, "n": 7168, "k": 6144}, pdl_from_batch=16).launch_config().pdl is True
 
 
 @pytest.mark.slow
@@ -496,7 +507,7 @@ def test_warpgroup_tma_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "wg_rows": 128}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "pdl_from_batch": 65, "wg_rows": 128}, root=tmp_path)
         assert [(p["name"], p["size"], p["align"]) for p in art.meta["params"][:2]] == [("x", 128, 64), ("w", 128, 64)]
         assert art.meta["params"][1]["spec"]["tma"] == {"box": [64, 128], "swizzle": 128, "l2_promotion": 0}
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0

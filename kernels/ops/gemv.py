@@ -49,7 +49,9 @@ Five designs, chosen at build time from the batch:
     and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers replace the CTA barrier;
     with `wg_tma` 0 every thread fills them by 16-byte cp.async.
     64-row CTAs (one warpgroup); from `wg_wide_from_batch` (32) 128 rows (two) where the 64-row
-    blocks alone are more than one per SM (7168->12288); k split into as many CTAs as are all
+    blocks alone are more than one per SM (7168->12288); `wg_stages` slots (6), but no more
+    than keep W's and x's slots within `wg_ring_kib` (160 KiB: 5 at batch 64, whose stages of
+    64 rows hold as many x bytes as W bytes); k split into as many CTAs as are all
     resident in one wave (at most 8), and the splits of a row block
     form one thread block cluster that reduces through distributed shared memory (each CTA
     pushes its accumulators to the CTA that owns their rows, then sums the slots it owns in
@@ -74,7 +76,9 @@ the wait, which returns once the previous grid has completed and its writes are 
 CTA calls `griddepcontrol.launch_dependents` once its last loads are issued, so the next launch
 overlaps this one's tail. The race audit's `load-before-griddep-wait` rule checks exactly this
 order in the PTX and the SASS. With pdl 0 the kernel has neither instruction and launches
-plainly.
+plainly, except that from `pdl_from_batch` (32) the warpgroup design launches with pdl whatever
+`pdl` says: there every shape measured 1-6% faster with it, while at batches 2-4 (the warp-split
+design) pdl lost 4-8% (foundation/round7/pdl_all, foundation/round9/).
 
 Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
 83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
@@ -133,7 +137,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
                     "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288}
+                    "wg_k64_from_n": 12288, "wg_ring_kib": 160, "pdl_from_batch": 32}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -352,6 +356,12 @@ class GemvOp(OpBase):
             # weight row) is faster on every shape but 7168->12288, which 64 k suits at every batch
             self.stage_k = min(self.stage_k, 64)
         stages, min_ctas = int(t["wg_stages"]), int(t["wg_min_ctas"])
+        ring_cap = int(t["wg_ring_kib"]) * 1024
+        if self.batch >= int(t["pdl_from_batch"]):
+            # measured (foundation/round9/): from batch 32 every shape gains 1-6% by overlapping
+            # its ramp with the previous launch's drain; at batches 2-4 (the warp-split design)
+            # pdl lost 4-8% (foundation/round7/pdl_all), so `pdl` itself stays 0
+            self.pdl = 1
         if rows not in (WG_M, 2 * WG_M, 4 * WG_M):
             raise ValueError(f"gemv: wg_rows must be {WG_M}, {2 * WG_M} or {4 * WG_M}")
         if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or stages < 2 or min_ctas < 0:
@@ -371,6 +381,13 @@ class GemvOp(OpBase):
             raise ValueError(f"gemv: n={self.n} is not a multiple of {rows} rows per CTA")
         if self.k % self.stage_k:
             raise ValueError(f"gemv: k={self.k} is not a multiple of {self.stage_k} (wg_k)")
+        if ring_cap < 1:
+            raise ValueError("gemv: wg_ring_kib must be positive")
+        # The ring's W and x slots stay within `wg_ring_kib` (at least two stages): measured
+        # (foundation/round9/), batch 64's 32 KB stages ran 1-5% faster 5 deep (160 KB) than 6
+        # deep, with or without pdl; the smaller stages of batches 8-32 keep their 6.
+        stage_bytes = (rows + self.batch) * self.stage_k * 2
+        stages = max(2, min(stages, ring_cap // stage_bytes))
         self.rows_per_cta = rows
         self.warpgroups = min(rows // WG_M, 2)  # 256 rows: two warpgroups of two m64 tiles each
         self.threads = 4 * WARP * self.warpgroups
