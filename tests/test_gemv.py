@@ -434,17 +434,19 @@ def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
 
 def test_pdl_is_recorded_in_the_launch_config():
     """pdl=1 asks the launcher for programmatic dependent launch in every design; pdl=0 (the
-    default) launches plainly below `pdl_from_batch` (32), from which the warpgroup design takes
-    pdl anyway; the op's launch dict (meta.json "launch") says which."""
+    default) launches plainly, unless the batch reaches `pdl_from_batch` (default 65: never),
+    from which the warpgroup design takes pdl anyway; the op's launch dict (meta.json "launch")
+    says which."""
     for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 16, "n": 3584, "k": 7168},
-                  {"batch": 32, "n": 3584, "k": 7168}):
-        plain = G.GemvOp(shape, pdl_from_batch=65).launch_config()
+                  {"batch": 32, "n": 3584, "k": 7168}, {"batch": 64, "n": 7168, "k": 6144}):
+        plain = G.GemvOp(shape).launch_config()
         assert plain.pdl is False and "pdl" not in plain.to_dict()
         lc = G.GemvOp(shape, pdl=1).launch_config()
         assert lc.pdl is True and lc.to_dict()["pdl"] is True and not lc.cooperative
     for batch, pdl in ((1, False), (2, False), (4, False), (8, False), (16, False), (32, True), (64, True)):
-        assert G.GemvOp({"batch": batch, "n": 7168, "k": 6144}).launch_config().pdl is pdl, batch
-    assert G.GemvOp({"batch": 16, "n": 7168, "k": 6144}, pdl_from_batch=16).launch_config().pdl is True
+        assert G.GemvOp({"batch": batch, "n": 7168, "k": 6144}, pdl_from_batch=32).launch_config().pdl is pdl, batch
+    # the warp-split design (batch 2) never takes it from the batch rule
+    assert G.GemvOp({"batch": 2, "n": 7168, "k": 6144}, pdl_from_batch=1).launch_config().pdl is False
 
 
 @pytest.mark.slow

@@ -76,9 +76,10 @@ the wait, which returns once the previous grid has completed and its writes are 
 CTA calls `griddepcontrol.launch_dependents` once its last loads are issued, so the next launch
 overlaps this one's tail. The race audit's `load-before-griddep-wait` rule checks exactly this
 order in the PTX and the SASS. With pdl 0 the kernel has neither instruction and launches
-plainly, except that from `pdl_from_batch` (32) the warpgroup design launches with pdl whatever
-`pdl` says: there every shape measured 1-6% faster with it, while at batches 2-4 (the warp-split
-design) pdl lost 4-8% (foundation/round7/pdl_all, foundation/round9/).
+plainly, unless the batch reaches `pdl_from_batch` (65 by default: never), from which the
+warpgroup design launches with pdl whatever `pdl` says. pdl is off by default: at batches 2-4
+(the warp-split design) it lost 4-8% (foundation/round7/pdl_all), and at batches 32 and 64 its
+effect stayed within one cubin's run-to-run spread (foundation/round9/).
 
 Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
 83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
@@ -137,7 +138,7 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch
                     "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
                     "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
                     "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_ring_kib": 160, "pdl_from_batch": 32}
+                    "wg_k64_from_n": 12288, "wg_ring_kib": 160, "pdl_from_batch": 65}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -358,9 +359,10 @@ class GemvOp(OpBase):
         stages, min_ctas = int(t["wg_stages"]), int(t["wg_min_ctas"])
         ring_cap = int(t["wg_ring_kib"]) * 1024
         if self.batch >= int(t["pdl_from_batch"]):
-            # measured (foundation/round9/): from batch 32 every shape gains 1-6% by overlapping
-            # its ramp with the previous launch's drain; at batches 2-4 (the warp-split design)
-            # pdl lost 4-8% (foundation/round7/pdl_all), so `pdl` itself stays 0
+            # pdl for the warpgroup design only, from a batch on (`pdl` 1 also turns it on for
+            # the warp-split design of batches 2-4, where it lost 4-8%: foundation/round7/pdl_all).
+            # Off by default: at batches 32 and 64 its effect measured within the 3% by which
+            # one cubin's ratio to cuBLAS moves between cases of one run (foundation/round9/).
             self.pdl = 1
         if rows not in (WG_M, 2 * WG_M, 4 * WG_M):
             raise ValueError(f"gemv: wg_rows must be {WG_M}, {2 * WG_M} or {4 * WG_M}")
@@ -384,8 +386,9 @@ class GemvOp(OpBase):
         if ring_cap < 1:
             raise ValueError("gemv: wg_ring_kib must be positive")
         # The ring's W and x slots stay within `wg_ring_kib` (at least two stages): measured
-        # (foundation/round9/), batch 64's 32 KB stages ran 1-5% faster 5 deep (160 KB) than 6
-        # deep, with or without pdl; the smaller stages of batches 8-32 keep their 6.
+        # (foundation/round9/), batch 64's 32 KB stages (64 W rows, 64 x rows, 128 k) ran
+        # 2-5% faster 5 deep (160 KB) than 6 deep on the shapes of 7168 rows; the smaller
+        # stages of batches 8-32 and of 7168->12288 (24 KB) keep their 6.
         stage_bytes = (rows + self.batch) * self.stage_k * 2
         stages = max(2, min(stages, ring_cap // stage_bytes))
         self.rows_per_cta = rows
