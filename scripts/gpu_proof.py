@@ -7,7 +7,7 @@ Two steps, on two hosts:
   PYTHONPATH=. python scripts/gpu_proof.py run --out DIR   # GPU host (no DSL): check and time
 
 `plan` builds every manifest variant of the two kernels (default tunables; `--sweep` adds the
-tunable variants listed in SWEEP; `--include OLD_PLAN` adds an earlier plan's cases whose build
+tunable variants listed in SWEEP; `--problem N,K` times gemv on other (n, k) instead; `--include OLD_PLAN` adds an earlier plan's cases whose build
 folders still exist, to time an earlier design side by side) with kernels/build and writes
 build/proof_plan.json: each case's build folder, cubin sha256, build key, and the commit the
 sources came from. `run` loads
@@ -163,8 +163,15 @@ def plan(args) -> int:
     included = [c for old_plan in args.include or [] for c in _included_cases(Path(old_plan), args.kernels)]
     groups: list[tuple[str, list[dict], dict]] = []  # (kernel, shapes, tunables)
     extra = _parse_tunables(args.variant or [])
+    problems = _parse_problems(args.problem or [])
+    if problems and args.kernels != ["gemv"]:
+        raise ProofError("--problem applies to gemv alone: add --kernels gemv")
     for k in args.kernels:
-        shapes = [dict(s) for s in man.kernel(k).shapes if not args.batch or s.get("batch") in args.batch]
+        if problems:  # these (n, k) instead of the manifest's, at its batches (or --batch)
+            batches = sorted({s["batch"] for s in man.kernel(k).shapes if not args.batch or s["batch"] in args.batch})
+            shapes = [{"batch": b, "n": n, "k": kk, "out_dtype": "bfloat16"} for n, kk in problems for b in batches]
+        else:
+            shapes = [dict(s) for s in man.kernel(k).shapes if not args.batch or s.get("batch") in args.batch]
         groups.append((k, shapes, {}))
         for tun in extra:  # the same shapes again with these tunables, timed beside the defaults
             try:
@@ -231,6 +238,17 @@ def plan(args) -> int:
     print(f"plan: {len(cases)} cases in {time.time() - t0:.0f} s -> {path}"
           f"{' (sources dirty: uncommitted changes)' if dirty else ''}")
     return 0
+
+
+def _parse_problems(items: list[str]) -> list[tuple[int, int]]:
+    """`--problem 49152,7168` -> [(49152, 7168)]: gemv's (n, k), bf16 out."""
+    out = []
+    for item in items:
+        parts = item.split(",")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ProofError(f"--problem {item!r}: expected N,K (two positive integers)")
+        out.append((int(parts[0]), int(parts[1])))
+    return out
 
 
 def _parse_tunables(items: list[str]) -> list[dict]:
@@ -436,6 +454,9 @@ def main(argv=None) -> int:
     pp.add_argument("--root", default="build", help="build cache root (default: build)")
     pp.add_argument("--out", default=str(PLAN_PATH))
     pp.add_argument("--batch", type=int, nargs="+", help="only the manifest shapes of these batch sizes")
+    pp.add_argument("--problem", action="append", metavar="N,K",
+                    help="gemv only: time y = x @ W.T with W of N x K (bf16) at the manifest's batches "
+                         "(or --batch) instead of the manifest's problems (repeatable)")
     pp.add_argument("--variant", action="append", metavar="NAME=INT[,NAME=INT]",
                     help="also build the (selected) manifest shapes with these tunables (repeatable)")
     pp.add_argument("--include", nargs="*", metavar="OLD_PLAN",

@@ -54,6 +54,20 @@ def test_plan_with_a_missing_include_exits_2_and_builds_nothing(tmp_path, capsys
     assert "cannot read the plan to include" in capsys.readouterr().err
 
 
+def test_problem_parsing_and_refusals(tmp_path, capsys):
+    """`--problem N,K` (gemv only) parses to (n, k); a malformed one or another kernel is one
+    clear error and exit 2, before anything is built."""
+    assert P._parse_problems(["49152,7168", "64,512"]) == [(49152, 7168), (64, 512)]
+    for bad in ("49152", "a,7168", "0,7168", "1,2,3"):
+        with pytest.raises(P.ProofError, match="expected N,K"):
+            P._parse_problems([bad])
+    out = tmp_path / "plan.json"
+    rc = P.main(["plan", "--kernels", "rmsnorm", "gemv", "--root", str(tmp_path / "b"), "--out", str(out),
+                 "--problem", "64,512"])
+    assert rc == 2 and not out.exists() and not (tmp_path / "b").exists()
+    assert "--problem applies to gemv alone" in capsys.readouterr().err
+
+
 def test_summary_names_only_the_tunables_that_differ():
     defaults = {"prefetch": 1, "tile_min_ctas": 264}
     assert P._tun({"tunables": defaults, "default_tunables": True}, defaults) == ""
