@@ -4,7 +4,7 @@ pipelined path; at batches 32 and 64 the persistent path's tunables (PERSISTENT_
 its defaults. One GPU call: numerics over the routing patterns; stress; the dynamic race audit of
 the multi-token stream path (its token loop and the moe_w2 counters) and of the persistent path.
 
-  python scripts/experts_batch_explore.py plan [--stream-sweep --batches 16 32 64]
+  python scripts/experts_batch_explore.py plan [--stream-sweep | --wg-sweep] [--batches 16 32 64]
                                                              # CPU host with the DSL: build, audit
   PYTHONPATH=. python3 scripts/experts_batch_explore.py gpu --out DIR
                                                              # GPU host (no DSL), carrying .devcarry/experts_bx
@@ -80,7 +80,14 @@ def stream_sweep(T: int) -> dict:
             "sp6": stream_tunables(1, batch=T, persist=6), "s1_64k": stream_tunables(1, 64, batch=T, threads=256)}
 
 
-def variants(batches=BATCHES, stream_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
+# `plan --wg-sweep` (batches 32 and 64): the block's choice (`blk`) against moe_w2 on the TMA-fed
+# warpgroup path (`wg`: 4 stages of 128 k, 8-token tiles; `wgs3`/`wgs6`: 3/6 stages; `wgk64`: 8
+# stages of 64 k; `wgn16`: 16-token tiles), moe_w13 the block's choice beside each.
+WG_SWEEP = {"wg": {"wg": 1}, "wgs3": {"wg": 1, "wg_stages": 3}, "wgs6": {"wg": 1, "wg_stages": 6},
+            "wgk64": {"wg": 1, "wg_k": 64, "wg_stages": 8}, "wgn16": {"wg": 1, "wg_n": 16}}
+
+
+def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
     choice before), then the stream candidates; then the small sanitized variants. With
     `stream_sweep_`, the block's choice and `stream_sweep` instead."""
@@ -90,6 +97,12 @@ def variants(batches=BATCHES, stream_sweep_: bool = False) -> list[tuple[str, st
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
+            if wg_sweep_:
+                v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
+                for name, tun in WG_SWEEP.items():
+                    extra = tun if kern == "moe_w2" else {}
+                    v.append((f"b{T}_{tag}_{name}", kern, shape, {**block_tunables(kern, T), **extra}))
+                continue
             if stream_sweep_:
                 v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
                 for name, tun in stream_sweep(T).items():
@@ -118,7 +131,15 @@ SMALL_SLOTS = (1, 2)
 # the defaults and the tunable sets of kernels/block.py PERSISTENT_EXPERTS (rt4: both kernels at
 # batch 32; w4c4: moe_w2 at batch 64, moe_w13 built alongside to make a pair).
 SMALL_PERSISTENT = {**SMALL, "batch": 20}
-SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4}}
+# wg: moe_w2's TMA-fed warpgroup path (moe_w13, which refuses it, pairs as `pers`); a "hot"
+# routing gives it groups of more than its 8-token tiles, so its chunk loop runs.
+SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4},
+                             "wg": {"wg": 1}}
+
+
+def _w13_side(tun: dict) -> dict:
+    """A pair's moe_w13 tunables: moe_w2's `wg` tunables dropped (moe_w13 has no wg path)."""
+    return {k: v for k, v in tun.items() if not k.startswith("wg")}
 
 
 def small_variants() -> list[tuple[str, str, dict, dict]]:
@@ -134,7 +155,7 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
     v.append(("small_w13_sp4_p1", "moe_w13", SMALL, tun))
     v.append(("small_w2_sp4_p1", "moe_w2", SMALL, tun))
     for tag, tun in SMALL_PERSISTENT_TUNABLES.items():
-        v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, tun))
+        v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, _w13_side(tun)))
         v.append((f"small_w2_{tag}", "moe_w2", SMALL_PERSISTENT, tun))
     return v
 
@@ -142,10 +163,10 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
 
 
-def plan(jobs: int, batches, stream_sweep_: bool = False) -> int:
+def plan(jobs: int, batches, stream_sweep_: bool = False, wg_sweep_: bool = False) -> int:
     from explore_common import build_and_carry, invocation
 
-    return build_and_carry(variants(batches, stream_sweep_), build_root=BUILD, carry=CARRY, jobs=jobs,
+    return build_and_carry(variants(batches, stream_sweep_, wg_sweep_), build_root=BUILD, carry=CARRY, jobs=jobs,
                            command=invocation(), extra={"batches": list(batches)})
 
 
@@ -369,6 +390,8 @@ def main(argv=None) -> int:
     p.add_argument("--small-only", action="store_true", help="only the sanitized small variants")
     p.add_argument("--stream-sweep", action="store_true",
                    help="the block's choice against the stream path's grids (batches 16-64)")
+    p.add_argument("--wg-sweep", action="store_true",
+                   help="the block's choice against moe_w2's TMA-fed warpgroup path (batches 32, 64)")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitizers", action="store_true")
@@ -378,7 +401,7 @@ def main(argv=None) -> int:
     z.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs, [] if a.small_only else a.batches, a.stream_sweep)
+        return plan(a.jobs, [] if a.small_only else a.batches, a.stream_sweep, a.wg_sweep)
     if a.cmd == "child":
         return child()
     if a.cmd == "sanitize":

@@ -57,7 +57,7 @@ from __future__ import annotations
 from kernels import reference
 from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.common import BF16_PER_VECTOR, HAVE_DSL, WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     K_STEP,
@@ -79,8 +79,10 @@ from kernels.ops.decode_mma import (
     x_row_slots,
     zero_accumulators,
 )
+from kernels.ops import wg_ring
 from kernels.ops.router import routing_groups_ref
 from kernels.ops.stream import StreamPlan
+from kernels.ops.tma import TensorMap, TmaTensorSpec
 
 SMS = 132  # SMs of an H100/H200 SXM: the persistent grid is a multiple of it
 MAX_BATCH = 64
@@ -100,7 +102,10 @@ SM_THREADS = 2048  # resident threads per SM
 # path); `pipeline` up to batch 16 (and wins over `stream`).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
                     "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
-                    "stream_max_batch": 16, "stream_slots": 1, "stream_ctas_per_sm": 0}
+                    "stream_max_batch": 16, "stream_slots": 1, "stream_ctas_per_sm": 0,
+                    "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
+_CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
+WG_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 
 
 def _x_vectors(batch_tiles: int, valid: int) -> int:
@@ -184,6 +189,9 @@ class _GroupedBase(OpBase):
         self.stream_persist = int(self.tunables["stream_ctas_per_sm"])
         if self.stream_persist < 0:
             raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm must not be negative")
+        # The TMA-fed warpgroup-mma path (moe_w2 only), where neither the stream nor the
+        # pipelined path applies.
+        self.wg = bool(int(self.tunables["wg"])) and not self.streamed and not self.pipelined
 
     def _stream_plan(self, n: int, k: int, min_rows: int) -> StreamPlan:
         """The stream path's CTA: whole rows of k bf16, at least `min_rows` of them, within
@@ -250,6 +258,9 @@ class ExpertsUpOp(_GroupedBase):
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **tunables)
+        if self.wg:
+            raise ValueError("moe_w13: wg (the TMA-fed warpgroup path) is moe_w2's only: moe_w13's tokens are "
+                             "gathered rows, which a TMA box cannot fetch")
         if self.row_tiles % 2:
             raise ValueError("moe_w13: row_tiles must be even (half gate, half up)")
         self.half_rows = ROWS_PER_TILE * self.row_tiles // 2
@@ -526,6 +537,9 @@ class ExpertsDownOp(_GroupedBase):
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **tunables)
+        if self.wg:
+            self._plan_down_wg()
+            return
         self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
         if self.latent % self.rows_per_cta:
             raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta}")
@@ -541,6 +555,38 @@ class ExpertsDownOp(_GroupedBase):
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
 
+    def _plan_down_wg(self) -> None:
+        """The TMA-fed warpgroup path (`wg` 1): a CTA per possible (group u, 64-row block rb)
+        item (those past the routing's n_groups exit at once), one warpgroup. TMA brings W2_e's
+        rows rb*64 .. rb*64+63 (a 3-D box: k, rows, one expert) and `wg_n` act rows from the
+        group's first sorted position (a 2-D box; rows past the group belong to the next group
+        or lie past the buffer, zero-filled, and are never stored) into a ring of `wg_stages`
+        slots of `wg_k` k; wgmma m64n`wg_n`k16 reads them straight from shared memory. A group
+        of more than `wg_n` tokens takes its chunks one after the other through the same ring
+        (W read again per chunk: only where many tokens share an expert). After each chunk's
+        last k tile the CTA writes its o rows in fp32, and after the item it arrives on the row
+        block's counter exactly as the other paths (`_arrive_and_combine`)."""
+        t = self.tunables
+        self.rows_per_cta = wg_ring.WG_M
+        if self.latent % self.rows_per_cta:
+            raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta} (wg)")
+        self.row_blocks = self.latent // self.rows_per_cta
+        self.stage_k, self.wg_n, self.stages = int(t["wg_k"]), int(t["wg_n"]), int(t["wg_stages"])
+        if self.stage_k not in (64, 128) or self.inter % self.stage_k:
+            raise ValueError(f"moe_w2: wg_k must be 64 or 128 and divide expert_inter {self.inter}")
+        self.k_tiles = self.inter // self.stage_k
+        if self.wg_n not in (8, 16, 32, 64) or self.wg_n > self.slots:
+            raise ValueError(f"moe_w2: wg_n must be 8, 16, 32 or 64 and at most the {self.slots} slots")
+        if not 2 <= self.stages <= self.k_tiles:
+            raise ValueError(f"moe_w2: wg_stages must be 2..{self.k_tiles} (the k tiles of an item)")
+        self.warps = 4
+        self.threads = 4 * WARP
+        self.ctas = self.groups * self.row_blocks
+        self.smem_bytes = wg_ring.ring_smem_bytes(self.rows_per_cta, self.wg_n, self.stage_k, self.stages, extra=16)
+        if self.smem_bytes > WG_SMEM_LIMIT:
+            raise ValueError(f"moe_w2: {self.stages} stages of {self.stage_k} k need {self.smem_bytes} B of shared "
+                             f"memory (limit {WG_SMEM_LIMIT})")
+
     def _plan_down_stream(self) -> None:
         """A CTA per (group, block of whole W2_e rows), `x_slots` act rows beside them; its row
         block's counter takes one arrival per group."""
@@ -554,9 +600,13 @@ class ExpertsDownOp(_GroupedBase):
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
+        # wg: act and w2 reach the kernel as TMA descriptors the launcher encodes (boxes of one
+        # 64-k swizzle line: wg_n act rows; 64 rows of one expert), no L2 promotion
+        act_map = TensorMap((wg_ring.TMA_BOX_K, self.wg_n), l2_promotion=0) if self.wg else None
+        w_map = TensorMap((wg_ring.TMA_BOX_K, wg_ring.WG_M, 1), l2_promotion=0) if self.wg else None
         return {
-            "act": TensorSpec((self.slots, I), "bfloat16"),
-            "w2": TensorSpec((E, L, I), "bfloat16"),
+            "act": TmaTensorSpec((self.slots, I), "bfloat16", act_map),
+            "w2": TmaTensorSpec((E, L, I), "bfloat16", w_map),
             "weights": TensorSpec((T, K), "float32"),
             "n_groups": TensorSpec((1,), "int32"),
             "group_expert": TensorSpec((self.groups,), "int32"),
@@ -593,8 +643,102 @@ class ExpertsDownOp(_GroupedBase):
                  mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
                  mCounters: cute.Tensor, mC: cute.Tensor):
         lc = self.launch_config()
-        self.kernel(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC).launch(
-            grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+        if cutlass.const_expr(self.wg):
+            L, I, E = self.latent, self.inter, self.n_experts
+            _, lay_w, lay_x = wg_ring.layouts(self.rows_per_cta, self.wg_n, self.stage_k, self.stages)
+            # W2 as (rows, k, expert): the box tiles rows and k of one expert
+            mW3 = cute.make_tensor(mW.iterator, cute.make_layout((L, I, E), stride=(I, 1, L * I)))
+            tma_w, gW = wg_ring.tma_atom(mW3, lay_w, (self.rows_per_cta, self.stage_k))
+            tma_x, gX = wg_ring.tma_atom(mAct, lay_x, (self.wg_n, self.stage_k))
+            self.wg_kernel(tma_x, gX, tma_w, gW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
+                           mCounters, mC).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+        else:
+            self.kernel(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
+                        mC).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+
+    @cute.kernel
+    def wg_kernel(self, tma_x: _CopyAtom, gX: cute.Tensor, tma_w: _CopyAtom, gW: cute.Tensor, mWeights: cute.Tensor,
+                  mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
+                  mO: cute.Tensor, mCounters: cute.Tensor, mC: cute.Tensor):
+        self._down_wg(tma_x, gX, tma_w, gW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
+                      mC)
+
+    @cute.jit
+    def _down_wg(self, tma_x, gX_t, tma_w, gW_t, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
+                 mCounters, mC):
+        """The TMA-fed warpgroup path (see `_plan_down_wg`). Per k tile of the item (chunks of
+        `wg_n` tokens one after the other, their tiles numbered on): every thread waits on the
+        slot's full barrier, runs its wgmmas and waits for them, each warp's lane 0 arrives on
+        the slot's empty barrier, and warp 0 waits on that barrier before refilling the slot
+        with the tile `wg_stages` ahead (possibly of the next chunk). No CTA barrier in the loop:
+        the TMA writes and the wgmma reads are both async-proxy accesses ordered by the
+        mbarriers. After a chunk's last tile its o rows are written (plain stores; the
+        arrival's CTA barrier and acq_rel atomic publish them)."""
+        from cutlass.cute.nvgpu import cpasync
+
+        S, BK, N, KT, R, RB = self.stages, self.stage_k, self.wg_n, self.k_tiles, self.rows_per_cta, self.row_blocks
+        tile_bytes = (R + N) * BK * 2
+        i32 = cutlass.Int32
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % WARP
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        u = bidx // RB
+        rb = bidx % RB
+        mma, lay_w, lay_x = wg_ring.layouts(R, N, BK, S)
+        smem = cutlass.memory.SmemAllocator()
+        sW, sX, bars = wg_ring.smem_tensors(smem, lay_w, lay_x, S)
+        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
+        full = bars
+        empty = bars + S
+        wg_ring.init_barriers(bars, S, self.warps, tidx, [tma_w, tma_x])
+
+        n_groups = mNGroups[0]
+        if u < n_groups:  # CTA-uniform: every thread takes the same branch
+            e = mGroupExpert[u]
+            start = mGroupStart[u]
+            cnt = mGroupStart[u + 1] - start
+            total = (cnt + (N - 1)) // N * KT
+            gWe = cute.local_tile(gW_t[(None, None, e)], (R, BK), (rb, None))  # (R, BK, k tiles)
+            tWs, tWg = cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
+                                             cute.group_modes(gWe, 0, 2))
+            tXs, tXg0 = self._wg_x_tiles(tma_x, gX_t, sX, start)
+            tCrA, tCrB, tCc, acc = wg_ring.operands(mma, sW, sX, tidx, R, N)
+            if warp == 0:  # the prologue: chunk 0's first S tiles (S <= KT)
+                for st in cutlass.range_constexpr(S):
+                    wg_ring.issue(tma_w, tWg[(None, st)], tWs[(None, st)], tma_x, tXg0[(None, st)],
+                                  tXs[(None, st)], full + st, tile_bytes, wg_ring.TMA_EVICT_FIRST,
+                                  wg_ring.TMA_EVICT_LAST)
+            for it in cutlass.range(total, unroll=1):
+                slot = it % S
+                parity = (it // S) % 2
+                wg_ring.consume(mma, acc, tCrA, tCrB, full + slot, empty + slot, slot, parity, BK // 16, lane)
+                if warp == 0:
+                    nxt = it + S
+                    if nxt < total:
+                        cute.arch.mbarrier_wait(empty + slot, parity)
+                        _, tXg = self._wg_x_tiles(tma_x, gX_t, sX, start + nxt // KT * N)
+                        kt = nxt % KT
+                        wg_ring.issue(tma_w, tWg[(None, kt)], tWs[(None, slot)], tma_x, tXg[(None, kt)],
+                                      tXs[(None, slot)], full + slot, tile_bytes, wg_ring.TMA_EVICT_FIRST,
+                                      wg_ring.TMA_EVICT_LAST)
+                if it % KT == KT - 1:  # the chunk's last k tile: its tokens' o rows
+                    c0 = it // KT * N
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, j = tCc[i]
+                        if c0 + j < cnt:
+                            mO[mSorted[start + c0 + j], rb * R + r] = acc[i]
+                    acc.fill(0.0)
+            _arrive_and_combine(self, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
+
+    def _wg_x_tiles(self, tma_x, gX_t, sX, row0):
+        """Trace-time: the slots' and the act tiles (k tiles) of rows row0 .. row0 + wg_n - 1."""
+        from cutlass.cute.nvgpu import cpasync
+
+        gXc = cute.local_tile(cute.domain_offset((row0, 0), gX_t), (self.wg_n, self.stage_k), (0, None))
+        return cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                     cute.group_modes(gXc, 0, 2))
 
     @cute.kernel
     def kernel(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
