@@ -258,3 +258,57 @@ def test_stream_persistent_grid():
     MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=7)
     with pytest.raises(ValueError, match="stream_ctas_per_sm 8 asks for more CTAs"):
         MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=8)
+
+
+def test_warpgroup_path_plan_and_contract():
+    """`wg` 1 (moe_w2 only), past the stream and pipelined paths: a CTA per possible (group,
+    64-row block) item, one warpgroup; act and w2 reach the kernel as TMA descriptors (one
+    64-k swizzle line per box: wg_n act rows; 64 rows of one expert); the ring's shared memory;
+    what it cannot do is refused with the reason."""
+    shape = {**K3, "batch": 64}
+    op = MX.ExpertsDownOp(shape, wg=1)
+    assert op.wg and not (op.streamed or op.pipelined)
+    assert (op.rows_per_cta, op.row_blocks, op.stage_k, op.k_tiles, op.wg_n, op.stages) == (64, 56, 128, 24, 8, 4)
+    lc = op.launch_config()
+    assert lc.grid == (896 * 56, 1, 1) and lc.block == (128, 1, 1)
+    # 4 stages x (64 W rows + 8 act rows) x 128 k x 2 B, 2 KB of swizzle alignment, 8 mbarriers, the verdict
+    assert lc.smem_bytes == 4 * 72 * 128 * 2 + 2048 + 8 * 8 + 8 + 16 + 16
+    specs = op.tensor_specs()
+    assert specs["act"].tma.box == (64, 8) and specs["w2"].tma.box == (64, 64, 1)
+    assert specs["w2"].tma.l2_promotion == 0 and specs["counters"].shape == (56,)
+    assert specs["w2"].to_dict()["tma"]["box"] == [64, 64, 1]
+    # the stream and pipelined paths win where they apply; wg off: no descriptors
+    assert not MX.ExpertsDownOp({**K3, "batch": 8}, wg=1).wg
+    assert MX.ExpertsDownOp(shape).tensor_specs()["w2"].tma is None
+    with pytest.raises(ValueError, match="moe_w2's only"):
+        MX.ExpertsUpOp(shape, wg=1)
+    with pytest.raises(ValueError, match="wg_stages must be 2..24"):
+        MX.ExpertsDownOp(shape, wg=1, wg_stages=25)
+    with pytest.raises(ValueError, match="wg_n must be 8, 16, 32 or 64"):
+        MX.ExpertsDownOp(shape, wg=1, wg_n=12)
+    with pytest.raises(ValueError, match="wg_k must be 64 or 128"):
+        MX.ExpertsDownOp(shape, wg=1, wg_k=256)
+    with pytest.raises(ValueError, match="shared memory"):
+        MX.ExpertsDownOp(shape, wg=1, wg_n=64, wg_stages=8)
+
+
+@pytest.mark.slow
+def test_warpgroup_path_sass(tmp_path):
+    """Through the real build, k3 batch 64 with `wg` 1: W2 arrives only by 3-D TMA boxes and act
+    only by 2-D ones (two 64-k boxes of each per stage: 4 prologue stages + the loop's refill),
+    the tensor cores are HGMMA 64x8x16 (8 per 128-k stage), nothing of W or act is read into a
+    register, and the combine's arrival is the gpu-scope atomic of the other paths."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    art = build_variant("moe_w2", {**K3, "batch": 64}, {"wg": 1}, root=tmp_path)
+    assert [(p["name"], p["size"]) for p in art.meta["params"][:2]] == [("act", 128), ("w2", 128)]
+    assert art.meta["params"][1]["spec"]["tma"] == {"box": [64, 64, 1], "swizzle": 128, "l2_promotion": 0}
+    assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
+    ops = _sass_ops(art)
+    assert sum(o.startswith("UTMALDG.3D") for o in ops) == 2 * 4 + 2
+    assert sum(o.startswith("UTMALDG.2D") for o in ops) == 2 * 4 + 2
+    mmas = [o.split()[0] for o in ops if o.startswith("HGMMA")]
+    assert len(mmas) == 8 and set(mmas) == {"HGMMA.64x8x16.F32.BF16"}
+    assert not any(o.startswith("LDGSTS") for o in ops) and not any(".CONSTANT" in o for o in ops)
+    assert sum(o.startswith("ATOMG.E.ADD.STRONG.GPU") for o in ops) == 1

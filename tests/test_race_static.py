@@ -260,3 +260,20 @@ def test_pdl_tma_gemv_passes_and_its_early_x_copy_is_flagged():
     assert all(f.sass and "UTMALDG" in str(f) for f in hits), [str(f) for f in hits]
     for rep in (good, bad):
         assert not [f for f in rep.findings if f.rule == "unknown-provenance" and "UTMALDG" in str(f)]
+
+
+def test_sass_parameter_base_follows_the_largest_alignment():
+    """SASS reads parameter offset o at c[0x0][base + o], base 0x210 rounded up to the largest
+    parameter alignment: 0x240 behind two 64-byte-aligned TMA maps (measured: moe_w2's `wg`
+    path reads its parameter at PTX offset 0x108 from c[0x0][0x348]), 0x210 without them; the
+    parameter space pointer path (+ 0x30 + o for the maps) lands on the same parameters."""
+    from validation.race import ir as IR
+    from validation.race import sass as S
+
+    maps = [IR.ParamDecl(0, "p0", "b8", 128, 0, 64), IR.ParamDecl(1, "p1", "b8", 128, 128, 64),
+            IR.ParamDecl(2, "p2", "b8", 8, 256, 8), IR.ParamDecl(3, "p3", "b8", 8, 264, 8)]
+    assert S._param_base(maps) == 0x240
+    assert S._param_at(0x348, maps) == 3 and S._param_at(0x340, maps) == 2 and S._param_at(0x318, maps) == 0
+    assert S._param_at(S.PARAM_BASE + 0x30, maps) == 0 and S._param_at(S.PARAM_BASE + 0xb0, maps) == 1
+    plain = [IR.ParamDecl(0, "q0", "b8", 8, 0, 8), IR.ParamDecl(1, "q1", "b8", 8, 8, 8)]
+    assert S._param_base(plain) == 0x210 and S._param_at(0x218, plain) == 1 and S._param_at(0x220, plain) is None

@@ -95,6 +95,7 @@ class ParamDecl:
     ptx_type: str  # e.g. "b8" for pointer-sized byte arrays, "u32", "b64"
     size: int  # bytes
     offset: int  # byte offset in the parameter buffer (SASS: c[0x0][base + offset])
+    align: int = 8  # its .align (the buffer, and so the SASS base, is aligned to the largest)
 
 
 @dataclass

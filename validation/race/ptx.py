@@ -201,7 +201,7 @@ def _parse_params(header: str, entry: str) -> list[ir.ParamDecl]:
         offset = (offset + a - 1) // a * a
         idx_m = re.search(r"_param_(\d+)$", pname)
         idx = int(idx_m.group(1)) if idx_m else len(params)
-        params.append(ir.ParamDecl(idx, pname, typ, size, offset))
+        params.append(ir.ParamDecl(idx, pname, typ, size, offset, a))
         offset += size
     return params
 

@@ -15,15 +15,17 @@ from pathlib import Path
 
 from . import ir
 
-# sm_90: kernel parameters start at this offset of constant bank 0.
+# sm_90: kernel parameters start at this offset of constant bank 0, rounded up to the largest
+# parameter alignment: a kernel with 64-byte-aligned parameters (TMA tensor maps) has them from
+# 0x240 (`_param_base`; measured: moe_w2's `wg` path reads its pointer at PTX offset 0x108 from
+# c[0x0][0x348]).
 PARAM_BASE = 0x210
 # A by-value parameter whose address is taken (a TMA tensor map, read by `UTMALDG` through its
-# generic address) is addressed from a pointer the driver keeps at this constant-bank offset:
-# parameter offset `o` lies at [c[0x0][0x198]] + 0x30 + o. Measured on this DSL's sm_90a cubins
-# (gemv with wg_tma: the maps at parameter offsets 0 and 128 are reached as + 0x30 and + 0xb0;
-# tests/test_race_static.py checks it on a fresh build).
+# generic address) is addressed from a pointer the driver keeps at this constant-bank offset,
+# which stands for PARAM_BASE: parameter offset `o` lies at [c[0x0][0x198]] + (base - 0x210) + o.
+# Measured on this DSL's sm_90a cubins (gemv with wg_tma: the maps at parameter offsets 0 and 128
+# are reached as + 0x30 and + 0xb0; tests/test_race_static.py checks it on a fresh build).
 PARAM_SPACE_POINTER = 0x198
-PARAM_SPACE_BIAS = 0x30
 _UREG = re.compile(r"^(UR\d+|R\d+)$")
 
 # The instruction text is cut from the rest of the line in code, not by the pattern: a lazy body
@@ -212,7 +214,7 @@ def _param_space_addresses(fn: ir.Function, params: list[ir.ParamDecl]) -> None:
     that pointer (offset 0); `UIADD3 URb, UPx, URa, imm, URZ` makes URb the pointer plus imm
     (chains add up, in place or not); a move (`MOV`, `UMOV`, `R2UR`: ptxas spills a uniform
     register through a vector one) copies the offset. An add that lands on the address of a
-    parameter (offset - PARAM_SPACE_BIAS within it) is tagged with that parameter, so a TMA copy
+    parameter (see PARAM_SPACE_POINTER) is tagged with that parameter, so a TMA copy
     through it is attributed to it like a load through a pointer parameter. Straight-line last
     definitions only: an address formed any other way keeps no parameter (the rules then warn
     of unknown provenance, and refuse it before griddepcontrol.wait)."""
@@ -231,7 +233,7 @@ def _param_space_addresses(fn: ir.Function, params: list[ir.ParamDecl]) -> None:
                 imms = [p for p in srcs if p.startswith("0x")]
                 if len(regs) == 1 and regs[0] in offset and len(imms) == 1:
                     new = offset[regs[0]] + int(imms[0], 16)
-                    pi = _param_at(PARAM_BASE + new - PARAM_SPACE_BIAS, params)
+                    pi = _param_at(PARAM_BASE + new, params)
                     if pi is not None:
                         ins.extra["param_exact"] = pi  # this parameter only, not what the chain passed
             elif len(srcs) == 1 and srcs[0] in offset:
@@ -252,8 +254,16 @@ def _instr_text(rest: str) -> str:
     return body[:-1].rstrip() if body.endswith(";") else body
 
 
+def _param_base(params: list[ir.ParamDecl]) -> int:
+    """The constant-bank offset of parameter offset 0: PARAM_BASE rounded up to the largest
+    parameter alignment."""
+    a = max([8] + [p.align for p in params])
+    return (PARAM_BASE + a - 1) // a * a
+
+
 def _param_at(offset: int, params: list[ir.ParamDecl]) -> int | None:
-    rel = offset - PARAM_BASE
+    """The parameter at constant-bank offset `offset` (None: none)."""
+    rel = offset - _param_base(params)
     for p in params:
         if p.offset <= rel < p.offset + p.size:
             return p.index
