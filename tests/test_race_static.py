@@ -273,7 +273,8 @@ def test_sass_parameter_base_follows_the_largest_alignment():
     maps = [IR.ParamDecl(0, "p0", "b8", 128, 0, 64), IR.ParamDecl(1, "p1", "b8", 128, 128, 64),
             IR.ParamDecl(2, "p2", "b8", 8, 256, 8), IR.ParamDecl(3, "p3", "b8", 8, 264, 8)]
     assert S._param_base(maps) == 0x240
-    assert S._param_at(0x348, maps) == 3 and S._param_at(0x340, maps) == 2 and S._param_at(0x318, maps) == 0
+    # 0x318 = 0x210 + 0x108 (where a base of 0x210 would put p3) lies inside the second map
+    assert S._param_at(0x348, maps) == 3 and S._param_at(0x340, maps) == 2 and S._param_at(0x318, maps) == 1
     assert S._param_at(S.PARAM_BASE + 0x30, maps) == 0 and S._param_at(S.PARAM_BASE + 0xb0, maps) == 1
     plain = [IR.ParamDecl(0, "q0", "b8", 8, 0, 8), IR.ParamDecl(1, "q1", "b8", 8, 8, 8)]
     assert S._param_base(plain) == 0x210 and S._param_at(0x218, plain) == 1 and S._param_at(0x220, plain) is None
