@@ -80,7 +80,7 @@ def stream_sweep(T: int) -> dict:
             "sp6": stream_tunables(1, batch=T, persist=6), "s1_64k": stream_tunables(1, 64, batch=T, threads=256)}
 
 
-# `plan --wg-sweep` (batches 32 and 64): the block's choice (`blk`) against moe_w2 on the TMA-fed
+# `plan --wg-sweep` (batches 8-64): the block's choice (`blk`) against moe_w2 on the TMA-fed
 # warpgroup path (`wg`: 4 stages of 128 k, 8-token tiles; `wgs3`/`wgs6`: 3/6 stages; `wgk64`: 8
 # stages of 64 k; `wgn16`: 16-token tiles), moe_w13 the block's choice beside each.
 WG_SWEEP = {"wg": {"wg": 1}, "wgs3": {"wg": 1, "wg_stages": 3}, "wgs6": {"wg": 1, "wg_stages": 6},
@@ -100,7 +100,8 @@ def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = Fal
             if wg_sweep_:
                 v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
                 for name, tun in WG_SWEEP.items():
-                    extra = tun if kern == "moe_w2" else {}
+                    # (to batch 16 the block's moe_w2 takes the stream path, which wg yields to)
+                    extra = {**tun, **({"stream": 0} if T <= STREAM_MAX else {})} if kern == "moe_w2" else {}
                     v.append((f"b{T}_{tag}_{name}", kern, shape, {**block_tunables(kern, T), **extra}))
                 continue
             if stream_sweep_:
@@ -391,7 +392,7 @@ def main(argv=None) -> int:
     p.add_argument("--stream-sweep", action="store_true",
                    help="the block's choice against the stream path's grids (batches 16-64)")
     p.add_argument("--wg-sweep", action="store_true",
-                   help="the block's choice against moe_w2's TMA-fed warpgroup path (batches 32, 64)")
+                   help="the block's choice against moe_w2's TMA-fed warpgroup path (batches 8-64)")
     g = sub.add_parser("gpu")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitizers", action="store_true")
