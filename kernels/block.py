@@ -45,20 +45,28 @@ PIPELINED_EXPERTS = {
 
 
 # Past 16 tokens, per decode batch size (the persistent per-item path but where an entry asks for
-# the stream path), chosen on an H200 by
-# scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/): 4 row tiles per warp at
-# batch 32; at batch 64, moe_w2 with 4 warps and 4 CTAs per SM (moe_w13 keeps the defaults). A
-# batch without an entry (not one of the decode sizes) takes the manifest defaults.
+# the stream path; moe_w2 takes WG_EXPERTS, below), chosen on an H200 by
+# scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/); at batch 64 moe_w13
+# keeps the defaults. A batch without an entry (not one of the decode sizes) takes the manifest
+# defaults.
 # Batch 32's moe_w13 (round 5, evidence_reports/moe_block/round5/experts_stream/): the stream path
 # again, on a persistent grid of 6 CTAs per SM striding over the items (`stream_ctas_per_sm`),
 # 3944 us (95.0% of read) against this path's 4101 (91.3%) in one call; its grid of a CTA per item
 # 4127 us, at batch 64 every stream grid 6-26% slower than the persistent path.
 PERSISTENT_EXPERTS = {
     32: {"moe_w13": {"stream": 1, "stream_max_batch": 32, "stream_slots": 1, "stream_threads": 128,
-                     "stream_cta_kib": 32, "pdl": 1, "stream_ctas_per_sm": 6},
-         "moe_w2": {"row_tiles": 4}},
-    64: {"moe_w2": {"warps_per_cta": 4, "ctas_per_sm": 4}},
+                     "stream_cta_kib": 32, "pdl": 1, "stream_ctas_per_sm": 6}},
 }
+
+
+# moe_w2 from batch 8: the TMA-fed warpgroup path (`wg`, kernels/ops/moe_experts.py; the stream
+# path yields to it with stream 0), 4 stages of 128 k, 8-token tiles. Measured on an H200 by
+# scripts/experts_batch_explore.py --wg-sweep against the block's previous choice in the same
+# call (evidence_reports/moe_block/round6/moe_w2_wg/): batch 8 600 -> 571 us (95.4 -> 100.3% of
+# read), 16 1152 -> 1071 (93.5 -> 100.6%), 32 2114 -> 1901 (90.3 -> 100.4%), 64 3610 -> 2990
+# (81.9 -> 98.8%). Before it: the stream path to 16, at 32 the persistent path with 4 row tiles, at
+# 64 with 4 warps and 4 CTAs per SM.
+WG_EXPERTS = {"moe_w2": (8, 16, 32, 64)}
 
 
 # Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design (past it, only
@@ -100,6 +108,8 @@ def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
     if kernel == "router":
         return dict(ROUTER_IN_BLOCK.get(batch, {}))
+    if batch in WG_EXPERTS.get(kernel, ()):
+        return {"stream": 0, "wg": 1}
     if kernel in STREAM_EXPERTS and batch <= STREAM_EXPERTS_MAX_BATCH:
         if batch == 1:
             return dict(STREAM_EXPERTS[kernel])

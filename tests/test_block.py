@@ -33,8 +33,10 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
             experts = name in ("moe_w13", "moe_w2")
             stream_max = STREAM_EXPERTS_MAX_BATCH
-            # the stream path up to its batch, and past it only for batch 32's moe_w13 (round 5)
-            streamed = experts and (T <= stream_max or (T, name) == (32, "moe_w13"))
+            # the stream path up to its batch, and past it only for batch 32's moe_w13 (round 5);
+            # moe_w2 from batch 8 the TMA-fed warpgroup path (round 6)
+            wg = name == "moe_w2" and T >= 8
+            streamed = experts and not wg and (T <= stream_max or (T, name) == (32, "moe_w13"))
             assert bool(tun.get("pipeline")) == (experts and stream_max < T <= 16), (name, T)
             assert bool(tun.get("stream")) == streamed, (name, T)
             if experts:  # the op takes the path the block asks for at this batch
@@ -42,8 +44,10 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
 
                 op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
                 assert op.streamed == streamed and op.pipelined == (stream_max < T <= 16), (name, T)
+                assert op.wg == wg, (name, T)
     # batch 32's moe_w13: the stream path on a persistent grid of 6 CTAs per SM (round 5)
-    assert block_tunables("moe_w13", 32)["stream_ctas_per_sm"] == 6 and block_tunables("moe_w2", 32) == {"row_tiles": 4}
+    assert block_tunables("moe_w13", 32)["stream_ctas_per_sm"] == 6
+    assert block_tunables("moe_w2", 32) == {"stream": 0, "wg": 1} and block_tunables("moe_w2", 4)["stream"] == 1
 
 
 def test_block_imports_without_the_dsl():
