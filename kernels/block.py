@@ -59,14 +59,16 @@ PERSISTENT_EXPERTS = {
 }
 
 
-# moe_w2 from batch 8: the TMA-fed warpgroup path (`wg`, kernels/ops/moe_experts.py; the stream
+# moe_w2 from batch 2: the TMA-fed warpgroup path (`wg`, kernels/ops/moe_experts.py; the stream
 # path yields to it with stream 0), 4 stages of 128 k, 8-token tiles. Measured on an H200 by
 # scripts/experts_batch_explore.py --wg-sweep against the block's previous choice in the same
-# call (evidence_reports/moe_block/round6/moe_w2_wg/): batch 8 600 -> 571 us (95.4 -> 100.3% of
-# read), 16 1152 -> 1071 (93.5 -> 100.6%), 32 2114 -> 1901 (90.3 -> 100.4%), 64 3610 -> 2990
-# (81.9 -> 98.8%). Before it: the stream path to 16, at 32 the persistent path with 4 row tiles, at
-# 64 with 4 warps and 4 CTAs per SM.
-WG_EXPERTS = {"moe_w2": (8, 16, 32, 64)}
+# call (evidence_reports/moe_block/round6/moe_w2_wg/): batch 2 162.6 -> 157.8 us (93.8 -> 96.7%
+# of read), 4 311.3 -> 300.7 (95.7 -> 99.0%), 8 600 -> 571 (95.4 -> 100.3%), 16 1152 -> 1071
+# (93.5 -> 100.6%), 32 2114 -> 1901 (90.3 -> 100.4%), 64 3610 -> 2990 (81.9 -> 98.8%). Before it:
+# the stream path to 16, at 32 the persistent path with 4 row tiles, at 64 with 4 warps and 4 CTAs
+# per SM. Batch 1 keeps the stream path: wg measured 85.5 -> 83.9 us alone, but the stream path
+# launches with pdl, which overlaps its start with moe_w13's end in the block, and wg does not.
+WG_EXPERTS = {"moe_w2": (2, 4, 8, 16, 32, 64)}
 
 
 # Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design (past it, only
