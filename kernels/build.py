@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from kernels.cubin import code_sha256
 from kernels.launch import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES
 from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, ManifestError, load_manifest
 from kernels.ptx import PtxError, dynamic_shared_symbols, parse_single_entry
@@ -76,6 +77,11 @@ class BuildArtifact:
     @property
     def cubin_sha256(self) -> str:
         return self.meta["hashes"]["cubin_sha256"]
+
+    @property
+    def cubin_code_sha256(self) -> str:
+        """sha256 of the cubin's sections but its line tables (kernels/cubin.py)."""
+        return self.meta["hashes"].get("cubin_code_sha256") or code_sha256(Path(self.paths["cubin"]).read_bytes())
 
 
 # -- tools ------------------------------------------------------------------------------------
@@ -467,6 +473,8 @@ def _finish(plan: _Plan, tmp: Path, result: dict, sources: dict[str, str], versi
         "resources": resources,
         "hashes": {
             "cubin_sha256": _sha256_file(cubin),
+            # every section but the line tables (kernels/cubin.py): what a comment edit leaves alone
+            "cubin_code_sha256": code_sha256(Path(cubin).read_bytes()),
             "ptx_sha256": hashlib.sha256(ptx_text.encode()).hexdigest(),
             "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
         },

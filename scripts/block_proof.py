@@ -109,7 +109,8 @@ def plan(args) -> int:
             r = a.meta["resources"]
             cases.append({"kernel": name, "shape": shape, "tunables": a.tunables, "build_key": a.key,
                           "dir": str(Path(a.dir).resolve().relative_to(REPO)),
-                          "cubin_sha256": a.cubin_sha256, "registers": r["registers"],
+                          "cubin_sha256": a.cubin_sha256, "cubin_code_sha256": a.cubin_code_sha256,
+                          "registers": r["registers"],
                           "spill_bytes": r["spill_store_bytes"] + r["spill_load_bytes"]})
             print(f"  {name} {shape} regs {r['registers']} {'(cached)' if a.cache_hit else ''}", flush=True)
     dirty = _git("status", "--porcelain", "--", "kernels", "benchmarks", "scripts")

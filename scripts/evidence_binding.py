@@ -6,10 +6,15 @@
 Every file is a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the
 `cubin_sha256` it measured (what `scripts/gpu_proof.py` and `scripts/block_proof.py` write, plans
 and results alike). Each case is rebuilt on this host (cached builds under `--root`) and its
-cubin compared. A cubin carries the text of every source it was built from (an edit to a shared
-module such as `kernels/ops/common.py`, even a comment, changes the cubins of every kernel that
-imports it), so this is the way to know whether a figure in a README still describes the code
-at HEAD.
+cubin compared. A cubin carries line tables for every source it was built from (an edit to a
+shared module such as `kernels/ops/common.py`, even a comment, moves lines and changes the
+cubins of every kernel that imports it), so this is the way to know whether a figure in a README
+still describes the code at HEAD.
+
+A case is bound when the rebuilt cubin has its `cubin_sha256` (the same bytes), or, where the
+case also records `cubin_code_sha256` (plans since kernels/cubin.py), the same code sha256: every
+ELF section identical but the line tables, i.e. the same instructions, constants, resources and
+attributes, only source lines moved. Such cases are counted apart ("line tables differ").
 
 Prints, per file, how many cases are bound and names each one that is not; exit 0 when every
 case of every file is bound, 1 when some are not, 2 on bad input (an unreadable file, a case
@@ -50,15 +55,15 @@ def load_cases(path: Path) -> list[dict]:
     return cases
 
 
-def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[dict, str]]:
-    """(case, cubin sha256 this checkout builds) for every case, built in groups of one kernel
-    and one set of tunables."""
+def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[dict, tuple[str, str]]]:
+    """(case, (cubin sha256, code sha256) this checkout builds) for every case, built in groups
+    of one kernel and one set of tunables."""
     from kernels.build import BuildError, build_kernel
 
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(cases):
         groups.setdefault(json.dumps([c["kernel"], c["tunables"]], sort_keys=True), []).append(i)
-    built: dict[int, str] = {}
+    built: dict[int, tuple[str, str]] = {}
     for key, idx in groups.items():
         kernel, tunables = json.loads(key)
         try:
@@ -67,8 +72,19 @@ def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[
         except BuildError as e:
             raise BindingError(str(e)) from None
         for i, art in zip(idx, arts):
-            built[i] = art.meta["hashes"]["cubin_sha256"]
+            built[i] = (art.cubin_sha256, art.cubin_code_sha256)
     return [(c, built[i]) for i, c in enumerate(cases)]
+
+
+def verdict(case: dict, built: tuple[str, str]) -> str:
+    """"same" (the same cubin bytes), "code" (same code sha256, line tables differ: only where the
+    case records `cubin_code_sha256`) or "unbound"."""
+    sha, code = built
+    if sha == case["cubin_sha256"]:
+        return "same"
+    if case.get("cubin_code_sha256") and code == case["cubin_code_sha256"]:
+        return "code"
+    return "unbound"
 
 
 def main(argv=None) -> int:
@@ -82,13 +98,15 @@ def main(argv=None) -> int:
         root = args.root or Path(tempfile.mkdtemp(prefix="evidence_binding_"))
         unbound = 0
         for f, cases in loaded:
-            results = check(cases, root, args.jobs)
-            bad = [(c, h) for c, h in results if h != c["cubin_sha256"]]
+            results = [(c, h, verdict(c, h)) for c, h in check(cases, root, args.jobs)]
+            bad = [(c, h) for c, h, v in results if v == "unbound"]
+            moved = sum(v == "code" for _, _, v in results)
             unbound += len(bad)
-            print(f"{f}: {len(results) - len(bad)}/{len(results)} cases bound to this checkout's cubins")
+            print(f"{f}: {len(results) - len(bad)}/{len(results)} cases bound to this checkout's cubins"
+                  + (f" ({moved} of them the same code, line tables differ)" if moved else ""))
             for c, h in bad:
                 print(f"  unbound: {c['kernel']} {json.dumps(c['shape'], sort_keys=True)} "
-                      f"(evidence {c['cubin_sha256'][:12]}, built {h[:12]})")
+                      f"(evidence {c['cubin_sha256'][:12]}, built {h[0][:12]})")
     except BindingError as e:
         print(f"evidence_binding: {e}", file=sys.stderr)
         return 2

@@ -217,6 +217,7 @@ def plan(args) -> int:
                 "dir": str(Path(a.dir).resolve().relative_to(REPO)),
                 "build_key": a.key,
                 "cubin_sha256": a.meta["hashes"]["cubin_sha256"],
+                "cubin_code_sha256": a.cubin_code_sha256,
                 "registers": a.meta["resources"]["registers"],
                 "spill_bytes": a.meta["resources"]["spill_store_bytes"] + a.meta["resources"]["spill_load_bytes"],
             })
@@ -358,6 +359,8 @@ def run(args) -> int:
                 raise ProofError(f"{entry['dir']}: cubin sha256 differs from the plan's")
             row = {k: entry[k] for k in ("kernel", "shape", "tunables", "default_tunables", "build_key",
                                          "cubin_sha256", "registers", "spill_bytes")}
+            if entry.get("cubin_code_sha256"):
+                row["cubin_code_sha256"] = entry["cubin_code_sha256"]
             if entry.get("from_plan"):
                 row["from_plan"] = entry["from_plan"]
             try:

@@ -37,6 +37,16 @@ def test_bound_and_unbound_cases_and_bad_input(tmp_path, capsys):
     assert E.main([str(tmp_path / "missing.json")]) == 2
 
 
+def test_a_case_binds_by_its_code_hash_only_where_it_records_one():
+    """Same bytes: "same". Other bytes with the recorded code sha256 (line tables moved):
+    "code". Other bytes without a recorded code sha256, or another code: "unbound"."""
+    case = {"cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64}
+    assert E.verdict(case, ("a" * 64, "x" * 64)) == "same"
+    assert E.verdict(case, ("b" * 64, "c" * 64)) == "code"
+    assert E.verdict(case, ("b" * 64, "d" * 64)) == "unbound"
+    assert E.verdict({"cubin_sha256": "a" * 64}, ("b" * 64, "c" * 64)) == "unbound"
+
+
 def test_the_current_evidence_list_names_evidence_files():
     """evidence_reports/CURRENT (read by .ci/run): every path exists and holds cases of the shape
     evidence_binding needs, so CI's binding step cannot fail on a stale list."""
