@@ -87,12 +87,49 @@ def verdict(case: dict, built: tuple[str, str]) -> str:
     return "unbound"
 
 
+def record_code_hashes(path: Path, dirs: dict[str, Path]) -> int:
+    """Add `cubin_code_sha256` to every case of the plan or result at `path` whose cubin is still
+    at hand: `dirs` maps a cubin sha256 to a build folder (a plan's carried `dir`s); the folder's
+    cubin must have exactly the case's `cubin_sha256`. Returns how many cases were annotated."""
+    from kernels.cubin import code_sha256
+
+    doc = json.loads(path.read_text())
+    n = 0
+    for c in doc["cases"]:
+        d = dirs.get(c["cubin_sha256"])
+        if d is None or c.get("cubin_code_sha256"):
+            continue
+        data = (d / "kernel.cubin").read_bytes()
+        import hashlib
+
+        if hashlib.sha256(data).hexdigest() != c["cubin_sha256"]:
+            raise BindingError(f"{d}: its cubin is not the one {path} names")
+        c["cubin_code_sha256"] = code_sha256(data)
+        n += 1
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path, help="evidence JSON with `cases` (proof results or plans)")
     ap.add_argument("--root", type=Path, help="build cache root (default: a temporary folder)")
     ap.add_argument("--jobs", type=int, help="compile processes (default: the build's)")
+    ap.add_argument("--record-code-sha", type=Path, metavar="PLAN",
+                    help="instead of checking: add each case's cubin_code_sha256 to FILES from the cubins that "
+                         "PLAN's `dir`s still hold (each checked against the case's cubin_sha256)")
     args = ap.parse_args(argv)
+    if args.record_code_sha:
+        try:
+            plan_cases = load_cases(args.record_code_sha)
+            dirs = {c["cubin_sha256"]: REPO / c["dir"] for c in plan_cases if c.get("dir") and (REPO / c["dir"]).is_dir()}
+            for f in args.files:
+                load_cases(f)
+                print(f"{f}: {record_code_hashes(f, dirs)} cases given their code sha256")
+        except BindingError as e:
+            print(f"evidence_binding: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         loaded = [(f, load_cases(f)) for f in args.files]  # every file read before any build
         root = args.root or Path(tempfile.mkdtemp(prefix="evidence_binding_"))

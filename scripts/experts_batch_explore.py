@@ -85,9 +85,13 @@ def stream_sweep(T: int) -> dict:
 # stages of 64 k; `wgn16`: 16-token tiles), moe_w13 the block's choice beside each.
 WG_SWEEP = {"wg": {"wg": 1}, "wgs3": {"wg": 1, "wg_stages": 3}, "wgs6": {"wg": 1, "wg_stages": 6},
             "wgk64": {"wg": 1, "wg_k": 64, "wg_stages": 8}, "wgn16": {"wg": 1, "wg_n": 16}}
+# `plan --wg13-sweep`: moe_w13 on its warpgroup path (`w13wg`, cp.async-fed: its tokens are
+# gathered rows) against the block's choice, moe_w2 the block's choice beside each.
+WG13_SWEEP = {"w13wg": {"wg": 1, "stream": 0}, "w13wgs3": {"wg": 1, "stream": 0, "wg_stages": 3}}
 
 
-def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
+def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = False,
+             wg13_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
     choice before), then the stream candidates; then the small sanitized variants. With
     `stream_sweep_`, the block's choice and `stream_sweep` instead."""
@@ -97,6 +101,12 @@ def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = Fal
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
+            if wg13_sweep_:
+                v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
+                for name, tun in WG13_SWEEP.items():
+                    v.append((f"b{T}_{tag}_{name}", kern, shape,
+                              {**block_tunables(kern, T), **(tun if kern == "moe_w13" else {})}))
+                continue
             if wg_sweep_:
                 v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
                 for name, tun in WG_SWEEP.items():
@@ -132,15 +142,15 @@ SMALL_SLOTS = (1, 2)
 # the defaults and the tunable sets of kernels/block.py PERSISTENT_EXPERTS (rt4: both kernels at
 # batch 32; w4c4: moe_w2 at batch 64, moe_w13 built alongside to make a pair).
 SMALL_PERSISTENT = {**SMALL, "batch": 20}
-# wg: moe_w2's TMA-fed warpgroup path (moe_w13, which refuses it, pairs as `pers`); a "hot"
-# routing gives it groups of more than its 8-token tiles, so its chunk loop runs.
+# wg: the warpgroup paths (moe_w2 TMA-fed, moe_w13 cp.async-fed); a "hot" routing gives them
+# groups of more than their 8-token tiles, so their chunk loops run.
 SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warps_per_cta": 4, "ctas_per_sm": 4},
                              "wg": {"wg": 1}}
 
 
 def _w13_side(tun: dict) -> dict:
-    """A pair's moe_w13 tunables: moe_w2's `wg` tunables dropped (moe_w13 has no wg path)."""
-    return {k: v for k, v in tun.items() if not k.startswith("wg")}
+    """A pair's moe_w13 tunables (the same as moe_w2's)."""
+    return dict(tun)
 
 
 def small_variants() -> list[tuple[str, str, dict, dict]]:
@@ -164,10 +174,10 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
 
 
-def plan(jobs: int, batches, stream_sweep_: bool = False, wg_sweep_: bool = False) -> int:
+def plan(jobs: int, batches, stream_sweep_: bool = False, wg_sweep_: bool = False, wg13_sweep_: bool = False) -> int:
     from explore_common import build_and_carry, invocation
 
-    return build_and_carry(variants(batches, stream_sweep_, wg_sweep_), build_root=BUILD, carry=CARRY, jobs=jobs,
+    return build_and_carry(variants(batches, stream_sweep_, wg_sweep_, wg13_sweep_), build_root=BUILD, carry=CARRY, jobs=jobs,
                            command=invocation(), extra={"batches": list(batches)})
 
 
@@ -391,6 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--small-only", action="store_true", help="only the sanitized small variants")
     p.add_argument("--stream-sweep", action="store_true",
                    help="the block's choice against the stream path's grids (batches 16-64)")
+    p.add_argument("--wg13-sweep", action="store_true",
+                   help="the block's choice against moe_w13's warpgroup path (batches 2-64)")
     p.add_argument("--wg-sweep", action="store_true",
                    help="the block's choice against moe_w2's TMA-fed warpgroup path (batches 8-64)")
     g = sub.add_parser("gpu")
@@ -402,7 +414,7 @@ def main(argv=None) -> int:
     z.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        return plan(a.jobs, [] if a.small_only else a.batches, a.stream_sweep, a.wg_sweep)
+        return plan(a.jobs, [] if a.small_only else a.batches, a.stream_sweep, a.wg_sweep, a.wg13_sweep)
     if a.cmd == "child":
         return child()
     if a.cmd == "sanitize":

@@ -61,3 +61,30 @@ def test_the_current_evidence_list_names_evidence_files():
         assert doc["cases"] and all({"kernel", "shape", "tunables", "cubin_sha256"} <= set(c) for c in doc["cases"]), p
     readme = (repo / "README.md").read_text()
     assert all(p in readme for p in paths), "README.md's binding command should name the same files"
+
+
+def test_code_hashes_are_recorded_from_the_cubins_that_ran(tmp_path, monkeypatch):
+    """--record-code-sha: each case whose cubin its plan's folder still holds gets that cubin's
+    code sha256; a folder whose cubin is not the case's is refused (exit 2), nothing written."""
+    import hashlib
+
+    from kernels.cubin import code_sha256
+    from tests.test_cubin import _elf
+
+    monkeypatch.setattr(E, "REPO", tmp_path)
+    cub = _elf([(".text.k", b"code"), (".debug_line", b"lines")])
+    (tmp_path / "b0").mkdir()
+    (tmp_path / "b0" / "kernel.cubin").write_bytes(cub)
+    sha = hashlib.sha256(cub).hexdigest()
+    case = {"kernel": "k", "shape": {}, "tunables": {}, "cubin_sha256": sha, "dir": "b0"}
+    other = dict(case, cubin_sha256="f" * 64, dir="gone")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"cases": [case, other]}))
+    assert E.main([str(plan), "--record-code-sha", str(plan)]) == 0
+    cases = json.loads(plan.read_text())["cases"]
+    assert cases[0]["cubin_code_sha256"] == code_sha256(cub) and "cubin_code_sha256" not in cases[1]
+    (tmp_path / "b0" / "kernel.cubin").write_bytes(cub + b"x")
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text(json.dumps({"cases": [case]}))
+    assert E.main([str(fresh), "--record-code-sha", str(fresh)]) == 2
+    assert "cubin_code_sha256" not in json.loads(fresh.read_text())["cases"][0]

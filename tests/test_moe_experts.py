@@ -280,8 +280,13 @@ def test_warpgroup_path_plan_and_contract():
     # the stream and pipelined paths win where they apply; wg off: no descriptors
     assert not MX.ExpertsDownOp({**K3, "batch": 8}, wg=1).wg
     assert MX.ExpertsDownOp(shape).tensor_specs()["w2"].tma is None
-    with pytest.raises(ValueError, match="moe_w2's only"):
-        MX.ExpertsUpOp(shape, wg=1)
+    # moe_w13's form: 32 gate + 32 up rows per CTA, its gathered tokens by cp.async (no TMA maps)
+    up = MX.ExpertsUpOp(shape, wg=1)
+    assert up.wg and (up.half_rows, up.row_blocks, up.k_tiles, up.wg_n) == (32, 96, 28, 8)
+    assert up.launch_config().grid == (896 * 96, 1, 1) and up.tensor_specs()["z"].shape == (64, 3584)
+    assert up.launch_config().smem_bytes == 4 * 72 * 128 * 2 + 2048 + 8 * 8 + 8 + 64 * 8 * 4 + 16
+    with pytest.raises(ValueError, match="wg_n must be 8 or 16"):
+        MX.ExpertsUpOp(shape, wg=1, wg_n=32)
     with pytest.raises(ValueError, match="wg_stages must be 2..24"):
         MX.ExpertsDownOp(shape, wg=1, wg_stages=25)
     with pytest.raises(ValueError, match="wg_n must be 8, 16, 32 or 64"):
@@ -312,3 +317,25 @@ def test_warpgroup_path_sass(tmp_path):
     assert len(mmas) == 8 and set(mmas) == {"HGMMA.64x8x16.F32.BF16"}
     assert not any(o.startswith("LDGSTS") for o in ops) and not any(".CONSTANT" in o for o in ops)
     assert sum(o.startswith("ATOMG.E.ADD.STRONG.GPU") for o in ops) == 1
+
+
+@pytest.mark.slow
+def test_up_warpgroup_path_sass(tmp_path):
+    """moe_w13's warpgroup path, k3 batch 64: W by 16-byte L2-only cp.async (8 per thread and
+    stage: 3 prologue stages + the loop's), the gathered z rows by cp.async through L1 (one per
+    thread and stage), HGMMA 64x8x16 (8 per 128-k stage), the async-proxy fence once in the loop;
+    the race audit is clean."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+    from validation.race.artifacts import audit_kernel
+
+    shape = {**K3, "batch": 64}
+    art = build_variant("moe_w13", shape, {"wg": 1}, root=tmp_path)
+    ops = _sass_ops(art)
+    assert sum(o.startswith("LDGSTS.E.BYPASS.128") for o in ops) == 8 * 4
+    assert sum(o.startswith("LDGSTS.E.128") for o in ops) == 4
+    mmas = [o.split()[0] for o in ops if o.startswith("HGMMA")]
+    assert len(mmas) == 8 and set(mmas) == {"HGMMA.64x8x16.F32.BF16"}
+    assert sum(o.startswith("FENCE.VIEW.ASYNC.S") for o in ops) == 1
+    assert art.meta["resources"]["spill_store_bytes"] == 0
+    assert not audit_kernel("moe_w13", shape=shape, tunables={"wg": 1}).findings

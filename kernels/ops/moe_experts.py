@@ -259,8 +259,8 @@ class ExpertsUpOp(_GroupedBase):
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **tunables)
         if self.wg:
-            raise ValueError("moe_w13: wg (the TMA-fed warpgroup path) is moe_w2's only: moe_w13's tokens are "
-                             "gathered rows, which a TMA box cannot fetch")
+            self._plan_up_wg()
+            return
         if self.row_tiles % 2:
             raise ValueError("moe_w13: row_tiles must be even (half gate, half up)")
         self.half_rows = ROWS_PER_TILE * self.row_tiles // 2
@@ -277,6 +277,40 @@ class ExpertsUpOp(_GroupedBase):
                                                          int(self.tunables["k_unroll"]))}
         self.ctas = self._grid(self.row_blocks)
         self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
+
+    def _plan_up_wg(self) -> None:
+        """The warpgroup path (`wg` 1), moe_w13's form: a CTA per possible (group u, column block
+        cb) item, one warpgroup; its 64-row W tile is 32 gate rows and the 32 matching up rows
+        (W13_e rows cb*32.. and I + cb*32..), its x tile `wg_n` of the group's tokens, gathered
+        rows of z (a TMA box cannot gather), so every thread copies both by 16-byte cp.async into
+        a ring of `wg_stages` 128-byte-swizzled slots of `wg_k` k, `wg_stages` - 1 stages ahead
+        (gemv's `_wg_body` pipeline: per stage its own copies' wait, the async-proxy fence, one
+        CTA barrier), and wgmma m64n`wg_n`k16 reads the slots. After a chunk's last k tile the
+        accumulators go through shared memory so that each gate row meets its up row, and
+        a[sorted position, column] = bf16(SiTU(g, u))."""
+        t = self.tunables
+        self.half_rows = wg_ring.WG_M // 2
+        if self.inter % self.half_rows:
+            raise ValueError(f"moe_w13: expert_inter {self.inter} is not a multiple of {self.half_rows} (wg)")
+        self.row_blocks = self.inter // self.half_rows
+        self.stage_k, self.wg_n, self.stages = int(t["wg_k"]), int(t["wg_n"]), int(t["wg_stages"])
+        if self.stage_k not in (64, 128) or self.latent % self.stage_k:
+            raise ValueError(f"moe_w13: wg_k must be 64 or 128 and divide latent {self.latent}")
+        self.k_tiles = self.latent // self.stage_k
+        if self.wg_n not in (8, 16) or self.wg_n > self.slots:
+            raise ValueError(f"moe_w13: wg_n must be 8 or 16 (one x row per thread and stage) and at most the "
+                             f"{self.slots} slots")
+        if not 2 <= self.stages <= self.k_tiles:
+            raise ValueError(f"moe_w13: wg_stages must be 2..{self.k_tiles} (the k tiles of an item)")
+        self.warps = 4
+        self.threads = 4 * WARP
+        self.ctas = self.groups * self.row_blocks
+        acc_bytes = wg_ring.WG_M * self.wg_n * 4
+        self.smem_bytes = wg_ring.ring_smem_bytes(wg_ring.WG_M, self.wg_n, self.stage_k, self.stages,
+                                                  extra=acc_bytes)
+        if self.smem_bytes > WG_SMEM_LIMIT:
+            raise ValueError(f"moe_w13: {self.stages} stages of {self.stage_k} k need {self.smem_bytes} B of shared "
+                             f"memory (limit {WG_SMEM_LIMIT})")
 
     def _plan_up_stream(self) -> None:
         """A CTA per (group, block of `stream_cols` act columns): its gate rows and the matching
@@ -339,10 +373,117 @@ class ExpertsUpOp(_GroupedBase):
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
-        if cutlass.const_expr(self.streamed):
+        if cutlass.const_expr(self.wg):
+            self._up_wg(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+        elif cutlass.const_expr(self.streamed):
             self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
         else:
             self._up_grouped(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+
+    @cute.jit
+    def _up_wg(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+        """The warpgroup path (see `_plan_up_wg`): tiles numbered across the item's chunks of
+        `wg_n` tokens; per tile: this thread's copies of the tile landed, the async-proxy
+        fence, one CTA barrier, then the copies of the tile S - 1 ahead into the slot the
+        previous tile's (waited-for) wgmmas read, and this tile's wgmmas."""
+        from cutlass.cute.nvgpu import warpgroup
+
+        S, BK, N, KT = self.stages, self.stage_k, self.wg_n, self.k_tiles
+        L, I, R, RB, K = self.latent, self.inter, self.half_rows, self.row_blocks, self.top_k
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        M = wg_ring.WG_M
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        u = bidx // RB
+        cb = bidx % RB
+        mma, lay_w, lay_x = wg_ring.layouts(M, N, BK, S)
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_w.inner)
+        sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_x.inner)
+        sAcc = smem.allocate_tensor(f32, cute.make_layout((M, N), stride=(N, 1)), byte_alignment=16)
+
+        n_groups = mNGroups[0]
+        if u < n_groups:  # CTA-uniform: every thread takes the same branch
+            e = mGroupExpert[u]
+            start = mGroupStart[u]
+            cnt = mGroupStart[u + 1] - start
+            total = (cnt + (N - 1)) // N * KT
+            # W: rows 0..R-1 gate rows cb*R.., rows R..2R-1 the up rows I + cb*R.. of expert e
+            eW = expert_view(mW, e, 2 * I, L)
+            w_off = cute.assume(cb * (R * L), divby=BF16_PER_VECTOR)
+            gW2 = cute.make_tensor(eW.iterator + w_off, cute.make_layout(((R, 2), L), stride=((L, I * L), 1)))
+            gW = cute.local_tile(gW2, (M, BK), (0, None))  # (M, BK, k tiles)
+            per_row = BK // BF16_PER_VECTOR
+            vals = cute.make_layout((1, BF16_PER_VECTOR))
+            w_copy = cute.make_tiled_copy_tv(stream.weight_copy_atom(bf16),
+                                             cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)),
+                                             vals)
+            x_copy = cute.make_tiled_copy_tv(stream.activation_copy_atom(bf16),
+                                             cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)),
+                                             vals)
+            thr_w = w_copy.get_slice(tidx)
+            tWg, tWs = thr_w.partition_S(gW), thr_w.partition_D(sW)
+            thr_x = x_copy.get_slice(tidx)
+            tXs = thr_x.partition_D(sX)
+            xrow = tidx // per_row  # this thread's x row of every tile (N rows x per_row vectors)
+            tCrA, tCrB, tCc, acc = wg_ring.operands(mma, sW, sX, tidx, M, N)
+
+            # prologue: tiles 0..S-2 (chunk 0: S <= KT)
+            tXg = self._wg_x_rows(mZ, mSorted, start, cnt, 0, xrow, thr_x)
+            for st in cutlass.range_constexpr(S - 1):
+                cute.copy(w_copy, tWg[(None, None, None, st)], tWs[(None, None, None, st)])
+                if xrow < N:
+                    cute.copy(x_copy, tXg[(None, None, None, st)], tXs[(None, None, None, st)])
+                cute.arch.cp_async_commit_group()
+            for it in cutlass.range(total, unroll=1):
+                cute.arch.cp_async_wait_group(S - 2)  # this thread's copies of tile it have landed
+                warpgroup.wait_group(0)  # the wgmmas of tile it - 1 are done
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
+                nxt = it + (S - 1)
+                if nxt < total:
+                    kt = nxt % KT
+                    cute.copy(w_copy, tWg[(None, None, None, kt)], tWs[(None, None, None, nxt % S)])
+                    if xrow < N:
+                        tXn = self._wg_x_rows(mZ, mSorted, start, cnt, nxt // KT, xrow, thr_x)
+                        cute.copy(x_copy, tXn[(None, None, None, kt)], tXs[(None, None, None, nxt % S)])
+                cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per tile
+                slot = it % S
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(BK // 16):
+                    cute.gemm(mma, acc, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], acc)
+                warpgroup.commit_group()
+                if it % KT == KT - 1:  # the chunk's last k tile: SiTU of its tokens' columns
+                    warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        r, j = tCc[i]
+                        sAcc[r, j] = acc[i]
+                    acc.fill(0.0)
+                    cute.arch.sync_threads()
+                    c0 = it // KT * N
+                    for q in cutlass.range_constexpr(ceil_div(R * N, self.threads)):
+                        idx = tidx + q * self.threads
+                        col = idx % R
+                        j = idx // R
+                        if idx < R * N:
+                            if c0 + j < cnt:
+                                a = situ(sAcc[col, j], sAcc[R + col, j], GATE_LIMIT, UP_LIMIT)
+                                mAct[start + c0 + j, cb * R + col] = a.to(bf16)
+                    cute.arch.sync_threads()  # sAcc is read before the next chunk writes it
+            warpgroup.wait_group(0)
+
+    def _wg_x_rows(self, mZ, mSorted, start, cnt, chunk, xrow, thr_x):
+        """Trace-time: this thread's x source tiles for `chunk`: every row of the (N, L) view is
+        the z row of the chunk's token `xrow` (stride 0: a thread copies only its own row), the
+        last token repeated past the group's (never stored)."""
+        L, K, N = self.latent, self.top_k, self.wg_n
+        pos = start + cutlass.min(chunk * N + xrow, cnt - 1)
+        tok = mSorted[pos] // K
+        base = mZ.iterator + cute.assume(tok * L, divby=BF16_PER_VECTOR)
+        gZ = cute.make_tensor(base, cute.make_layout((N, L), stride=(0, 1)))
+        return thr_x.partition_S(cute.local_tile(gZ, (N, self.stage_k), (0, None)))
 
     @cute.jit
     def _up_stream(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
