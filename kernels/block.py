@@ -68,7 +68,10 @@ PERSISTENT_EXPERTS = {
 # the stream path to 16, at 32 the persistent path with 4 row tiles, at 64 with 4 warps and 4 CTAs
 # per SM. Batch 1 keeps the stream path: wg measured 85.5 -> 83.9 us alone, but the stream path
 # launches with pdl, which overlaps its start with moe_w13's end in the block, and wg does not.
-WG_EXPERTS = {"moe_w2": (2, 4, 8, 16, 32, 64)}
+# moe_w13 from batch 16 (its cp.async-fed form; the same sweep, evidence_reports/moe_block/round6/
+# w13_wg/): batch 16 2246 -> 2159 us (97.7 -> 101.6% of read), 32 4020 -> 3756 (94.9 -> 101.6%),
+# 64 6452 -> 5827 (91.6 -> 101.4%). Up to batch 8 its stream path reads 99-100% already.
+WG_EXPERTS = {"moe_w2": (2, 4, 8, 16, 32, 64), "moe_w13": (16, 32, 64)}
 
 
 # Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design (past it, only

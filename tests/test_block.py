@@ -35,8 +35,8 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
             stream_max = STREAM_EXPERTS_MAX_BATCH
             # the stream path up to its batch, and past it only for batch 32's moe_w13 (round 5);
             # moe_w2 from batch 2 the TMA-fed warpgroup path (round 6)
-            wg = name == "moe_w2" and T >= 2
-            streamed = experts and not wg and (T <= stream_max or (T, name) == (32, "moe_w13"))
+            wg = (name == "moe_w2" and T >= 2) or (name == "moe_w13" and T >= 16)
+            streamed = experts and not wg and T <= stream_max
             assert bool(tun.get("pipeline")) == (experts and stream_max < T <= 16), (name, T)
             assert bool(tun.get("stream")) == streamed, (name, T)
             if experts:  # the op takes the path the block asks for at this batch
@@ -45,8 +45,8 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
                 op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
                 assert op.streamed == streamed and op.pipelined == (stream_max < T <= 16), (name, T)
                 assert op.wg == wg, (name, T)
-    # batch 32's moe_w13: the stream path on a persistent grid of 6 CTAs per SM (round 5)
-    assert block_tunables("moe_w13", 32)["stream_ctas_per_sm"] == 6
+    # moe_w13 from batch 16: its warpgroup path (round 6)
+    assert block_tunables("moe_w13", 32) == {"stream": 0, "wg": 1} and block_tunables("moe_w13", 8)["stream"] == 1
     assert block_tunables("moe_w2", 32) == {"stream": 0, "wg": 1} and block_tunables("moe_w2", 1)["stream"] == 1
 
 
