@@ -47,6 +47,16 @@ once: batch 32's moe_w13 with 6 (evidence_reports/moe_block/round5/experts_strea
   group's tokens, then, after a barrier that follows every chunk's writes, arrives on the row
   block's counter exactly as the per-item path (one arrival per group, acq_rel); the
   CTA that completes the row block combines it in slot order 0..top_k-1.
+The warpgroup paths (`wg` 1, where neither the stream nor the pipelined path applies: the block
+asks for them with `stream` 0, moe_w2 from batch 2, moe_w13 from batch 16): a CTA per possible
+(group, 64-row block) item, a ring of `wg_stages` 128-byte-swizzled slots of `wg_k` k read by
+wgmma m64n`wg_n`k16, a group's tokens in chunks of `wg_n` through the same ring. moe_w2's tokens
+are contiguous rows of `act`, so TMA boxes fetch W2_e's rows and them (full and empty mbarriers,
+kernels/ops/wg_ring.py); moe_w13's are gathered rows of z, so every thread copies W13_e's 32 gate
++ 32 up rows and its token's row by cp.async (gemv's `_wg_body` pipeline), and SiTU meets each
+gate row with its up row through shared memory. The register-fed mma.sync scheme issues 64-byte
+requests (a quad of lanes per row) and stopped near 91% of the read ceiling on a long stream; the
+warpgroup paths read 99-102% (evidence_reports/moe_block/round6/).
 Why moe_w2 keeps the counters rather than a CTA that streams one output row of all 16 experts
 (16 x 6 KB): that CTA needs the 16 activation rows beside them (another 96 KB), 192 KB of shared
 memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, several per SM.
