@@ -285,11 +285,11 @@ def test_warpgroup_path_plan_and_contract():
     assert up.wg and (up.half_rows, up.row_blocks, up.k_tiles, up.wg_n) == (32, 96, 28, 8)
     assert up.launch_config().grid == (896 * 96, 1, 1) and up.tensor_specs()["z"].shape == (64, 3584)
     assert up.launch_config().smem_bytes == 4 * 72 * 128 * 2 + 2048 + 8 * 8 + 8 + 64 * 8 * 4 + 16
-    with pytest.raises(ValueError, match="wg_n must be 8 or 16"):
+    with pytest.raises(ValueError, match="wg_n must be one of 8, 16 and"):
         MX.ExpertsUpOp(shape, wg=1, wg_n=32)
     with pytest.raises(ValueError, match="wg_stages must be 2..24"):
         MX.ExpertsDownOp(shape, wg=1, wg_stages=25)
-    with pytest.raises(ValueError, match="wg_n must be 8, 16, 32 or 64"):
+    with pytest.raises(ValueError, match="wg_n must be one of 8, 16, 32, 64"):
         MX.ExpertsDownOp(shape, wg=1, wg_n=12)
     with pytest.raises(ValueError, match="wg_k must be 64 or 128"):
         MX.ExpertsDownOp(shape, wg=1, wg_k=256)

@@ -203,6 +203,34 @@ class _GroupedBase(OpBase):
         # pipelined path applies.
         self.wg = bool(int(self.tunables["wg"])) and not self.streamed and not self.pipelined
 
+    def _plan_wg_ring(self, n: int, rows: int, k: int, wg_n_choices: tuple, extra: int, per_token: int = 0) -> None:
+        """What both warpgroup paths plan alike: items of `rows` of the n output rows, `wg_k`
+        (64 or 128, dividing k) per stage, `wg_n` tokens per tile (one of `wg_n_choices`, at most
+        the slots), 2..k-tiles stages, one warpgroup, a CTA per possible item, and the ring's
+        shared memory with `extra` + `per_token` x wg_n bytes beside it (refused past
+        WG_SMEM_LIMIT)."""
+        t, name = self.tunables, self.kernel_name
+        if n % rows:
+            raise ValueError(f"{name}: {n} rows are not a multiple of {rows} (wg)")
+        self.row_blocks = n // rows
+        self.stage_k, self.wg_n, self.stages = int(t["wg_k"]), int(t["wg_n"]), int(t["wg_stages"])
+        if self.stage_k not in (64, 128) or k % self.stage_k:
+            raise ValueError(f"{name}: wg_k must be 64 or 128 and divide k={k}")
+        self.k_tiles = k // self.stage_k
+        if self.wg_n not in wg_n_choices or self.wg_n > self.slots:
+            raise ValueError(f"{name}: wg_n must be one of {', '.join(map(str, wg_n_choices))} and at most the "
+                             f"{self.slots} slots")
+        if not 2 <= self.stages <= self.k_tiles:
+            raise ValueError(f"{name}: wg_stages must be 2..{self.k_tiles} (the k tiles of an item)")
+        self.warps = 4
+        self.threads = 4 * WARP
+        self.ctas = self.groups * self.row_blocks
+        self.smem_bytes = wg_ring.ring_smem_bytes(wg_ring.WG_M, self.wg_n, self.stage_k, self.stages,
+                                                  extra=extra + per_token * self.wg_n)
+        if self.smem_bytes > WG_SMEM_LIMIT:
+            raise ValueError(f"{name}: {self.stages} stages of {self.stage_k} k need {self.smem_bytes} B of shared "
+                             f"memory (limit {WG_SMEM_LIMIT})")
+
     def _stream_plan(self, n: int, k: int, min_rows: int) -> StreamPlan:
         """The stream path's CTA: whole rows of k bf16, at least `min_rows` of them, within
         `stream_cta_kib` KiB otherwise, of `stream_threads` threads."""
@@ -298,29 +326,10 @@ class ExpertsUpOp(_GroupedBase):
         CTA barrier), and wgmma m64n`wg_n`k16 reads the slots. After a chunk's last k tile the
         accumulators go through shared memory so that each gate row meets its up row, and
         a[sorted position, column] = bf16(SiTU(g, u))."""
-        t = self.tunables
         self.half_rows = wg_ring.WG_M // 2
-        if self.inter % self.half_rows:
-            raise ValueError(f"moe_w13: expert_inter {self.inter} is not a multiple of {self.half_rows} (wg)")
-        self.row_blocks = self.inter // self.half_rows
-        self.stage_k, self.wg_n, self.stages = int(t["wg_k"]), int(t["wg_n"]), int(t["wg_stages"])
-        if self.stage_k not in (64, 128) or self.latent % self.stage_k:
-            raise ValueError(f"moe_w13: wg_k must be 64 or 128 and divide latent {self.latent}")
-        self.k_tiles = self.latent // self.stage_k
-        if self.wg_n not in (8, 16) or self.wg_n > self.slots:
-            raise ValueError(f"moe_w13: wg_n must be 8 or 16 (one x row per thread and stage) and at most the "
-                             f"{self.slots} slots")
-        if not 2 <= self.stages <= self.k_tiles:
-            raise ValueError(f"moe_w13: wg_stages must be 2..{self.k_tiles} (the k tiles of an item)")
-        self.warps = 4
-        self.threads = 4 * WARP
-        self.ctas = self.groups * self.row_blocks
-        acc_bytes = wg_ring.WG_M * self.wg_n * 4
-        self.smem_bytes = wg_ring.ring_smem_bytes(wg_ring.WG_M, self.wg_n, self.stage_k, self.stages,
-                                                  extra=acc_bytes)
-        if self.smem_bytes > WG_SMEM_LIMIT:
-            raise ValueError(f"moe_w13: {self.stages} stages of {self.stage_k} k need {self.smem_bytes} B of shared "
-                             f"memory (limit {WG_SMEM_LIMIT})")
+        # (one x row per thread and stage: at most 16 token rows); beside the ring, the
+        # accumulators' exchange, 64 rows of fp32 per token
+        self._plan_wg_ring(self.inter, self.half_rows, self.latent, (8, 16), extra=0, per_token=wg_ring.WG_M * 4)
 
     def _plan_up_stream(self) -> None:
         """A CTA per (group, block of `stream_cols` act columns): its gate rows and the matching
@@ -717,26 +726,8 @@ class ExpertsDownOp(_GroupedBase):
         (W read again per chunk: only where many tokens share an expert). After each chunk's
         last k tile the CTA writes its o rows in fp32, and after the item it arrives on the row
         block's counter exactly as the other paths (`_arrive_and_combine`)."""
-        t = self.tunables
         self.rows_per_cta = wg_ring.WG_M
-        if self.latent % self.rows_per_cta:
-            raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta} (wg)")
-        self.row_blocks = self.latent // self.rows_per_cta
-        self.stage_k, self.wg_n, self.stages = int(t["wg_k"]), int(t["wg_n"]), int(t["wg_stages"])
-        if self.stage_k not in (64, 128) or self.inter % self.stage_k:
-            raise ValueError(f"moe_w2: wg_k must be 64 or 128 and divide expert_inter {self.inter}")
-        self.k_tiles = self.inter // self.stage_k
-        if self.wg_n not in (8, 16, 32, 64) or self.wg_n > self.slots:
-            raise ValueError(f"moe_w2: wg_n must be 8, 16, 32 or 64 and at most the {self.slots} slots")
-        if not 2 <= self.stages <= self.k_tiles:
-            raise ValueError(f"moe_w2: wg_stages must be 2..{self.k_tiles} (the k tiles of an item)")
-        self.warps = 4
-        self.threads = 4 * WARP
-        self.ctas = self.groups * self.row_blocks
-        self.smem_bytes = wg_ring.ring_smem_bytes(self.rows_per_cta, self.wg_n, self.stage_k, self.stages, extra=16)
-        if self.smem_bytes > WG_SMEM_LIMIT:
-            raise ValueError(f"moe_w2: {self.stages} stages of {self.stage_k} k need {self.smem_bytes} B of shared "
-                             f"memory (limit {WG_SMEM_LIMIT})")
+        self._plan_wg_ring(self.latent, self.rows_per_cta, self.inter, (8, 16, 32, 64), extra=16)  # + the verdict
 
     def _plan_down_stream(self) -> None:
         """A CTA per (group, block of whole W2_e rows), `x_slots` act rows beside them; its row
