@@ -83,8 +83,12 @@ def stream_sweep(T: int) -> dict:
 # `plan --wg-sweep` (batches 8-64): the block's choice (`blk`) against moe_w2 on the TMA-fed
 # warpgroup path (`wg`: 4 stages of 128 k, 8-token tiles; `wgs3`/`wgs6`: 3/6 stages; `wgk64`: 8
 # stages of 64 k; `wgn16`: 16-token tiles), moe_w13 the block's choice beside each.
-WG_SWEEP = {"wg": {"wg": 1}, "wgs3": {"wg": 1, "wg_stages": 3}, "wgs6": {"wg": 1, "wg_stages": 6},
-            "wgk64": {"wg": 1, "wg_k": 64, "wg_stages": 8}, "wgn16": {"wg": 1, "wg_n": 16}}
+# (`stream` 0 everywhere: to batch 16 the block's moe_w2 took the stream path, which wg yields to;
+# past 16 the stream path does not apply, so it changes nothing there)
+WG_SWEEP = {"wg": {"wg": 1, "stream": 0}, "wgs3": {"wg": 1, "stream": 0, "wg_stages": 3},
+            "wgs6": {"wg": 1, "stream": 0, "wg_stages": 6},
+            "wgk64": {"wg": 1, "stream": 0, "wg_k": 64, "wg_stages": 8},
+            "wgn16": {"wg": 1, "stream": 0, "wg_n": 16}}
 # `plan --wg13-sweep`: moe_w13 on its warpgroup path (`w13wg`, cp.async-fed: its tokens are
 # gathered rows) against the block's choice, moe_w2 the block's choice beside each.
 WG13_SWEEP = {"w13wg": {"wg": 1, "stream": 0}, "w13wgs3": {"wg": 1, "stream": 0, "wg_stages": 3}}
@@ -94,25 +98,21 @@ def variants(batches=BATCHES, stream_sweep_: bool = False, wg_sweep_: bool = Fal
              wg13_sweep_: bool = False) -> list[tuple[str, str, dict, dict]]:
     """(id, kernel, shape, tunables): per batch and kernel the pipelined base (the block's
     choice before), then the stream candidates; then the small sanitized variants. With
-    `stream_sweep_`, the block's choice and `stream_sweep` instead."""
+    `stream_sweep_`, the block's choice and `stream_sweep` instead; with `wg_sweep_` or
+    `wg13_sweep_`, the block's choice and it again with WG_SWEEP's tunables on moe_w2 or
+    WG13_SWEEP's on moe_w13 (the other kernel the block's choice in every pair)."""
     from kernels.block import block_tunables
 
+    swept = ("moe_w2", WG_SWEEP) if wg_sweep_ else ("moe_w13", WG13_SWEEP) if wg13_sweep_ else None
     v = []
     for T in batches:
         shape = {"batch": T, **K3}
         for kern, tag in (("moe_w13", "w13"), ("moe_w2", "w2")):
-            if wg13_sweep_:
-                v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
-                for name, tun in WG13_SWEEP.items():
-                    v.append((f"b{T}_{tag}_{name}", kern, shape,
-                              {**block_tunables(kern, T), **(tun if kern == "moe_w13" else {})}))
-                continue
-            if wg_sweep_:
-                v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
-                for name, tun in WG_SWEEP.items():
-                    # (to batch 16 the block's moe_w2 takes the stream path, which wg yields to)
-                    extra = {**tun, **({"stream": 0} if T <= STREAM_MAX else {})} if kern == "moe_w2" else {}
-                    v.append((f"b{T}_{tag}_{name}", kern, shape, {**block_tunables(kern, T), **extra}))
+            if swept:
+                blk = block_tunables(kern, T)
+                v.append((f"b{T}_{tag}_blk", kern, shape, blk))
+                for name, tun in swept[1].items():
+                    v.append((f"b{T}_{tag}_{name}", kern, shape, {**blk, **(tun if kern == swept[0] else {})}))
                 continue
             if stream_sweep_:
                 v.append((f"b{T}_{tag}_blk", kern, shape, block_tunables(kern, T)))
@@ -148,10 +148,6 @@ SMALL_PERSISTENT_TUNABLES = {"pers": {}, "rt4": {"row_tiles": 4}, "w4c4": {"warp
                              "wg": {"wg": 1}}
 
 
-def _w13_side(tun: dict) -> dict:
-    """A pair's moe_w13 tunables (the same as moe_w2's)."""
-    return dict(tun)
-
 
 def small_variants() -> list[tuple[str, str, dict, dict]]:
     v = []
@@ -166,7 +162,7 @@ def small_variants() -> list[tuple[str, str, dict, dict]]:
     v.append(("small_w13_sp4_p1", "moe_w13", SMALL, tun))
     v.append(("small_w2_sp4_p1", "moe_w2", SMALL, tun))
     for tag, tun in SMALL_PERSISTENT_TUNABLES.items():
-        v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, _w13_side(tun)))
+        v.append((f"small_w13_{tag}", "moe_w13", SMALL_PERSISTENT, tun))
         v.append((f"small_w2_{tag}", "moe_w2", SMALL_PERSISTENT, tun))
     return v
 

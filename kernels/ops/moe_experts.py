@@ -199,8 +199,8 @@ class _GroupedBase(OpBase):
         self.stream_persist = int(self.tunables["stream_ctas_per_sm"])
         if self.stream_persist < 0:
             raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm must not be negative")
-        # The TMA-fed warpgroup-mma path (moe_w2 only), where neither the stream nor the
-        # pipelined path applies.
+        # The warpgroup-mma paths (`_plan_wg_ring`), where neither the stream nor the pipelined
+        # path applies.
         self.wg = bool(int(self.tunables["wg"])) and not self.streamed and not self.pipelined
 
     def _plan_wg_ring(self, n: int, rows: int, k: int, wg_n_choices: tuple, extra: int, per_token: int = 0) -> None:
@@ -408,7 +408,7 @@ class ExpertsUpOp(_GroupedBase):
         from cutlass.cute.nvgpu import warpgroup
 
         S, BK, N, KT = self.stages, self.stage_k, self.wg_n, self.k_tiles
-        L, I, R, RB, K = self.latent, self.inter, self.half_rows, self.row_blocks, self.top_k
+        L, I, R, RB = self.latent, self.inter, self.half_rows, self.row_blocks
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
         M = wg_ring.WG_M
@@ -434,14 +434,12 @@ class ExpertsUpOp(_GroupedBase):
             w_off = cute.assume(cb * (R * L), divby=BF16_PER_VECTOR)
             gW2 = cute.make_tensor(eW.iterator + w_off, cute.make_layout(((R, 2), L), stride=((L, I * L), 1)))
             gW = cute.local_tile(gW2, (M, BK), (0, None))  # (M, BK, k tiles)
+            # both copies: `per_row` threads per row's 16-byte vectors, rows down the thread block
             per_row = BK // BF16_PER_VECTOR
+            thr = cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1))
             vals = cute.make_layout((1, BF16_PER_VECTOR))
-            w_copy = cute.make_tiled_copy_tv(stream.weight_copy_atom(bf16),
-                                             cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)),
-                                             vals)
-            x_copy = cute.make_tiled_copy_tv(stream.activation_copy_atom(bf16),
-                                             cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)),
-                                             vals)
+            w_copy = cute.make_tiled_copy_tv(stream.weight_copy_atom(bf16), thr, vals)
+            x_copy = cute.make_tiled_copy_tv(stream.activation_copy_atom(bf16), thr, vals)
             thr_w = w_copy.get_slice(tidx)
             tWg, tWs = thr_w.partition_S(gW), thr_w.partition_D(sW)
             thr_x = x_copy.get_slice(tidx)
