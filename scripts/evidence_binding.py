@@ -24,6 +24,7 @@ without those fields, a build error).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -91,7 +92,7 @@ def record_code_hashes(path: Path, dirs: dict[str, Path]) -> int:
     """Add `cubin_code_sha256` to every case of the plan or result at `path` whose cubin is still
     at hand: `dirs` maps a cubin sha256 to a build folder (a plan's carried `dir`s); the folder's
     cubin must have exactly the case's `cubin_sha256`. Returns how many cases were annotated."""
-    from kernels.cubin import code_sha256
+    from kernels.cubin import CubinError, code_sha256
 
     doc = json.loads(path.read_text())
     n = 0
@@ -99,14 +100,16 @@ def record_code_hashes(path: Path, dirs: dict[str, Path]) -> int:
         d = dirs.get(c["cubin_sha256"])
         if d is None or c.get("cubin_code_sha256"):
             continue
-        data = (d / "kernel.cubin").read_bytes()
-        import hashlib
-
-        if hashlib.sha256(data).hexdigest() != c["cubin_sha256"]:
-            raise BindingError(f"{d}: its cubin is not the one {path} names")
-        c["cubin_code_sha256"] = code_sha256(data)
+        try:
+            data = (d / "kernel.cubin").read_bytes()
+            if hashlib.sha256(data).hexdigest() != c["cubin_sha256"]:
+                raise BindingError(f"{d}: its cubin is not the one {path} names")
+            c["cubin_code_sha256"] = code_sha256(data)
+        except (OSError, CubinError) as e:
+            raise BindingError(f"{d}: cannot read its cubin ({e})") from None
         n += 1
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if n:  # nothing to add: the file stays as it is
+        path.write_text(json.dumps(doc, indent=1) + "\n")
     return n
 
 
@@ -123,8 +126,9 @@ def main(argv=None) -> int:
         try:
             plan_cases = load_cases(args.record_code_sha)
             dirs = {c["cubin_sha256"]: REPO / c["dir"] for c in plan_cases if c.get("dir") and (REPO / c["dir"]).is_dir()}
-            for f in args.files:
+            for f in args.files:  # every file read before any is written
                 load_cases(f)
+            for f in args.files:
                 print(f"{f}: {record_code_hashes(f, dirs)} cases given their code sha256")
         except BindingError as e:
             print(f"evidence_binding: {e}", file=sys.stderr)

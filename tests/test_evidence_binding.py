@@ -88,3 +88,6 @@ def test_code_hashes_are_recorded_from_the_cubins_that_ran(tmp_path, monkeypatch
     fresh.write_text(json.dumps({"cases": [case]}))
     assert E.main([str(fresh), "--record-code-sha", str(fresh)]) == 2
     assert "cubin_code_sha256" not in json.loads(fresh.read_text())["cases"][0]
+    (tmp_path / "b0" / "kernel.cubin").unlink()  # a folder without its cubin: one line, exit 2
+    text = fresh.read_text()
+    assert E.main([str(fresh), "--record-code-sha", str(fresh)]) == 2 and fresh.read_text() == text
