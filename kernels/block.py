@@ -33,29 +33,13 @@ BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "la
 # The routed experts' pipelined path (32-row items), chosen on an H200 by scripts/block_explore.py
 # (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3
 # the stream path (STREAM_EXPERTS, below) serves every batch up to STREAM_EXPERTS_MAX_BATCH (16),
-# so block_tunables reaches these only if that bound is lowered; past 16 tokens the block takes
-# PERSISTENT_EXPERTS (the persistent per-item path, and at batch 32 moe_w13's stream path on a
-# persistent grid).
+# so block_tunables reaches these only if that bound is lowered; from batch 16 both kernels take
+# their warpgroup paths (WG_EXPERTS, below).
 PIPELINED_EXPERTS = {
     "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
     # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
     # warps batches 2 and 4 need 130: one CTA per SM, half the persistent grid waiting)
     "moe_w2": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
-}
-
-
-# Past 16 tokens, per decode batch size (the persistent per-item path but where an entry asks for
-# the stream path; moe_w2 takes WG_EXPERTS, below), chosen on an H200 by
-# scripts/experts_batch_explore.py (evidence_reports/moe_block/round4/); at batch 64 moe_w13
-# keeps the defaults. A batch without an entry (not one of the decode sizes) takes the manifest
-# defaults.
-# Batch 32's moe_w13 (round 5, evidence_reports/moe_block/round5/experts_stream/): the stream path
-# again, on a persistent grid of 6 CTAs per SM striding over the items (`stream_ctas_per_sm`),
-# 3944 us (95.0% of read) against this path's 4101 (91.3%) in one call; its grid of a CTA per item
-# 4127 us, at batch 64 every stream grid 6-26% slower than the persistent path.
-PERSISTENT_EXPERTS = {
-    32: {"moe_w13": {"stream": 1, "stream_max_batch": 32, "stream_slots": 1, "stream_threads": 128,
-                     "stream_cta_kib": 32, "pdl": 1, "stream_ctas_per_sm": 6}},
 }
 
 
@@ -70,12 +54,14 @@ PERSISTENT_EXPERTS = {
 # launches with pdl, which overlaps its start with moe_w13's end in the block, and wg does not.
 # moe_w13 from batch 16 (its cp.async-fed form; the same sweep, evidence_reports/moe_block/round6/
 # w13_wg/): batch 16 2246 -> 2159 us (97.7 -> 101.6% of read), 32 4020 -> 3756 (94.9 -> 101.6%),
-# 64 6452 -> 5827 (91.6 -> 101.4%). Up to batch 8 its stream path reads 99-100% already.
+# 64 6452 -> 5827 (91.6 -> 101.4%). Up to batch 8 its stream path reads 99-100% already. Before
+# it: the stream path to 16; at 32 the stream path on a persistent grid of 6 CTAs per SM (round 5,
+# evidence_reports/moe_block/round5/experts_stream/), at 64 the persistent per-item path (round 4).
 WG_EXPERTS = {"moe_w2": (2, 4, 8, 16, 32, 64), "moe_w13": (16, 32, 64)}
 
 
-# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design (past it, only
-# where PERSISTENT_EXPERTS asks for it)
+# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design where
+# WG_EXPERTS does not take them
 # (kernels/ops/moe_experts.py: a short CTA per expert and block of whole weight rows, every cp.async
 # issued before one wait; past batch 1 a group's tokens go through `stream_slots` activation rows
 # in shared memory a chunk at a time), chosen on an H200 by scripts/experts_b1_explore.py
@@ -121,7 +107,7 @@ def block_tunables(kernel: str, batch: int) -> dict:
         return {**STREAM_EXPERTS[kernel], "stream_max_batch": batch, "stream_slots": STREAM_SLOTS}
     if batch <= 16:
         return dict(PIPELINED_EXPERTS.get(kernel, {}))
-    return dict(PERSISTENT_EXPERTS.get(batch, {}).get(kernel, {}))
+    return {}  # past 16, a batch that is not a decode size: the manifest defaults
 
 
 def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, dict]]:

@@ -139,8 +139,8 @@ SMALL_SLOTS = (1, 2)
 
 # The persistent path on the same small model at batch 20 (past the stream path and past one
 # 16-row mma tile: a "hot" routing gives groups on both the one-tile and the full path), with
-# the defaults and the tunable sets of kernels/block.py PERSISTENT_EXPERTS (rt4: both kernels at
-# batch 32; w4c4: moe_w2 at batch 64, moe_w13 built alongside to make a pair).
+# the defaults and the tunable sets the block took there before its warpgroup paths (rt4: both
+# kernels at batch 32; w4c4: moe_w2 at batch 64, moe_w13 built alongside to make a pair).
 SMALL_PERSISTENT = {**SMALL, "batch": 20}
 # wg: the warpgroup paths (moe_w2 TMA-fed, moe_w13 cp.async-fed); a "hot" routing gives them
 # groups of more than their 8-token tiles, so their chunk loops run.
