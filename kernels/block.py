@@ -13,11 +13,21 @@ GPU host only and DSL-free: every kernel is an AOT-built cubin found with
     7 shared_gate_up  a_s = SiTU(h @ W_sgu.T)
     8 latent_out      out = x + n @ W_up.T + a_s @ W_sd.T
 
-With `concurrent=True`, 7 runs on a second stream beside 2-6 (it needs only h); an event joins it
+At the batches of GEMV_DOWN the down-projection, and at those of GEMV_DENSE the output side's
+projections, are instead foundation GEMM launches (kernels/ops/gemv.py, its own defaults), with
+the elementwise epilogues of kernels/ops/epilogue.py; same semantics and roundings:
+
+    2  router (down 0)   the routing only               beside it: gemv z = h @ W_down.T
+    7  gemv              gu = h @ W_sgu.T (fp32)        gated_situ  a_s = bf16(SiTU(gu))
+    8  gemv              s = a_s @ W_sd.T (bf16)        gemv  r = n @ W_up.T (bf16)
+                         residual  out = bf16(x + r + s)
+
+With `concurrent=True` a second stream runs, beside 2-6, z's gemv (GEMV_DOWN), then 7 (it needs
+only h) and at GEMV_DENSE batches s's gemv; an event joins z before 4, another the shared expert
 before 8. Under graph capture the streams become parallel branches of the one graph.
 
-Scratch buffers are allocated once per block object; the split-K counters (router, moe_w2) are
-zeroed once and every launch leaves them zero.
+Scratch buffers are allocated once per block object; the split-K counters (router, moe_w2, the
+gemv launches) are zeroed once and every launch leaves them zero.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from pathlib import Path
 from kernels.build import DEFAULT_ROOT, find_artifact
 from kernels.config import ModelConfig
 
-BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out")
+BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out", "gemv", "gated_situ",
+                 "residual")
 
 # The routed experts' pipelined path (32-row items), chosen on an H200 by scripts/block_explore.py
 # (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3
@@ -95,10 +106,35 @@ ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_til
                    16: _WIDE_ROUTER, 32: _WIDE_ROUTER, 64: _WIDE_ROUTER}
 
 
+# The batches at which the latent down-projection is a foundation GEMM launch beside the router
+# (`down` 0) instead of the router launch's down CTAs, and those at which the output side's
+# projections (W_sgu, W_sd, W_up) are foundation GEMM launches with kernels/ops/epilogue.py's
+# epilogues instead of the fused shared_gate_up / latent_out kernels (module docstring). Alone,
+# at batch 64, the foundation GEMM (evidence_reports/foundation/final/) takes 15.8 us for W_down,
+# 43.8 for W_sgu, 15.0 + 23.6 for W_up and W_sd, where the block's ops took 109.6 (router+down),
+# 89.0 and 80.6 (evidence_reports/moe_block/round6/w13_wg/); at batch 8 14.3, 41.6 and 13.6 + 21.7
+# against 34.9, 46.8 and 39.1.
+GEMV_DOWN = (1, 2, 4, 8, 16, 32, 64)
+GEMV_DENSE = (8, 16, 32, 64)
+
+
+def down_by_gemv(batch: int) -> bool:
+    """Whether z = h @ W_down.T is a foundation GEMM launch beside the router at `batch`."""
+    return batch in GEMV_DOWN
+
+
+def dense_by_gemv(batch: int) -> bool:
+    """Whether the output side's projections at `batch` are foundation GEMM launches."""
+    return batch in GEMV_DENSE
+
+
 def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
     if kernel == "router":
-        return dict(ROUTER_IN_BLOCK.get(batch, {}))
+        t = dict(ROUTER_IN_BLOCK.get(batch, {}))
+        if down_by_gemv(batch):
+            t["down"] = 0  # z is a gemv launch beside it
+        return t
     if batch in WG_EXPERTS.get(kernel, ()):
         return {"stream": 0, "wg": 1}
     if kernel in STREAM_EXPERTS and batch <= STREAM_EXPERTS_MAX_BATCH:
@@ -107,37 +143,46 @@ def block_tunables(kernel: str, batch: int) -> dict:
         return {**STREAM_EXPERTS[kernel], "stream_max_batch": batch, "stream_slots": STREAM_SLOTS}
     if batch <= 16:
         return dict(PIPELINED_EXPERTS.get(kernel, {}))
-    return {}  # past 16, a batch that is not a decode size: the manifest defaults
+    return {}  # past 16, a batch that is not a decode size, and every gemv: the manifest defaults
 
 
-def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, dict]]:
-    """(kernel, manifest shape) of every kernel variant the block launches at `batch`."""
+def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, str, dict]]:
+    """(role, kernel, manifest shape) of every kernel variant the block launches at `batch`, in
+    launch order (on one stream). The gemv shapes are the foundation's problems but one, W_sgu's
+    with fp32 output (12288 x 7168 at k3), which the foundation proof times in bf16."""
     T = batch
-    return [
-        ("rmsnorm", {"batch": T, "width": cfg.hidden}),
-        ("router", {"batch": T, "n_experts": cfg.n_experts, "hidden": cfg.hidden, "top_k": cfg.top_k,
-                    "latent": cfg.latent}),
-        ("moe_w13", {"batch": T, "n_experts": cfg.n_experts, "latent": cfg.latent,
-                     "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}),
-        ("moe_w2", {"batch": T, "n_experts": cfg.n_experts, "latent": cfg.latent,
-                    "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}),
-        ("rmsnorm", {"batch": T, "width": cfg.latent}),
-        ("shared_gate_up", {"batch": T, "hidden": cfg.hidden, "shared_inter": cfg.shared_inter}),
-        ("latent_out", {"batch": T, "hidden": cfg.hidden, "latent": cfg.latent, "shared_inter": cfg.shared_inter}),
-    ]
+    H, L, S = cfg.hidden, cfg.latent, cfg.shared_inter
+    experts = {"n_experts": cfg.n_experts, "latent": L, "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}
+    head = [("norm_pre", "rmsnorm", {"batch": T, "width": H}),
+            ("router", "router", {"batch": T, "n_experts": cfg.n_experts, "hidden": H, "top_k": cfg.top_k,
+                                  "latent": L})]
+    routed = [("w13", "moe_w13", {"batch": T, **experts}), ("w2", "moe_w2", {"batch": T, **experts}),
+              ("norm_latent", "rmsnorm", {"batch": T, "width": L})]
+    def gemv(n, k, out="bfloat16"):
+        return {"batch": T, "n": n, "k": k, "out_dtype": out}
+
+    if down_by_gemv(batch):
+        head.append(("down", "gemv", gemv(L, H)))
+    if not dense_by_gemv(batch):
+        return head + routed + [
+            ("shared_gate_up", "shared_gate_up", {"batch": T, "hidden": H, "shared_inter": S}),
+            ("latent_out", "latent_out", {"batch": T, "hidden": H, "latent": L, "shared_inter": S})]
+    return head + routed + [
+        ("shared_gate_up", "gemv", gemv(2 * S, H, "float32")),
+        ("shared_situ", "gated_situ", {"batch": T, "width": S}),
+        ("shared_down", "gemv", gemv(H, S)),
+        ("up", "gemv", gemv(H, L)),
+        ("residual", "residual", {"batch": T, "width": H})]
 
 
-@dataclass
 class BlockKernels:
-    """The loaded kernels of one batch size, by role."""
+    """The loaded kernels of one batch size, by role (block_variants' roles, as attributes)."""
 
-    norm_pre: object
-    router: object
-    w13: object
-    w2: object
-    norm_latent: object
-    shared_gate_up: object
-    latent_out: object
+    def __init__(self, **kernels):
+        vars(self).update(kernels)
+
+    def get(self, role: str):
+        return vars(self).get(role)
 
     def hashes(self) -> dict[str, str]:
         return {f"{role}:{k.meta['kernel']}": k.sha256 for role, k in vars(self).items()}
@@ -159,10 +204,13 @@ def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, 
             return dirs(name, shape)
         return find_artifact(name, shape, block_tunables(name, batch), root=root).dir
 
-    ks = [CubinKernel.from_dir(folder(name, shape)) for name, shape in block_variants(cfg, batch)]
-    for k in ks:
+    ks = {role: CubinKernel.from_dir(folder(name, shape)) for role, name, shape in block_variants(cfg, batch)}
+    for k in ks.values():
         k.load()  # before any graph capture (module loading is not capturable)
-    return BlockKernels(*ks)
+    return BlockKernels(**ks)
+
+
+GEMV_ROLES = ("down", "shared_gate_up", "shared_down", "up")
 
 
 class MoEBlock:
@@ -177,25 +225,36 @@ class MoEBlock:
         self.w = weights
         self.k = kernels or load_block_kernels(cfg, batch, root)
         self.concurrent = concurrent
+        self.gemv_down = self.k.get("down") is not None
+        self.gemv_dense = self.k.get("residual") is not None
         dev = weights.w_gate.device
         bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
         E, H, L, I, S, K = cfg.n_experts, cfg.hidden, cfg.latent, cfg.expert_inter, cfg.shared_inter, cfg.top_k
         TK = T * K
         G = min(TK, E)
-        counters = next(p for p in self.k.w2.meta["params"] if p["name"] == "counters")
-        rb_w2 = counters["spec"]["shape"][0]  # one per row block
 
         def e(shape, dtype):
             return torch.empty(shape, dtype=dtype, device=dev)
+
+        def param_buffer(kernel, name):
+            """A zeroed buffer of `kernel`'s parameter `name` as its metadata declares it."""
+            spec = next(p for p in kernel.meta["params"] if p["name"] == name)["spec"]
+            return torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=dev)
 
         self.buf = {
             "h": e((T, H), bf16), "logits": e((T, E), f32), "ids": e((T, K), i32), "weights": e((T, K), f32),
             "n_groups": e((1,), i32), "group_expert": e((G,), i32), "group_start": e((G + 1,), i32),
             "sorted_slots": e((TK,), i32), "router_counter": torch.zeros((1,), dtype=i32, device=dev),
             "z": e((T, L), bf16), "act": e((TK, I), bf16), "o": e((TK, L), f32),
-            "w2_counters": torch.zeros((rb_w2,), dtype=i32, device=dev), "c": e((T, L), bf16),
+            "w2_counters": param_buffer(self.k.w2, "counters"), "c": e((T, L), bf16),
             "n": e((T, L), bf16), "a_shared": e((T, S), bf16),
         }
+        if self.gemv_dense:
+            self.buf.update({"gu": e((T, 2 * S), f32), "r": e((T, H), bf16), "s": e((T, H), bf16)})
+        for role in GEMV_ROLES:  # each launch its own split-K scratch: two may run at once
+            if self.k.get(role) is not None:
+                self.buf[f"{role}_partials"] = param_buffer(self.k.get(role), "partials")
+                self.buf[f"{role}_counters"] = param_buffer(self.k.get(role), "counters")
         if concurrent:
             self._side = torch.cuda.Stream(device=dev)
 
@@ -204,33 +263,99 @@ class MoEBlock:
         return {k: self.buf[k] for k in ("logits", "ids", "weights", "n_groups", "group_expert",
                                          "group_start", "sorted_slots")}
 
+    def _gemv(self, role: str, x, w, y) -> None:
+        self.k.get(role)(x, w, y, self.buf[f"{role}_partials"], self.buf[f"{role}_counters"])
+
+    def _event(self, stream):
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def _router(self, h, w_gate, w_down) -> None:
+        b = self.buf
+        self.k.router(h, w_gate, self.w.bias, b["logits"], b["ids"], b["weights"], b["n_groups"],
+                      b["group_expert"], b["group_start"], b["sorted_slots"], b["router_counter"], w_down, b["z"])
+
+    def route(self, h, w_gate, w_down) -> None:
+        """Step 2 alone on torch's current stream: the routing and z = h @ W_down.T (in the
+        router's launch, or at GEMV_DOWN batches a gemv on the side stream, joined)."""
+        import torch
+
+        if not self.gemv_down:
+            self._router(h, w_gate, w_down)
+            return
+        if self.concurrent:
+            main = torch.cuda.current_stream()
+            self._side.wait_event(self._event(main))
+            with torch.cuda.stream(self._side):
+                self._gemv("down", h, w_down, self.buf["z"])
+            z_ready = self._event(self._side)
+            self._router(h, w_gate, w_down)
+            main.wait_event(z_ready)
+        else:
+            self._gemv("down", h, w_down, self.buf["z"])
+            self._router(h, w_gate, w_down)
+
+    def shared_gate_up(self, h, w_sgu) -> None:
+        """Step 7: a_s = bf16(SiTU(h @ W_sgu.T)) on torch's current stream."""
+        b = self.buf
+        if self.gemv_dense:
+            self._gemv("shared_gate_up", h, w_sgu, b["gu"])
+            self.k.shared_situ(b["gu"], b["a_shared"])
+        else:
+            self.k.shared_gate_up(h, w_sgu, b["a_shared"])
+
+    def shared_down(self, a, w_sd) -> None:
+        """At GEMV_DENSE batches, s = a_s @ W_sd.T (elsewhere part of latent_out)."""
+        self._gemv("shared_down", a, w_sd, self.buf["s"])
+
+    def latent_out(self, x, n, w_up, a, w_sd, out, *, with_shared_down: bool = True) -> None:
+        """Step 8: out = x + n @ W_up.T + a @ W_sd.T; at GEMV_DENSE batches, unless the shared
+        expert's down-projection already ran (`with_shared_down` False: buf["s"] holds it)."""
+        b = self.buf
+        if not self.gemv_dense:
+            self.k.latent_out(x, n, w_up, a, w_sd, out)
+            return
+        if with_shared_down:
+            self.shared_down(a, w_sd)
+        self._gemv("up", n, w_up, b["r"])
+        self.k.residual(x, b["r"], b["s"], out)
+
     def launch(self, x, out) -> None:
         """Enqueue the block on torch's current stream (forking to side streams when concurrent):
         out = block(x). Asynchronous; capturable."""
         import torch
 
         b, w, k = self.buf, self.w, self.k
-        main = torch.cuda.current_stream()
         k.norm_pre(x, w.gamma_pre, b["h"])
         if self.concurrent:
-            h_ready = torch.cuda.Event()
-            h_ready.record(main)
-            self._side.wait_event(h_ready)
-            with torch.cuda.stream(self._side):
-                k.shared_gate_up(b["h"], w.w_shared_gate_up, b["a_shared"])
-            a_ready = torch.cuda.Event()
-            a_ready.record(self._side)
-        k.router(b["h"], w.w_gate, w.bias, b["logits"], b["ids"], b["weights"], b["n_groups"],
-                 b["group_expert"], b["group_start"], b["sorted_slots"], b["router_counter"], w.w_down, b["z"])
+            main = torch.cuda.current_stream()
+            self._side.wait_event(self._event(main))
+            with torch.cuda.stream(self._side):  # beside the router and the routed experts
+                if self.gemv_down:
+                    self._gemv("down", b["h"], w.w_down, b["z"])
+                    z_ready = self._event(self._side)
+                self.shared_gate_up(b["h"], w.w_shared_gate_up)
+                if self.gemv_dense:
+                    self.shared_down(b["a_shared"], w.w_shared_down)
+            shared_ready = self._event(self._side)
+            self._router(b["h"], w.w_gate, w.w_down)
+            if self.gemv_down:
+                main.wait_event(z_ready)
+        else:
+            self.route(b["h"], w.w_gate, w.w_down)
         k.w13(b["z"], w.w13, b["n_groups"], b["group_expert"], b["group_start"], b["sorted_slots"], b["act"])
         k.w2(b["act"], w.w2, b["weights"], b["n_groups"], b["group_expert"], b["group_start"],
              b["sorted_slots"], b["o"], b["w2_counters"], b["c"])
         k.norm_latent(b["c"], w.gamma_latent, b["n"])
         if self.concurrent:
-            main.wait_event(a_ready)
+            main.wait_event(shared_ready)
         else:
-            k.shared_gate_up(b["h"], w.w_shared_gate_up, b["a_shared"])
-        k.latent_out(x, b["n"], w.w_up, b["a_shared"], w.w_shared_down, out)
+            self.shared_gate_up(b["h"], w.w_shared_gate_up)
+        self.latent_out(x, b["n"], w.w_up, b["a_shared"], w.w_shared_down, out,
+                        with_shared_down=not (self.concurrent and self.gemv_dense))
 
     def capture(self, xs, outs):
         """A CUDA graph of `launch(xs[i], outs[i])` for every i, in order (one decode step each).

@@ -168,6 +168,16 @@ def shared_expert(h: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return _out(o, h.dtype, compute_dtype)
 
 
+def gated_situ(gu: torch.Tensor, *, gate_limit: float = 4.0, up_limit: float = 25.0,
+               compute_dtype: torch.dtype = F32) -> torch.Tensor:
+    """a = SiTU(g, u) of the halves of gu = [g | u] ([T, 2S], fp32 accumulators of a gate/up
+    projection), in `compute_dtype`; the bf16 path rounds once."""
+    _check_compute(compute_dtype)
+    g = gu.to(compute_dtype)
+    S = g.shape[-1] // 2
+    return _out(situ(g[..., :S], g[..., S:], gate_limit, up_limit), torch.bfloat16, compute_dtype)
+
+
 def residual(x: torch.Tensor, r: torch.Tensor, shared: torch.Tensor, *,
              compute_dtype: torch.dtype = F32) -> torch.Tensor:
     """out = x + r + shared, summed in `compute_dtype`."""
@@ -312,6 +322,7 @@ REFERENCE_OPS = {
     "routed_experts": routed_experts,
     "latent_norm_up": latent_norm_up,
     "shared_expert": shared_expert,
+    "gated_situ": gated_situ,
     "residual": residual,
     "moe_block": moe_block,
 }

@@ -17,10 +17,37 @@ K3 = get_config("k3")
 
 
 def test_every_block_variant_is_a_manifest_variant():
+    """...but W_sgu's gemv with fp32 output (the foundation proves it in bf16), a shape the gemv op
+    plans like its manifest neighbour."""
+    from kernels.ops.gemv import GemvOp
+
     man = load_manifest()
     for T in DECODE_BATCH_SIZES:
-        for name, shape in block_variants(K3, T):
+        for role, name, shape in block_variants(K3, T):
+            if role == "shared_gate_up" and name == "gemv":
+                assert shape == {"batch": T, "n": 12288, "k": 7168, "out_dtype": "float32"}
+                bf = GemvOp({**shape, "out_dtype": "bfloat16"})
+                assert GemvOp(shape).launch_config() == bf.launch_config()
+                continue
             assert shape in [dict(s) for s in man.kernel(name).shapes], (name, shape)
+
+
+def test_dense_projections_are_gemv_launches_at_their_batches():
+    from kernels.block import GEMV_DENSE, GEMV_DOWN
+
+    for T in DECODE_BATCH_SIZES:
+        roles = {role: name for role, name, _ in block_variants(K3, T)}
+        want = {"norm_pre": "rmsnorm", "router": "router", "w13": "moe_w13", "w2": "moe_w2", "norm_latent": "rmsnorm"}
+        if T in GEMV_DOWN:
+            want["down"] = "gemv"
+        if T in GEMV_DENSE:
+            want.update(shared_gate_up="gemv", shared_situ="gated_situ", shared_down="gemv", up="gemv",
+                        residual="residual")
+        else:
+            want.update(shared_gate_up="shared_gate_up", latent_out="latent_out")
+        assert roles == want, T
+        assert block_tunables("router", T).get("down", 1) == (0 if T in GEMV_DOWN else 1)
+        assert block_tunables("gemv", T) == {} and block_tunables("residual", T) == {}
 
 
 def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
@@ -28,7 +55,7 @@ def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
 
     man = load_manifest()
     for T in DECODE_BATCH_SIZES:
-        for name, shape in block_variants(K3, T):
+        for _role, name, shape in block_variants(K3, T):
             tun = block_tunables(name, T)
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
             experts = name in ("moe_w13", "moe_w2")
@@ -68,6 +95,72 @@ def test_torch_baseline_is_the_block(T):
     want = reference.moe_block(x, w, cfg)
     got = torch_block(x, w, cfg)
     assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+class _Fake:
+    """A loaded kernel that records its launches (role, argument ids) in `log`."""
+
+    def __init__(self, role, log, params=()):
+        self.role, self.log = role, log
+        self.meta = {"kernel": role, "params": [{"name": n, "spec": {"shape": [4], "dtype": "int32"}} for n in params]}
+
+    def __call__(self, *args):
+        self.log.append((self.role, args))
+
+
+@pytest.mark.parametrize("T, down, dense", [(8, False, False), (8, True, False), (64, True, True)])
+def test_block_chain_passes_each_launch_its_producers_outputs(T, down, dense, monkeypatch):
+    """On CPU with recording kernels (one stream): the launch order and which buffer each
+    launch reads and writes, with the fused dense ops, with the down-projection alone as a
+    gemv, and with every dense projection a gemv."""
+    from kernels import block as B
+
+    monkeypatch.setattr(B, "GEMV_DOWN", (T,) if down else ())
+    monkeypatch.setattr(B, "GEMV_DENSE", (T,) if dense else ())
+    from kernels.block import BlockKernels, MoEBlock
+
+    cfg = get_config("tiny")
+    w = reference.make_weights(cfg)
+    log = []
+    roles = [r for r, _, _ in block_variants(K3, T)]
+    ks = BlockKernels(**{r: _Fake(r, log, ("counters", "partials") if r in ("w2", "down", "shared_gate_up",
+                                                                            "shared_down", "up") else ())
+                         for r in roles})
+    blk = MoEBlock(cfg, T, w, concurrent=False, kernels=ks)
+    x, out = torch.zeros(T, cfg.hidden, dtype=torch.bfloat16), torch.zeros(T, cfg.hidden, dtype=torch.bfloat16)
+    blk.launch(x, out)
+    b = blk.buf
+    got = [(r, a) for r, a in log]
+    order = [r for r, _ in got]
+    args = dict(got)
+
+    def same(t, u):
+        return t is u
+
+    assert same(args["norm_pre"][2], b["h"]) and same(args["w13"][0], b["z"]) and same(args["w2"][0], b["act"])
+    assert same(args["norm_latent"][0], b["c"]) and same(args["norm_latent"][2], b["n"])
+    if "down" in roles:
+        assert order[:3] == ["norm_pre", "down", "router"]
+        assert same(args["down"][0], b["h"]) and same(args["down"][1], w.w_down) and same(args["down"][2], b["z"])
+        assert same(args["down"][3], b["down_partials"]) and same(args["down"][4], b["down_counters"])
+    else:
+        assert order[:2] == ["norm_pre", "router"] and same(args["router"][12], b["z"])
+    if "residual" in roles:
+        assert order[-8:] == ["w13", "w2", "norm_latent", "shared_gate_up", "shared_situ", "shared_down", "up",
+                              "residual"]
+        assert same(args["shared_gate_up"][2], b["gu"]) and same(args["shared_situ"][0], b["gu"])
+        assert same(args["shared_situ"][1], b["a_shared"]) and same(args["shared_down"][0], b["a_shared"])
+        assert same(args["shared_down"][2], b["s"]) and same(args["up"][0], b["n"]) and same(args["up"][1], w.w_up)
+        assert same(args["up"][2], b["r"])
+        assert [id(a) for a in args["residual"]] == [id(x), id(b["r"]), id(b["s"]), id(out)]
+        # every gemv launch has its own split-K scratch (two may run at once)
+        gemvs = [r for r in ("down", "shared_gate_up", "shared_down", "up") if r in roles]
+        assert len({id(args[r][4]) for r in gemvs}) == len(gemvs) == 4
+    else:
+        assert order[-4:] == ["w2", "norm_latent", "shared_gate_up", "latent_out"]
+        assert same(args["shared_gate_up"][2], b["a_shared"])
+        assert [id(a) for a in args["latent_out"]] == [id(x), id(b["n"]), id(w.w_up), id(b["a_shared"]),
+                                                       id(w.w_shared_down), id(out)]
 
 
 def test_block_bytes_count_dense_weights_and_selected_experts():
@@ -115,16 +208,18 @@ def test_the_proof_runs_the_plans_cubins_not_the_checkouts(tmp_path, monkeypatch
     from kernels.launch import CubinKernel
 
     variants = B.block_variants(K3, 32)
-    plan_doc = {"cases": [{"kernel": name, "shape": dict(shape), "dir": f"built/{name}"} for name, shape in variants]}
+    plan_doc = {"cases": [{"kernel": name, "shape": dict(shape), "dir": f"built/{role}"}
+                          for role, name, shape in variants]}
     pick = BP.plan_dirs(plan_doc, 32)
-    name, shape = variants[2]  # moe_w13 at batch 32
-    assert pick(name, dict(reversed(list(shape.items())))) == BP.REPO / "built/moe_w13"  # key order does not matter
+    role, name, shape = variants[3]  # moe_w13 at batch 32
+    assert role == "w13"
+    assert pick(name, dict(reversed(list(shape.items())))) == BP.REPO / "built/w13"  # key order does not matter
     with pytest.raises(BP.ProofError, match=r"the plan has no moe_w2 variant .*batch 32"):
-        BP.plan_dirs({"cases": plan_doc["cases"][:3]}, 32)("moe_w2", dict(variants[3][1]))
+        BP.plan_dirs({"cases": plan_doc["cases"][:4]}, 32)("moe_w2", dict(variants[4][2]))
     # load_block_kernels takes exactly those folders (no lookup under a build root)
     seen = []
     monkeypatch.setattr(CubinKernel, "from_dir", classmethod(lambda cls, d: seen.append(Path(d)) or cls.__new__(cls)))
     monkeypatch.setattr(CubinKernel, "load", lambda self: None)
     monkeypatch.setattr(B, "find_artifact", lambda *a, **k: pytest.fail("looked up a build"))
     B.load_block_kernels(K3, 32, dirs=pick)
-    assert seen == [BP.REPO / f"built/{n}" for n, _ in variants]
+    assert seen == [BP.REPO / f"built/{r}" for r, _, _ in variants]

@@ -163,6 +163,9 @@ OP_DEFS: dict[str, OpDef] = {
         "w_gate_up": _weight(c, "wgu", (2 * cfg.shared_inter, cfg.hidden), cfg.hidden, d),
         "w_down": _weight(c, "wd", (cfg.hidden, cfg.shared_inter), cfg.shared_inter, d),
         "gate_limit": cfg.situ_gate_limit, "up_limit": cfg.situ_up_limit}, ("h",), boundary=(_SMALL,)),
+    "gated_situ": OpDef("gated_situ", lambda c, cfg, d: {
+        "gu": _act(c, "gu", (c.batch, 2 * int(c.problem.get("width", cfg.shared_inter))), d, torch.float32),
+        "gate_limit": cfg.situ_gate_limit, "up_limit": cfg.situ_up_limit}, ("gu",), boundary=({"width": 8},)),
     "residual": OpDef("residual", lambda c, cfg, d: {
         "x": _act(c, "x", (c.batch, _width(c, cfg)), d), "r": _act(c, "r", (c.batch, _width(c, cfg)), d),
         "shared": _act(c, "shared", (c.batch, _width(c, cfg)), d)}, ("x", "r", "shared"),
