@@ -98,7 +98,7 @@ def plan(args) -> int:
         raise ProofError(f"--root {args.root} is outside the repository: the GPU call carries only paths inside it")
     cases, seen = [], set()
     for T in args.batches:
-        for name, shape in block_variants(cfg, T):
+        for _role, name, shape in block_variants(cfg, T):
             try:
                 a = build_variant(name, shape, block_tunables(name, T), root=Path(args.root).resolve())
             except BuildError as e:
@@ -382,17 +382,15 @@ def speed(blk, cfg, T, calls: int, read_tbps: float, baseline_ok: bool, per_op: 
 
     ops = {
         "rmsnorm_pre": lambda i, s: k.norm_pre(xs[i % calls], w.gamma_pre, b["h"]),
-        "router+down": lambda i, s: k.router(s["h"], wg[i % nr], w.bias, b["logits"], b["ids"], b["weights"],
-                                             b["n_groups"], b["group_expert"], b["group_start"],
-                                             b["sorted_slots"], b["router_counter"], wd[i % nr], b["z"]),
+        "router+down": lambda i, s: blk.route(s["h"], wg[i % nr], wd[i % nr]),
         "moe_w13": lambda i, s: k.w13(s["z"], w.w13, s["n_groups"], s["group_expert"], s["group_start"],
                                       s["sorted_slots"], b["act"]),
         "moe_w2": lambda i, s: k.w2(s["act"], w.w2, s["weights"], s["n_groups"], s["group_expert"],
                                     s["group_start"], s["sorted_slots"], b["o"], b["w2_counters"], b["c"]),
         "rmsnorm_latent": lambda i, s: k.norm_latent(s["c"], w.gamma_latent, b["n"]),
-        "shared_gate_up": lambda i, s: k.shared_gate_up(s["h"], wsgu[i % ns], b["a_shared"]),
-        "latent_out": lambda i, s: k.latent_out(xs[i % calls], s["n"], wu[i % nl], s["a_shared"], wsd[i % nl],
-                                                outs[i % calls]),
+        "shared_gate_up": lambda i, s: blk.shared_gate_up(s["h"], wsgu[i % ns]),
+        "latent_out": lambda i, s: blk.latent_out(xs[i % calls], s["n"], wu[i % nl], s["a_shared"], wsd[i % nl],
+                                                  outs[i % calls]),
     }
     res["ops"] = {}
     for name, fn in ops.items():
