@@ -13,18 +13,19 @@ GPU host only and DSL-free: every kernel is an AOT-built cubin found with
     7 shared_gate_up  a_s = SiTU(h @ W_sgu.T)
     8 latent_out      out = x + n @ W_up.T + a_s @ W_sd.T
 
-At the batches of GEMV_DOWN the down-projection, and at those of GEMV_DENSE the output side's
-projections, are instead foundation GEMM launches (kernels/ops/gemv.py, its own defaults), with
-the elementwise epilogues of kernels/ops/epilogue.py; same semantics and roundings:
+At the batches of GEMV_ROUTER the router's projections, and at those of GEMV_DENSE the output
+side's, are instead foundation GEMM launches (kernels/ops/gemv.py, its own defaults) with small
+kernels for what followed them in the fused launches; same semantics and roundings:
 
-    2  router (down 0)   the routing only               beside it: gemv z = h @ W_down.T
-    7  gemv              gu = h @ W_sgu.T (fp32)        gated_situ  a_s = bf16(SiTU(gu))
-    8  gemv              s = a_s @ W_sd.T (bf16)        gemv  r = n @ W_up.T (bf16)
-                         residual  out = bf16(x + r + s)
+    2  gemv  logits = h @ W_g.T (fp32)      router_select  top-k, weights, grouping
+                                             beside them: gemv  z = h @ W_down.T
+    7  gemv  gu = h @ W_sgu.T (fp32)         gated_situ  a_s = bf16(SiTU(gu))
+    8  gemv  s = a_s @ W_sd.T (bf16)         gemv  r = n @ W_up.T (bf16)
+                                             residual  out = bf16(x + r + s)
 
-With `concurrent=True` a second stream runs, beside 2-6, z's gemv (GEMV_DOWN), then 7 (it needs
-only h) and at GEMV_DENSE batches s's gemv; an event joins z before 4, another the shared expert
-before 8. Under graph capture the streams become parallel branches of the one graph.
+With `concurrent=True` a second stream runs, beside 2-6, z's gemv (GEMV_ROUTER), then 7 (it
+needs only h) and at GEMV_DENSE batches s's gemv; an event joins z before 4, another the shared
+expert before 8. Under graph capture the streams become parallel branches of the one graph.
 
 Scratch buffers are allocated once per block object; the split-K counters (router, moe_w2, the
 gemv launches) are zeroed once and every launch leaves them zero.
@@ -106,21 +107,24 @@ ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_til
                    16: _WIDE_ROUTER, 32: _WIDE_ROUTER, 64: _WIDE_ROUTER}
 
 
-# The batches at which the latent down-projection is a foundation GEMM launch beside the router
-# (`down` 0) instead of the router launch's down CTAs, and those at which the output side's
-# projections (W_sgu, W_sd, W_up) are foundation GEMM launches with kernels/ops/epilogue.py's
-# epilogues instead of the fused shared_gate_up / latent_out kernels (module docstring). Alone,
-# at batch 64, the foundation GEMM (evidence_reports/foundation/final/) takes 15.8 us for W_down,
-# 43.8 for W_sgu, 15.0 + 23.6 for W_up and W_sd, where the block's ops took 109.6 (router+down),
-# 89.0 and 80.6 (evidence_reports/moe_block/round6/w13_wg/); at batch 8 14.3, 41.6 and 13.6 + 21.7
-# against 34.9, 46.8 and 39.1.
-GEMV_DOWN = (1, 2, 4, 8, 16, 32, 64)
+# The batches at which the router's projections are foundation GEMM launches (kernels/ops/gemv.py,
+# its own defaults): the logits h @ W_g.T in fp32, then `router_select` (kernels/ops/router.py:
+# the router's selection and grouping alone, a warp per token across CTAs), and beside them on
+# the side stream z = h @ W_down.T; instead of the router launch that computes both projections
+# on its mma (or stream) design and selects in one CTA. And the batches at which the output
+# side's projections (W_sgu, W_sd, W_up) are foundation GEMM launches with kernels/ops/
+# epilogue.py's epilogues instead of the fused shared_gate_up / latent_out kernels (module
+# docstring). Alone, at batch 64, the foundation GEMM (evidence_reports/foundation/final/) takes
+# 7.0 us for W_g, 15.8 for W_down, 43.8 for W_sgu, 15.0 + 23.6 for W_up and W_sd, where the
+# block's ops took 109.6 (router+down), 89.0 and 80.6 (evidence_reports/moe_block/round6/
+# w13_wg/); at batch 8 5.7, 14.3, 41.6 and 13.6 + 21.7 against 34.9, 46.8 and 39.1.
+GEMV_ROUTER = (1, 2, 4, 8, 16, 32, 64)
 GEMV_DENSE = (8, 16, 32, 64)
 
 
-def down_by_gemv(batch: int) -> bool:
-    """Whether z = h @ W_down.T is a foundation GEMM launch beside the router at `batch`."""
-    return batch in GEMV_DOWN
+def router_by_gemv(batch: int) -> bool:
+    """Whether the router's projections at `batch` are foundation GEMM launches."""
+    return batch in GEMV_ROUTER
 
 
 def dense_by_gemv(batch: int) -> bool:
@@ -131,10 +135,7 @@ def dense_by_gemv(batch: int) -> bool:
 def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
     if kernel == "router":
-        t = dict(ROUTER_IN_BLOCK.get(batch, {}))
-        if down_by_gemv(batch):
-            t["down"] = 0  # z is a gemv launch beside it
-        return t
+        return dict(ROUTER_IN_BLOCK.get(batch, {}))
     if batch in WG_EXPERTS.get(kernel, ()):
         return {"stream": 0, "wg": 1}
     if kernel in STREAM_EXPERTS and batch <= STREAM_EXPERTS_MAX_BATCH:
@@ -146,24 +147,31 @@ def block_tunables(kernel: str, batch: int) -> dict:
     return {}  # past 16, a batch that is not a decode size, and every gemv: the manifest defaults
 
 
-def block_variants(cfg: ModelConfig, batch: int) -> list[tuple[str, str, dict]]:
+def block_variants(cfg: ModelConfig, batch: int, *, gemv_router: bool | None = None,
+                   gemv_dense: bool | None = None) -> list[tuple[str, str, dict]]:
     """(role, kernel, manifest shape) of every kernel variant the block launches at `batch`, in
-    launch order (on one stream). The gemv shapes are the foundation's problems but one, W_sgu's
-    with fp32 output (12288 x 7168 at k3), which the foundation proof times in bf16."""
+    launch order (on one stream); `gemv_router` / `gemv_dense` override GEMV_ROUTER / GEMV_DENSE
+    (a plan built under other choices). The gemv shapes are the foundation's problems but one,
+    W_sgu's with fp32 output (12288 x 7168 at k3), which the foundation proof times in bf16."""
     T = batch
-    H, L, S = cfg.hidden, cfg.latent, cfg.shared_inter
-    experts = {"n_experts": cfg.n_experts, "latent": L, "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}
-    head = [("norm_pre", "rmsnorm", {"batch": T, "width": H}),
-            ("router", "router", {"batch": T, "n_experts": cfg.n_experts, "hidden": H, "top_k": cfg.top_k,
-                                  "latent": L})]
-    routed = [("w13", "moe_w13", {"batch": T, **experts}), ("w2", "moe_w2", {"batch": T, **experts}),
-              ("norm_latent", "rmsnorm", {"batch": T, "width": L})]
+    H, L, S, E = cfg.hidden, cfg.latent, cfg.shared_inter, cfg.n_experts
+    gemv_router = router_by_gemv(batch) if gemv_router is None else gemv_router
+    gemv_dense = dense_by_gemv(batch) if gemv_dense is None else gemv_dense
+    experts = {"n_experts": E, "latent": L, "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}
+
     def gemv(n, k, out="bfloat16"):
         return {"batch": T, "n": n, "k": k, "out_dtype": out}
 
-    if down_by_gemv(batch):
-        head.append(("down", "gemv", gemv(L, H)))
-    if not dense_by_gemv(batch):
+    head = [("norm_pre", "rmsnorm", {"batch": T, "width": H})]
+    if gemv_router:
+        head += [("logits", "gemv", gemv(E, H, "float32")),
+                 ("router", "router_select", {"batch": T, "n_experts": E, "top_k": cfg.top_k}),
+                 ("down", "gemv", gemv(L, H))]
+    else:
+        head += [("router", "router", {"batch": T, "n_experts": E, "hidden": H, "top_k": cfg.top_k, "latent": L})]
+    routed = [("w13", "moe_w13", {"batch": T, **experts}), ("w2", "moe_w2", {"batch": T, **experts}),
+              ("norm_latent", "rmsnorm", {"batch": T, "width": L})]
+    if not gemv_dense:
         return head + routed + [
             ("shared_gate_up", "shared_gate_up", {"batch": T, "hidden": H, "shared_inter": S}),
             ("latent_out", "latent_out", {"batch": T, "hidden": H, "latent": L, "shared_inter": S})]
@@ -188,14 +196,16 @@ class BlockKernels:
         return {f"{role}:{k.meta['kernel']}": k.sha256 for role, k in vars(self).items()}
 
 
-def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, dirs=None) -> BlockKernels:
+def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, dirs=None,
+                       variants=None) -> BlockKernels:
     """Load (on the current device) every prebuilt cubin of the block at `batch`.
 
-    By default each variant is this checkout's choice (`block_tunables`), found under `root` and
-    verified against today's sources (kernels.build.find_artifact raises BuildError naming a
-    missing or stale variant). `dirs(kernel, shape)` instead names each variant's build folder:
-    scripts/block_proof.py passes its plan's (whose cubins it has checked against the plan's
-    hashes), so a plan runs as it was built, whatever the checkout's sources are now.
+    By default each variant is this checkout's choice (`block_variants`, `block_tunables`), found
+    under `root` and verified against today's sources (kernels.build.find_artifact raises
+    BuildError naming a missing or stale variant). `dirs(kernel, shape)` instead names each
+    variant's build folder and `variants` the (role, kernel, shape) list: scripts/block_proof.py
+    passes its plan's (whose cubins it has checked against the plan's hashes), so a plan runs as
+    it was built, whatever the checkout's sources and choices are now.
     """
     from kernels.launch import CubinKernel
 
@@ -204,13 +214,15 @@ def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, 
             return dirs(name, shape)
         return find_artifact(name, shape, block_tunables(name, batch), root=root).dir
 
-    ks = {role: CubinKernel.from_dir(folder(name, shape)) for role, name, shape in block_variants(cfg, batch)}
+    if variants is None:
+        variants = block_variants(cfg, batch)
+    ks = {role: CubinKernel.from_dir(folder(name, shape)) for role, name, shape in variants}
     for k in ks.values():
         k.load()  # before any graph capture (module loading is not capturable)
     return BlockKernels(**ks)
 
 
-GEMV_ROLES = ("down", "shared_gate_up", "shared_down", "up")
+GEMV_ROLES = ("logits", "down", "shared_gate_up", "shared_down", "up")
 
 
 class MoEBlock:
@@ -225,7 +237,7 @@ class MoEBlock:
         self.w = weights
         self.k = kernels or load_block_kernels(cfg, batch, root)
         self.concurrent = concurrent
-        self.gemv_down = self.k.get("down") is not None
+        self.gemv_router = self.k.get("down") is not None
         self.gemv_dense = self.k.get("residual") is not None
         dev = weights.w_gate.device
         bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
@@ -252,7 +264,7 @@ class MoEBlock:
         if self.gemv_dense:
             self.buf.update({"gu": e((T, 2 * S), f32), "r": e((T, H), bf16), "s": e((T, H), bf16)})
         for role in GEMV_ROLES:  # each launch its own split-K scratch: two may run at once
-            if self.k.get(role) is not None:
+            if self.k.get(role) is not None and self.k.get(role).meta["kernel"] == "gemv":
                 self.buf[f"{role}_partials"] = param_buffer(self.k.get(role), "partials")
                 self.buf[f"{role}_counters"] = param_buffer(self.k.get(role), "counters")
         if concurrent:
@@ -274,16 +286,22 @@ class MoEBlock:
         return ev
 
     def _router(self, h, w_gate, w_down) -> None:
+        """The routing (and, in the router's launch, z) on the current stream."""
         b = self.buf
+        if self.gemv_router:
+            self._gemv("logits", h, w_gate, b["logits"])
+            self.k.router(b["logits"], self.w.bias, b["ids"], b["weights"], b["n_groups"], b["group_expert"],
+                          b["group_start"], b["sorted_slots"], b["router_counter"])
+            return
         self.k.router(h, w_gate, self.w.bias, b["logits"], b["ids"], b["weights"], b["n_groups"],
                       b["group_expert"], b["group_start"], b["sorted_slots"], b["router_counter"], w_down, b["z"])
 
     def route(self, h, w_gate, w_down) -> None:
         """Step 2 alone on torch's current stream: the routing and z = h @ W_down.T (in the
-        router's launch, or at GEMV_DOWN batches a gemv on the side stream, joined)."""
+        router's launch, or at GEMV_ROUTER batches a gemv on the side stream, joined)."""
         import torch
 
-        if not self.gemv_down:
+        if not self.gemv_router:
             self._router(h, w_gate, w_down)
             return
         if self.concurrent:
@@ -295,8 +313,8 @@ class MoEBlock:
             self._router(h, w_gate, w_down)
             main.wait_event(z_ready)
         else:
-            self._gemv("down", h, w_down, self.buf["z"])
             self._router(h, w_gate, w_down)
+            self._gemv("down", h, w_down, self.buf["z"])
 
     def shared_gate_up(self, h, w_sgu) -> None:
         """Step 7: a_s = bf16(SiTU(h @ W_sgu.T)) on torch's current stream."""
@@ -334,7 +352,7 @@ class MoEBlock:
             main = torch.cuda.current_stream()
             self._side.wait_event(self._event(main))
             with torch.cuda.stream(self._side):  # beside the router and the routed experts
-                if self.gemv_down:
+                if self.gemv_router:
                     self._gemv("down", b["h"], w.w_down, b["z"])
                     z_ready = self._event(self._side)
                 self.shared_gate_up(b["h"], w.w_shared_gate_up)
@@ -342,7 +360,7 @@ class MoEBlock:
                     self.shared_down(b["a_shared"], w.w_shared_down)
             shared_ready = self._event(self._side)
             self._router(b["h"], w.w_gate, w.w_down)
-            if self.gemv_down:
+            if self.gemv_router:
                 main.wait_event(z_ready)
         else:
             self.route(b["h"], w.w_gate, w.w_down)

@@ -93,6 +93,14 @@ def router(h: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int
     """
     _check_compute(compute_dtype)
     logits = linear(h, w_gate, out_dtype=F32, compute_dtype=compute_dtype)
+    return route_logits(logits, bias, top_k, scale=scale, ids=ids, compute_dtype=compute_dtype)
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, scale: float = 1.0,
+                 ids: torch.Tensor | None = None, compute_dtype: torch.dtype = F32) -> Routing:
+    """The router after its logits (`router`'s rule): s = sigmoid(logits); top_k of s + bias
+    (ties to the lower index); w_k = s_k / (sum of selected s + 1e-20) * scale."""
+    _check_compute(compute_dtype)
     s = torch.sigmoid(logits.to(compute_dtype))
     if ids is None:
         ids = select_experts(s, bias, top_k)
@@ -315,6 +323,7 @@ REFERENCE_OPS = {
     "rmsnorm": rmsnorm,
     "linear": linear,
     "router": router,
+    "route_logits": route_logits,
     "latent_down": linear,
     "expert_ffn": expert_ffn,
     "expert_outputs": expert_outputs,

@@ -86,6 +86,17 @@ def plan_dirs(plan_doc: dict, batch: int):
     return pick
 
 
+def plan_variants(plan_doc: dict, cfg, batch: int) -> list:
+    """The (role, kernel, shape) list of the block a plan built at `batch`: the block's structure
+    under the choices its cases show (router_select built: the router's projections as gemv
+    launches; residual built: the output side's), so a plan of an earlier configuration runs as
+    that configuration."""
+    from kernels.block import block_variants
+
+    kernels = {c["kernel"] for c in plan_doc["cases"] if c["shape"].get("batch") == batch}
+    return block_variants(cfg, batch, gemv_router="router_select" in kernels, gemv_dense="residual" in kernels)
+
+
 def plan(args) -> int:
     """Build every kernel variant the block launches at the batch sizes; write the plan."""
     from kernels.block import block_tunables, block_variants
@@ -463,7 +474,7 @@ def run(args) -> int:
         row = {}
         doc["batches"][str(T)] = row
         try:
-            kern = load_block_kernels(cfg, T, dirs=plan_dirs(plan_doc, T))
+            kern = load_block_kernels(cfg, T, dirs=plan_dirs(plan_doc, T), variants=plan_variants(plan_doc, cfg, T))
             row["cubins"] = kern.hashes()
             blk = MoEBlock(cfg, T, w, kernels=kern, concurrent=not args.sequential)
             if not args.skip_numerics:

@@ -33,20 +33,19 @@ def test_every_block_variant_is_a_manifest_variant():
 
 
 def test_dense_projections_are_gemv_launches_at_their_batches():
-    from kernels.block import GEMV_DENSE, GEMV_DOWN
+    from kernels.block import GEMV_DENSE, GEMV_ROUTER
 
     for T in DECODE_BATCH_SIZES:
         roles = {role: name for role, name, _ in block_variants(K3, T)}
         want = {"norm_pre": "rmsnorm", "router": "router", "w13": "moe_w13", "w2": "moe_w2", "norm_latent": "rmsnorm"}
-        if T in GEMV_DOWN:
-            want["down"] = "gemv"
+        if T in GEMV_ROUTER:
+            want.update(logits="gemv", router="router_select", down="gemv")
         if T in GEMV_DENSE:
             want.update(shared_gate_up="gemv", shared_situ="gated_situ", shared_down="gemv", up="gemv",
                         residual="residual")
         else:
             want.update(shared_gate_up="shared_gate_up", latent_out="latent_out")
         assert roles == want, T
-        assert block_tunables("router", T).get("down", 1) == (0 if T in GEMV_DOWN else 1)
         assert block_tunables("gemv", T) == {} and block_tunables("residual", T) == {}
 
 
@@ -100,22 +99,23 @@ def test_torch_baseline_is_the_block(T):
 class _Fake:
     """A loaded kernel that records its launches (role, argument ids) in `log`."""
 
-    def __init__(self, role, log, params=()):
+    def __init__(self, role, log, params=(), kernel=None):
         self.role, self.log = role, log
-        self.meta = {"kernel": role, "params": [{"name": n, "spec": {"shape": [4], "dtype": "int32"}} for n in params]}
+        self.meta = {"kernel": kernel or role,
+                     "params": [{"name": n, "spec": {"shape": [4], "dtype": "int32"}} for n in params]}
 
     def __call__(self, *args):
         self.log.append((self.role, args))
 
 
-@pytest.mark.parametrize("T, down, dense", [(8, False, False), (8, True, False), (64, True, True)])
-def test_block_chain_passes_each_launch_its_producers_outputs(T, down, dense, monkeypatch):
+@pytest.mark.parametrize("T, router, dense", [(8, False, False), (8, True, False), (64, True, True)])
+def test_block_chain_passes_each_launch_its_producers_outputs(T, router, dense, monkeypatch):
     """On CPU with recording kernels (one stream): the launch order and which buffer each
-    launch reads and writes, with the fused dense ops, with the down-projection alone as a
-    gemv, and with every dense projection a gemv."""
+    launch reads and writes, with the fused router and dense ops, with the router's projections
+    as gemv launches, and with every dense projection a gemv."""
     from kernels import block as B
 
-    monkeypatch.setattr(B, "GEMV_DOWN", (T,) if down else ())
+    monkeypatch.setattr(B, "GEMV_ROUTER", (T,) if router else ())
     monkeypatch.setattr(B, "GEMV_DENSE", (T,) if dense else ())
     from kernels.block import BlockKernels, MoEBlock
 
@@ -123,9 +123,9 @@ def test_block_chain_passes_each_launch_its_producers_outputs(T, down, dense, mo
     w = reference.make_weights(cfg)
     log = []
     roles = [r for r, _, _ in block_variants(K3, T)]
-    ks = BlockKernels(**{r: _Fake(r, log, ("counters", "partials") if r in ("w2", "down", "shared_gate_up",
-                                                                            "shared_down", "up") else ())
-                         for r in roles})
+    kinds = {r: k for r, k, _ in block_variants(K3, T)}
+    ks = BlockKernels(**{r: _Fake(r, log, ("counters", "partials") if kinds[r] in ("gemv", "moe_w2") else (),
+                                  kinds[r]) for r in roles})
     blk = MoEBlock(cfg, T, w, concurrent=False, kernels=ks)
     x, out = torch.zeros(T, cfg.hidden, dtype=torch.bfloat16), torch.zeros(T, cfg.hidden, dtype=torch.bfloat16)
     blk.launch(x, out)
@@ -140,7 +140,10 @@ def test_block_chain_passes_each_launch_its_producers_outputs(T, down, dense, mo
     assert same(args["norm_pre"][2], b["h"]) and same(args["w13"][0], b["z"]) and same(args["w2"][0], b["act"])
     assert same(args["norm_latent"][0], b["c"]) and same(args["norm_latent"][2], b["n"])
     if "down" in roles:
-        assert order[:3] == ["norm_pre", "down", "router"]
+        assert order[:4] == ["norm_pre", "logits", "router", "down"]
+        assert same(args["logits"][0], b["h"]) and same(args["logits"][1], w.w_gate)
+        assert same(args["logits"][2], b["logits"]) and same(args["router"][0], b["logits"])
+        assert same(args["router"][1], w.bias) and same(args["router"][8], b["router_counter"])
         assert same(args["down"][0], b["h"]) and same(args["down"][1], w.w_down) and same(args["down"][2], b["z"])
         assert same(args["down"][3], b["down_partials"]) and same(args["down"][4], b["down_counters"])
     else:
@@ -154,8 +157,8 @@ def test_block_chain_passes_each_launch_its_producers_outputs(T, down, dense, mo
         assert same(args["up"][2], b["r"])
         assert [id(a) for a in args["residual"]] == [id(x), id(b["r"]), id(b["s"]), id(out)]
         # every gemv launch has its own split-K scratch (two may run at once)
-        gemvs = [r for r in ("down", "shared_gate_up", "shared_down", "up") if r in roles]
-        assert len({id(args[r][4]) for r in gemvs}) == len(gemvs) == 4
+        gemvs = [r for r in ("logits", "down", "shared_gate_up", "shared_down", "up") if r in roles]
+        assert len({id(args[r][4]) for r in gemvs}) == len(gemvs) == 5
     else:
         assert order[-4:] == ["w2", "norm_latent", "shared_gate_up", "latent_out"]
         assert same(args["shared_gate_up"][2], b["a_shared"])
@@ -211,11 +214,17 @@ def test_the_proof_runs_the_plans_cubins_not_the_checkouts(tmp_path, monkeypatch
     plan_doc = {"cases": [{"kernel": name, "shape": dict(shape), "dir": f"built/{role}"}
                           for role, name, shape in variants]}
     pick = BP.plan_dirs(plan_doc, 32)
-    role, name, shape = variants[3]  # moe_w13 at batch 32
-    assert role == "w13"
+    at = {role: i for i, (role, _, _) in enumerate(variants)}
+    _, name, shape = variants[at["w13"]]  # moe_w13 at batch 32
     assert pick(name, dict(reversed(list(shape.items())))) == BP.REPO / "built/w13"  # key order does not matter
     with pytest.raises(BP.ProofError, match=r"the plan has no moe_w2 variant .*batch 32"):
-        BP.plan_dirs({"cases": plan_doc["cases"][:4]}, 32)("moe_w2", dict(variants[4][2]))
+        BP.plan_dirs({"cases": plan_doc["cases"][:at["w2"]]}, 32)("moe_w2", dict(variants[at["w2"]][2]))
+    # the plan's structure: this checkout's at 32, and a plan of the fused router and output side
+    assert BP.plan_variants(plan_doc, K3, 32) == variants
+    legacy = B.block_variants(K3, 32, gemv_router=False, gemv_dense=False)
+    assert [r for r, _, _ in legacy] == ["norm_pre", "router", "w13", "w2", "norm_latent", "shared_gate_up",
+                                         "latent_out"]
+    assert BP.plan_variants({"cases": [{"kernel": n, "shape": s} for _, n, s in legacy]}, K3, 32) == legacy
     # load_block_kernels takes exactly those folders (no lookup under a build root)
     seen = []
     monkeypatch.setattr(CubinKernel, "from_dir", classmethod(lambda cls, d: seen.append(Path(d)) or cls.__new__(cls)))

@@ -223,3 +223,63 @@ def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
             else:
                 assert not acq
         assert bodies == 2
+
+
+# -- router_select: the router's phase 2 from a GEMM's logits ------------------------------------
+
+
+def test_router_select_reference_is_the_routers_on_the_same_logits():
+    from kernels.ops.router import RouterOp, RouterSelectOp
+
+    cfg = get_config("mini")
+    g = torch.Generator().manual_seed(4)
+    T = 5
+    h = torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16)
+    w_gate = torch.randn(cfg.n_experts, cfg.hidden, generator=g).to(torch.bfloat16)
+    w_down = torch.randn(cfg.latent, cfg.hidden, generator=g).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(cfg.n_experts, generator=g)
+    full = RouterOp({"batch": T, "n_experts": cfg.n_experts, "hidden": cfg.hidden, "top_k": cfg.top_k,
+                     "latent": cfg.latent}).reference(h=h, w_gate=w_gate, bias=bias, w_down=w_down)
+    sel = RouterSelectOp({"batch": T, "n_experts": cfg.n_experts, "top_k": cfg.top_k}).reference(
+        logits=full["logits"], bias=bias)
+    assert set(sel) == set(full) - {"logits", "z"}
+    for k, v in sel.items():
+        assert torch.equal(v, full[k]), k
+
+
+def test_router_select_contract():
+    from kernels.manifest import load_manifest
+    from kernels.ops.router import SELECT_TUNABLES, RouterSelectOp
+
+    spec = load_manifest().kernel("router_select")
+    assert SELECT_TUNABLES == spec.tunable_defaults()
+    for shape in spec.shapes:
+        op = RouterSelectOp(dict(shape))
+        assert list(op.tensor_specs()) == [p.name for p in spec.params]
+        lc = op.launch_config()
+        # a warp per token, every token in some CTA, no CTA without one
+        assert lc.block[0] == 32 * op.tokens_per_cta and (lc.grid[0] - 1) * op.tokens_per_cta < shape["batch"]
+        assert lc.grid[0] * op.tokens_per_cta >= shape["batch"]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        RouterSelectOp({"batch": 1, "n_experts": 30, "top_k": 2})
+    with pytest.raises(ValueError, match="power of two"):
+        RouterSelectOp({"batch": 1, "n_experts": 32, "top_k": 2}, warps_per_cta=3)
+    with pytest.raises(ValueError, match="unknown tunables"):
+        RouterSelectOp({"batch": 1, "n_experts": 32, "top_k": 2}, row_tiles=2)
+
+
+@pytest.mark.parametrize("shape", [{"batch": 64, "n_experts": 896, "top_k": 16},
+                                   {"batch": 5, "n_experts": 64, "top_k": 8}])
+def test_router_select_builds_and_audits_clean(tmp_path, shape):
+    """The static race audit over its PTX and SASS: the arrival's acq_rel counter, the ids other
+    CTAs stored read back only after it, the logits staged by cp.async (an activation: never the
+    read-only path)."""
+    pytest.importorskip("cutlass.cute")
+    from validation.race.artifacts import audit_kernel
+
+    rep = audit_kernel("router_select", shape=shape, root=tmp_path)
+    assert rep.clean, [str(f) for f in rep.findings]
+    assert rep.checked == ["ptx", "sass"]
+    ptx = next(Path(tmp_path).rglob("kernel.ptx")).read_text()
+    assert "cp.async.cg.shared.global" in ptx and "atom.global.acq_rel.add" in ptx
+    assert "ld.global.nc" not in ptx

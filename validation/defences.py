@@ -227,7 +227,7 @@ def compute_references(op: OpDef, inputs: dict) -> References:
     """
     ref = op.reference(**inputs, compute_dtype=F32)
     extra = {}
-    if op.name == "router":
+    if op.name in ("router", "route_logits"):
         oracle = op.reference(**inputs, ids=ref.ids, compute_dtype=F64)
         extra["scores"] = torch.sigmoid(oracle.logits) + inputs["bias"].to(F64)
     else:
@@ -240,7 +240,7 @@ def compare_outputs(op: OpDef, cand: dict[str, torch.Tensor], refs: References,
     """Every reference output compared; a missing output is a failed metric."""
     metrics = []
     cand = dict(cand)
-    if op.name == "router" and {"ids", "weights"} <= cand.keys():
+    if op.name in ("router", "route_logits") and {"ids", "weights"} <= cand.keys():
         metrics.append(compare_expert_ids("ids", cand["ids"], refs.extra["scores"], refs.bf16["ids"], policy))
         # Weights are compared per expert id: sort each token's (id, weight) pairs by id; tokens
         # whose chosen set differs from the reference's (forgiven ties) drop out of the comparison.

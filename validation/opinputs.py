@@ -145,6 +145,10 @@ OP_DEFS: dict[str, OpDef] = {
         "w_gate": _weight(c, "w_gate", (cfg.n_experts, cfg.hidden), cfg.hidden, d),
         "bias": _router_bias(c, cfg, d), "top_k": cfg.top_k, "scale": cfg.routed_scale},
         ("h",), moe=True, boundary=({"n_experts": 8, "top_k": 8},)),
+    "route_logits": OpDef("route_logits", lambda c, cfg, d: {
+        "logits": _act(c, "logits", (c.batch, cfg.n_experts), d, torch.float32),
+        "bias": _router_bias(c, cfg, d), "top_k": cfg.top_k, "scale": cfg.routed_scale},
+        ("logits",), moe=True, boundary=({"n_experts": 8, "top_k": 8},)),
     "expert_ffn": OpDef("expert_ffn", _expert_ffn_build, ("z",), boundary=(_SMALL,)),
     "expert_outputs": OpDef("expert_outputs", lambda c, cfg, d: _experts_build(c, cfg, d, False),
                             ("z", "ids"), moe=True, boundary=(_SMALL,)),

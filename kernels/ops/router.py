@@ -465,16 +465,10 @@ class RouterOp(OpBase):
         _, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = outs
         T = self.batch
         E = self.n_experts
-        K = self.top_k
         W = self.warps
         NTH = self.threads
-        TK = self.slots
-        V = self.per_lane
         MW = self.mask_words
-        CH = self.per_lane
-        f32 = cutlass.Float32
         i32 = cutlass.Int32
-        neg_inf = f32(float("-inf"))
         warp = tidx // WARP
         lane = tidx % WARP
 
@@ -483,69 +477,98 @@ class RouterOp(OpBase):
         cute.arch.sync_threads()
         # --- top-k: one warp per token -----------------------------------------------------------
         for t in cutlass.range(warp, T, W, unroll=1):
-            vals = cute.make_rmem_tensor(cute.make_layout(V), f32)
+            self._topk_one(lg, bias, t, t, mIds, mWeights, sIds, sSel, sMask, lane)
+        cute.arch.sync_threads()
+        self._group(outs, sMask, sStart, sIds, tidx)
+
+    @cute.jit
+    def _topk_one(self, lg, bias, lt, t, mIds, mWeights, sIds, sSel, sMask, lane):
+        """Trace-time, one warp: token t's top-k of sigmoid(lg[lt]) + bias (ties to the lower
+        expert), its ids and renormalised weights stored; its selections at sIds / sSel from
+        lt * top_k; with `sMask` (not None) t's bit set in each chosen expert's token mask."""
+        E = self.n_experts
+        K = self.top_k
+        V = self.per_lane
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        neg_inf = f32(float("-inf"))
+        vals = cute.make_rmem_tensor(cute.make_layout(V), f32)
+        for i in cutlass.range_constexpr(V):
+            if cutlass.const_expr((i + 1) * WARP <= E):  # no guard (nor branch) where all lanes hold one
+                vals[i] = sigmoid(lg[lt, lane + i * WARP]) + bias[lane + i * WARP]
+            else:
+                vals[i] = neg_inf
+                if lane + i * WARP < E:
+                    vals[i] = sigmoid(lg[lt, lane + i * WARP]) + bias[lane + i * WARP]
+        # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
+        # so no round waits on a store or a branch
+        mine = [i32(E)] * ceil_div(K, WARP)
+        for j in cutlass.range_constexpr(K):
+            # This lane's best (greatest score, then lowest index) as TOPK_CHAINS independent
+            # chains over its values (value i in chain i % TOPK_CHAINS, ascending index: strict
+            # > keeps the lowest), merged after: one 28-deep dependent chain per round made the
+            # selection ~10 us at batch 1, longer than the down CTAs' streaming it hides behind.
+            nch = min(TOPK_CHAINS, V)
+            cv = [neg_inf] * nch
+            ci = [i32(E)] * nch
             for i in cutlass.range_constexpr(V):
-                if cutlass.const_expr((i + 1) * WARP <= E):  # no guard (nor branch) where all lanes hold one
-                    vals[i] = sigmoid(lg[t, lane + i * WARP]) + bias[lane + i * WARP]
-                else:
+                c = i % nch
+                take = vals[i] > cv[c]
+                cv[c] = cutlass.select_(take, vals[i], cv[c])
+                ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
+            bv = cv[0]
+            bi = ci[0]
+            for c in cutlass.range_constexpr(1, nch):
+                take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
+                bv = cutlass.select_(take, cv[c], bv)
+                bi = cutlass.select_(take, ci[c], bi)
+            for sh in cutlass.range_constexpr(5):
+                ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
+                oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
+                if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
+                    bv = ov
+                    bi = oi
+            for i in cutlass.range_constexpr(V):
+                if lane + i * WARP == bi:
                     vals[i] = neg_inf
-                    if lane + i * WARP < E:
-                        vals[i] = sigmoid(lg[t, lane + i * WARP]) + bias[lane + i * WARP]
-            # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
-            # so no round waits on a store or a branch
-            mine = [i32(E)] * ceil_div(K, WARP)
-            for j in cutlass.range_constexpr(K):
-                # This lane's best (greatest score, then lowest index) as TOPK_CHAINS independent
-                # chains over its values (value i in chain i % TOPK_CHAINS, ascending index: strict
-                # > keeps the lowest), merged after: one 28-deep dependent chain per round made the
-                # selection ~10 us at batch 1, longer than the down CTAs' streaming it hides behind.
-                nch = min(TOPK_CHAINS, V)
-                cv = [neg_inf] * nch
-                ci = [i32(E)] * nch
-                for i in cutlass.range_constexpr(V):
-                    c = i % nch
-                    take = vals[i] > cv[c]
-                    cv[c] = cutlass.select_(take, vals[i], cv[c])
-                    ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
-                bv = cv[0]
-                bi = ci[0]
-                for c in cutlass.range_constexpr(1, nch):
-                    take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
-                    bv = cutlass.select_(take, cv[c], bv)
-                    bi = cutlass.select_(take, ci[c], bi)
-                for sh in cutlass.range_constexpr(5):
-                    ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
-                    oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
-                    if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
-                        bv = ov
-                        bi = oi
-                for i in cutlass.range_constexpr(V):
-                    if lane + i * WARP == bi:
-                        vals[i] = neg_inf
-                mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
-            for q in cutlass.range_constexpr(len(mine)):
-                if q * WARP + lane < K:
-                    mIds[t, q * WARP + lane] = mine[q]
-                    sIds[t * K + q * WARP + lane] = mine[q]
+            mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
+        for q in cutlass.range_constexpr(len(mine)):
+            if q * WARP + lane < K:
+                mIds[t, q * WARP + lane] = mine[q]
+                sIds[lt * K + q * WARP + lane] = mine[q]
+                if cutlass.const_expr(sMask is not None):
                     # token t's bit in the chosen expert's token mask (a token's experts are distinct)
                     cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + mine[q], i32(1) << (t % WARP))
-            # The selected unbiased scores again (same input, same function: bitwise the
-            # ones ranked), one lane per selection so the loads overlap, rather than
-            # carrying every lane's scores in registers through the rounds.
-            cute.arch.sync_warp()
-            for j0 in cutlass.range_constexpr(0, K, WARP):
-                if j0 + lane < K:
-                    sSel[t * K + j0 + lane] = sigmoid(lg[t, sIds[t * K + j0 + lane]])
-            cute.arch.sync_warp()
-            if lane == 0:
-                total = sSel[t * K]
-                for j in cutlass.range_constexpr(1, K):
-                    total = total + sSel[t * K + j]
-                total = total + f32(WEIGHT_EPS)
-                for j in cutlass.range_constexpr(K):
-                    mWeights[t, j] = sSel[t * K + j] / total * f32(self.scale)
-        cute.arch.sync_threads()
+        # The selected unbiased scores again (same input, same function: bitwise the
+        # ones ranked), one lane per selection so the loads overlap, rather than
+        # carrying every lane's scores in registers through the rounds.
+        cute.arch.sync_warp()
+        for j0 in cutlass.range_constexpr(0, K, WARP):
+            if j0 + lane < K:
+                sSel[lt * K + j0 + lane] = sigmoid(lg[lt, sIds[lt * K + j0 + lane]])
+        cute.arch.sync_warp()
+        if lane == 0:
+            total = sSel[lt * K]
+            for j in cutlass.range_constexpr(1, K):
+                total = total + sSel[lt * K + j]
+            total = total + f32(WEIGHT_EPS)
+            for j in cutlass.range_constexpr(K):
+                mWeights[t, j] = sSel[lt * K + j] / total * f32(self.scale)
 
+    @cute.jit
+    def _group(self, outs, sMask, sStart, sIds, tidx):
+        """Trace-time, after a CTA barrier that follows every token's mask bits and sIds: the
+        grouping by expert (module docstring), a counting sort over the token masks."""
+        _, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = outs
+        E = self.n_experts
+        K = self.top_k
+        NTH = self.threads
+        TK = self.slots
+        MW = self.mask_words
+        CH = self.per_lane
+        i32 = cutlass.Int32
+        warp = tidx // WARP
+        lane = tidx % WARP
         # --- grouping by expert: a counting sort over the token masks ----------------------------
         # Warp 0: each lane takes CH consecutive experts; counts and group flags are
         # scanned across the lanes, so expert e's slots start at sStart[e] and its group
@@ -596,3 +619,163 @@ class RouterOp(OpBase):
                 elif t > w * WARP:
                     rank = rank + cute.arch.popc(m & ((i32(1) << (t - w * WARP)) - 1))
             mSorted[sStart[e] + rank] = p
+
+
+# Host-side tunables of router_select; must equal the manifest's defaults ([kernels.router_select]).
+SELECT_TUNABLES = {"warps_per_cta": 4}
+
+
+class RouterSelectOp(RouterOp):
+    """router_select: the router's phase 2 alone, from fp32 logits another launch computed (the
+    foundation GEMM, at the batches of kernels/block.py GEMV_ROUTER): top-k of sigmoid(logits) +
+    bias, the renormalised weights and the grouping by expert, with the same rules and
+    tie-breaking as the router (kernels.reference.route_logits). Shape {"batch", "n_experts",
+    "top_k"}.
+
+    One warp per token and `warps_per_cta` tokens per CTA, so the top-k runs on
+    batch / warps_per_cta SMs at once (in the router's own phase 2, one CTA takes every token:
+    at batch 64, 4 tokens per warp one after the other). Each CTA first copies its tokens' logits
+    and the bias into shared memory by 16-byte cp.async, all issued before one wait (the
+    router's `_stage_scores`: plain loads were sunk to their first use, a serial L2 round trip
+    per 32 experts). Then the router's per-token selection (`_topk_one`), ids and weights stored;
+    then the router's arrival (`_arrive`: gpu-scope acq_rel counter, reset by the last CTA); the
+    last CTA reads every token's ids back (plain loads after the acquire and a CTA barrier), sets
+    the token masks and runs the router's grouping (`_group`)."""
+
+    kernel_name = "router_select"
+
+    def __init__(self, shape: dict, **tunables):
+        unknown = set(tunables) - set(SELECT_TUNABLES)
+        if unknown:
+            raise ValueError(f"router_select: unknown tunables {sorted(unknown)}; known: {sorted(SELECT_TUNABLES)}")
+        OpBase.__init__(self, shape, **{**SELECT_TUNABLES, **tunables})
+        try:
+            self.batch = int(shape["batch"])
+            self.n_experts = int(shape["n_experts"])
+            self.top_k = int(shape["top_k"])
+        except KeyError as e:
+            raise ValueError(f"router_select: shape needs batch, n_experts and top_k; missing {e}") from None
+        self.scale = float(shape.get("scale", 1.0))
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"router_select: batch {self.batch} outside 1..{MAX_BATCH}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"router_select: top_k {self.top_k} outside 1..n_experts ({self.n_experts})")
+        if self.n_experts % 4:
+            raise ValueError(f"router_select: n_experts {self.n_experts} is not a multiple of 4 (16-byte copies)")
+        self.warps = int(self.tunables["warps_per_cta"])
+        if self.warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"router_select: warps_per_cta {self.warps} is not a power of two up to 32")
+        self.threads = self.warps * WARP
+        self.slots = self.batch * self.top_k
+        self.groups = min(self.slots, self.n_experts)
+        self.per_lane = ceil_div(self.n_experts, WARP)
+        self.mask_words = ceil_div(self.batch, WARP)
+        self.tokens_per_cta = self.warps
+        self.ctas = ceil_div(self.batch, self.tokens_per_cta)
+        self.stream, self.pdl, self.down = False, 0, 0
+
+        def words(n):  # 16-byte aligned int32 / fp32 arrays
+            return ceil_div(n, 4) * 4
+
+        E = self.n_experts
+        self.smem_words = {"logits": words(self.tokens_per_cta * E), "bias": words(E), "ids": words(self.slots),
+                           "sel": words(self.tokens_per_cta * self.top_k), "mask": words(self.mask_words * E),
+                           "start": words(E), "last": 4}
+        self.smem_bytes = 4 * sum(self.smem_words.values()) + 64
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        T, E, K = self.batch, self.n_experts, self.top_k
+        return {
+            "logits": TensorSpec((T, E), "float32"),
+            "bias": TensorSpec((E,), "float32"),
+            "ids": TensorSpec((T, K), "int32"),
+            "weights": TensorSpec((T, K), "float32"),
+            "n_groups": TensorSpec((1,), "int32"),
+            "group_expert": TensorSpec((self.groups,), "int32"),
+            "group_start": TensorSpec((self.groups + 1,), "int32"),
+            "sorted_slots": TensorSpec((self.slots,), "int32"),
+            "counter": TensorSpec((1,), "int32"),
+        }
+
+    def launch_config(self) -> LaunchConfig:
+        return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
+
+    def reference(self, *, logits, bias, compute_dtype=None, **_outputs):
+        """Expected ids/weights (kernels.reference.route_logits) and the grouping of those ids."""
+        kwargs = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
+        r = reference.route_logits(logits, bias, self.top_k, scale=self.scale, **kwargs)
+        return {"ids": r.ids, "weights": r.weights, **routing_groups_ref(r.ids, self.n_experts)}
+
+    @cute.jit
+    def __call__(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
+                 mCounter: cute.Tensor):
+        lc = self.launch_config()
+        self.kernel(mLogits, mBias, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
+                    mCounter).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+
+    @cute.kernel
+    def kernel(self, mLogits: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+               mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
+               mCounter: cute.Tensor):
+        T, E, K = self.batch, self.n_experts, self.top_k
+        TPC = self.tokens_per_cta
+        NTH = self.threads
+        TK = self.slots
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        outs = (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted)
+
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // WARP
+        lane = tidx % WARP
+        t0 = bidx * TPC
+
+        smem = cutlass.memory.SmemAllocator()
+        nw = self.smem_words
+        sLg = smem.allocate_tensor(f32, cute.make_layout((TPC, E), stride=(E, 1)), byte_alignment=16)
+        sBias = smem.allocate_tensor(f32, cute.make_layout(nw["bias"]), byte_alignment=16)
+        sIds = smem.allocate_tensor(i32, cute.make_layout(nw["ids"]), byte_alignment=16)
+        sSel = smem.allocate_tensor(f32, cute.make_layout(nw["sel"]), byte_alignment=16)
+        sMask = smem.allocate_tensor(i32, cute.make_layout(nw["mask"]), byte_alignment=16)
+        sStart = smem.allocate_tensor(i32, cute.make_layout(nw["start"]), byte_alignment=16)
+        sLast = smem.allocate_tensor(i32, cute.make_layout(4), byte_alignment=16)
+
+        # --- this CTA's tokens' logits and the bias into shared memory, one wait --------------------
+        atom = stream.weight_copy_atom(f32)
+        flat = cute.make_layout((4,))
+        rows = cutlass.min(T - t0, TPC)
+        first = cute.assume(t0 * E, divby=4)  # E % 4 == 0: the row keeps the tensor's 16 bytes
+        gL = cute.zipped_divide(cute.make_tensor(mLogits.iterator + first, cute.make_layout(TPC * E)), (4,))
+        sL = cute.zipped_divide(cute.make_tensor(sLg.iterator, cute.make_layout(TPC * E)), (4,))
+        for j in cutlass.range_constexpr(ceil_div(TPC * E // 4, NTH)):
+            v = tidx + j * NTH
+            if v < rows * (E // 4):
+                cute.copy(atom, cute.make_tensor(gL[(None, v)].iterator, flat), sL[(None, v)])
+        gB = cute.zipped_divide(mBias, (4,))
+        sB = cute.zipped_divide(cute.make_tensor(sBias.iterator, cute.make_layout(E)), (4,))
+        for j in cutlass.range_constexpr(ceil_div(E // 4, NTH)):
+            v = tidx + j * NTH
+            if v < E // 4:
+                cute.copy(atom, cute.make_tensor(gB[(None, v)].iterator, flat), sB[(None, v)])
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # --- top-k: one warp per token ------------------------------------------------------------
+        if warp < rows:
+            self._topk_one(sLg, sBias, warp, t0 + warp, mIds, mWeights, sIds, sSel, None, lane)
+        # --- arrival: the last CTA groups every token's selection --------------------------------
+        self._arrive(mCounter, sLast, tidx)
+        if sLast[0] == 1:
+            for i in cutlass.range(tidx, self.mask_words * E, NTH, unroll=1):
+                sMask[i] = i32(0)
+            cute.arch.sync_threads()
+            for p in cutlass.range(tidx, TK, NTH, unroll=1):
+                t = p // K
+                e = mIds[t, p % K]
+                sIds[p] = e
+                cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + e, i32(1) << (t % WARP))
+            cute.arch.sync_threads()
+            self._group(outs, sMask, sStart, sIds, tidx)
