@@ -82,10 +82,8 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
 # row_tiles, down_row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <=
 # stream_max_batch).
-# down 0: no down CTAs (z is left as it was: the block then computes it with the foundation GEMM,
-# kernels/block.py GEMV_DENSE).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
-                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2, "down": 1}
+                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 
 
@@ -148,9 +146,6 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         if self.pdl not in (0, 1):
             raise ValueError("router: pdl must be 0 or 1")
-        self.down = int(self.tunables["down"])
-        if self.down not in (0, 1):
-            raise ValueError("router: down must be 0 or 1")
         self.slots = self.batch * self.top_k
         self.groups = min(self.slots, self.n_experts)
         self.per_lane = ceil_div(self.n_experts, WARP)
@@ -184,11 +179,11 @@ class RouterOp(OpBase):
         self.down_rows_per_cta = ROWS_PER_TILE * self.down_row_tiles
         if self.latent % self.down_rows_per_cta:
             raise ValueError(f"router: latent {self.latent} is not a multiple of {self.down_rows_per_cta}")
-        self.down_ctas = self.latent // self.down_rows_per_cta if self.down else 0
+        self.down_ctas = self.latent // self.down_rows_per_cta
         du = max(1, min(int(self.tunables["k_unroll"]), LOAD_GROUP_VECTORS // (self.down_row_tiles + x_vectors)))
         self.down_plan = MmaPlan(warps=self.warps, row_tiles=self.down_row_tiles, batch_tiles=self.batch_tiles,
                                  k=self.hidden, k_unroll=du)
-        self.partial_rows = max(self.rows_per_cta, self.down_rows_per_cta if self.down else 0)
+        self.partial_rows = max(self.rows_per_cta, self.down_rows_per_cta)
         self.threads = self.warps * WARP
         self.pb = padded_batch(self.batch)
         self.smem_bytes = (self.partial_rows * self.pb * self.warps * 4 + 16
@@ -212,7 +207,7 @@ class RouterOp(OpBase):
         self.rows_per_cta = self.plan.rows
         self.down_rows_per_cta = self.down_plan.rows
         self.ctas = self.plan.ctas
-        self.down_ctas = self.down_plan.ctas if self.down else 0
+        self.down_ctas = self.down_plan.ctas
         # bf16 elements of the union: (weight rows + h rows) of either plan, or phase 2's arrays
         B, k = self.batch, self.hidden
         self.phase2_offsets = {}
@@ -251,14 +246,11 @@ class RouterOp(OpBase):
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
-        """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and
-        z (not with `down` 0, which leaves z as it was)."""
+        """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
         kwargs = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
         r = reference.router(h, w_gate, bias, self.top_k, scale=self.scale, **kwargs)
-        out = {"logits": r.logits, "ids": r.ids, "weights": r.weights, **routing_groups_ref(r.ids, self.n_experts)}
-        if self.down:
-            out["z"] = reference.linear(h, w_down, **kwargs)
-        return out
+        return {"logits": r.logits, "ids": r.ids, "weights": r.weights,
+                **routing_groups_ref(r.ids, self.n_experts), "z": reference.linear(h, w_down, **kwargs)}
 
     # -- device code ------------------------------------------------------------------------
     @cute.jit
@@ -330,7 +322,7 @@ class RouterOp(OpBase):
             self._arrive(mCounter, sLast, tidx)
             if sLast[0] == 1:
                 self._select_and_group(mLogits, mBias, outs, sMask, sStart, sIds, sSel, tidx)
-        elif cutlass.const_expr(self.down_ctas > 0):
+        else:
             # --- down CTAs: z = h @ W_down.T for 8 * down_row_tiles rows ------------------------
             RD = self.down_rows_per_cta
             d0 = (bidx - self.ctas) * RD
@@ -381,7 +373,7 @@ class RouterOp(OpBase):
                 sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
                 self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
                 self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx)
-        elif cutlass.const_expr(self.down_ctas > 0):
+        else:
             self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
 
     @cute.jit
@@ -672,7 +664,7 @@ class RouterSelectOp(RouterOp):
         self.mask_words = ceil_div(self.batch, WARP)
         self.tokens_per_cta = self.warps
         self.ctas = ceil_div(self.batch, self.tokens_per_cta)
-        self.stream, self.pdl, self.down = False, 0, 0
+        self.stream, self.pdl = False, 0
 
         def words(n):  # 16-byte aligned int32 / fp32 arrays
             return ceil_div(n, 4) * 4
