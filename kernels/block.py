@@ -33,14 +33,10 @@ gemv launches) are zeroed once and every launch leaves them zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from kernels.build import DEFAULT_ROOT, find_artifact
 from kernels.config import ModelConfig
-
-BLOCK_KERNELS = ("rmsnorm", "router", "moe_w13", "moe_w2", "shared_gate_up", "latent_out", "gemv", "gated_situ",
-                 "residual")
 
 # The routed experts' pipelined path (32-row items), chosen on an H200 by scripts/block_explore.py
 # (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3

@@ -93,20 +93,30 @@ def router(h: torch.Tensor, w_gate: torch.Tensor, bias: torch.Tensor, top_k: int
     """
     _check_compute(compute_dtype)
     logits = linear(h, w_gate, out_dtype=F32, compute_dtype=compute_dtype)
-    return route_logits(logits, bias, top_k, scale=scale, ids=ids, compute_dtype=compute_dtype)
+    sel = route_logits(logits, bias, top_k, scale=scale, ids=ids, compute_dtype=compute_dtype)
+    return Routing(ids=sel.ids, weights=sel.weights, logits=logits)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The router's choice from given logits: expert ids [T, k] (int32) and weights [T, k]."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
 
 
 def route_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, scale: float = 1.0,
-                 ids: torch.Tensor | None = None, compute_dtype: torch.dtype = F32) -> Routing:
+                 ids: torch.Tensor | None = None, compute_dtype: torch.dtype = F32) -> Selection:
     """The router after its logits (`router`'s rule): s = sigmoid(logits); top_k of s + bias
-    (ties to the lower index); w_k = s_k / (sum of selected s + 1e-20) * scale."""
+    (ties to the lower index); w_k = s_k / (sum of selected s + 1e-20) * scale. `ids` pins the
+    selection, as in `router`."""
     _check_compute(compute_dtype)
     s = torch.sigmoid(logits.to(compute_dtype))
     if ids is None:
         ids = select_experts(s, bias, top_k)
     sel = torch.gather(s, 1, ids.long())
     weights = sel / (sel.sum(dim=-1, keepdim=True) + 1e-20) * scale
-    return Routing(ids=ids.to(torch.int32), weights=weights, logits=logits)
+    return Selection(ids=ids.to(torch.int32), weights=weights)
 
 
 def expert_ffn(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, gate_limit: float = 4.0,

@@ -229,7 +229,8 @@ def compute_references(op: OpDef, inputs: dict) -> References:
     extra = {}
     if op.name in ("router", "route_logits"):
         oracle = op.reference(**inputs, ids=ref.ids, compute_dtype=F64)
-        extra["scores"] = torch.sigmoid(oracle.logits) + inputs["bias"].to(F64)
+        logits = oracle.logits if op.name == "router" else inputs["logits"].to(F64)
+        extra["scores"] = torch.sigmoid(logits) + inputs["bias"].to(F64)
     else:
         oracle = op.reference(**inputs, compute_dtype=F64)
     return References(flatten_outputs(ref), flatten_outputs(oracle), extra)
