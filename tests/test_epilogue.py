@@ -23,7 +23,7 @@ def test_gemv_chain_references_equal_the_fused_ones_bitwise(T):
     w = reference.make_weights(CFG)
     x = reference.make_hidden(CFG, T)
     tr = reference.moe_block(x, w, CFG, trace=True)
-    S, H, L = CFG.shared_inter, CFG.hidden, CFG.latent
+    S, H = CFG.shared_inter, CFG.hidden
     sgu = LO.SharedGateUpOp({"batch": T, "hidden": H, "shared_inter": S}, warps_per_cta=4, row_tiles=2)
     a_fused = sgu.reference(h=tr.h, w_gate_up=w.w_shared_gate_up)["a"]
     gu = reference.linear(tr.h, w.w_shared_gate_up, out_dtype=torch.float32)

@@ -454,7 +454,7 @@ class RouterOp(OpBase):
         """Trace-time phase 2 of the last router CTA (module docstring): top-k per token, the
         weights, then the grouping by expert (counting sort over per-expert token masks).
         `lg` [T, E] and `bias` [E] are the logits and bias, in global or shared memory."""
-        _, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = outs
+        mIds, mWeights = outs[1], outs[2]
         T = self.batch
         E = self.n_experts
         W = self.warps
@@ -551,7 +551,7 @@ class RouterOp(OpBase):
     def _group(self, outs, sMask, sStart, sIds, tidx):
         """Trace-time, after a CTA barrier that follows every token's mask bits and sIds: the
         grouping by expert (module docstring), a counting sort over the token masks."""
-        _, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = outs
+        mNGroups, mGroupExpert, mGroupStart, mSorted = outs[3:]
         E = self.n_experts
         K = self.top_k
         NTH = self.threads
