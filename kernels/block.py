@@ -113,17 +113,18 @@ ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_til
 # docstring). Alone, at batch 64, the foundation GEMM (evidence_reports/foundation/final/) takes
 # 7.0 us for W_g, 15.8 for W_down, 43.8 for W_sgu, 15.0 + 23.6 for W_up and W_sd, where the
 # block's ops took 109.6 (router+down), 89.0 and 80.6 (evidence_reports/moe_block/round6/
-# w13_wg/); at batch 8 5.7, 14.3, 41.6 and 13.6 + 21.7 against 34.9, 46.8 and 39.1.
+# w13_wg/); at batch 8 5.7, 14.3, 41.6 and 13.6 + 21.7 against 34.9, 46.8 and 39.1
+# (round6/block/final/).
 #
 # Chosen on an H200 in one call, each batch's block beside the block before on the same steps
-# (evidence_reports/moe_block/round7/gemv_ab/, read ceiling 4.602 TB/s), us per step (fraction of
+# (evidence_reports/moe_block/round7/gemv_ab/, read ceiling 4.602-4.603 TB/s), us per step (fraction of
 # read), router+down alone: batch 1 329.4 -> 344.3 (94.8 -> 90.7%; router+down 19.5 -> 26.7 us:
 # the stream router's one launch stays), 2 583.7 -> 569.6 (92.5 -> 94.8%; 34.6 -> 29.6), 4
-# 1007.6 -> 994.4 (96.0 -> 97.2%; 34.6 -> 29.9), 8 1836.5 -> 1805.2 (97.3 -> 99.0%; 34.9 -> 25.3),
+# 1007.6 -> 994.4 (96.0 -> 97.2%; 34.6 -> 29.9), 8 1836.5 -> 1805.2 (97.3 -> 99.0%; 34.9 -> 25.2),
 # 16 3211.5 -> 3173.2 (99.9 -> 101.1%; 41.0 -> 28.7), 32 5462.5 -> 5381.5 (99.8 -> 101.3%; 63.4 ->
 # 29.5), 64 8284.4 -> 8114.0 (98.8 -> 100.9%; 108.9 -> 33.7). The output side at batch 64:
 # shared_gate_up 88.9 -> 46.2 us, latent_out 80.4 -> 41.5. GEMV_DENSE stops at 8: alone, the
-# foundation GEMM's W_up + W_sd at batches 2 and 4 take 39.3 us where latent_out takes 37, and
+# foundation GEMM's W_up + W_sd at batches 2 and 4 take 39.3 and 39.7 us where latent_out takes 37, and
 # W_sgu's 45.1 where shared_gate_up takes 45.2-45.4. A router split that kept the router's own
 # mma launch for the logits and moved only z to a gemv (commit 281903a, round7/split_down_281903a/)
 # was no faster: the router's launch itself, not its down CTAs, took the time.
