@@ -132,29 +132,38 @@ class RouterOp(OpBase):
         super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
         try:
             self.latent = int(shape["latent"])
-            self.batch = int(shape["batch"])
-            self.n_experts = int(shape["n_experts"])
             self.hidden = int(shape["hidden"])
-            self.top_k = int(shape["top_k"])
         except KeyError as e:
             raise ValueError(f"router: shape needs batch, n_experts, hidden, top_k and latent; missing {e}") from None
-        self.scale = float(shape.get("scale", 1.0))
-        if not 1 <= self.batch <= MAX_BATCH:
-            raise ValueError(f"router: batch {self.batch} outside 1..{MAX_BATCH}")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"router: top_k {self.top_k} outside 1..n_experts ({self.n_experts})")
+        self._routing_shape(shape)
         self.pdl = int(self.tunables["pdl"])
         if self.pdl not in (0, 1):
             raise ValueError("router: pdl must be 0 or 1")
-        self.slots = self.batch * self.top_k
-        self.groups = min(self.slots, self.n_experts)
-        self.per_lane = ceil_div(self.n_experts, WARP)
-        self.mask_words = ceil_div(self.batch, WARP)  # per expert: a bit per token
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         if self.stream:
             self._plan_stream()
         else:
             self._plan_mma()
+
+    def _routing_shape(self, shape: dict) -> None:
+        """The selection's sizes from `shape` (batch, n_experts, top_k, optional scale), checked;
+        a ValueError names what is missing or out of range."""
+        name = self.kernel_name
+        try:
+            self.batch = int(shape["batch"])
+            self.n_experts = int(shape["n_experts"])
+            self.top_k = int(shape["top_k"])
+        except KeyError as e:
+            raise ValueError(f"{name}: shape needs batch, n_experts and top_k; missing {e}") from None
+        self.scale = float(shape.get("scale", 1.0))
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"{name}: batch {self.batch} outside 1..{MAX_BATCH}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"{name}: top_k {self.top_k} outside 1..n_experts ({self.n_experts})")
+        self.slots = self.batch * self.top_k
+        self.groups = min(self.slots, self.n_experts)
+        self.per_lane = ceil_div(self.n_experts, WARP)
+        self.mask_words = ceil_div(self.batch, WARP)  # per expert: a bit per token
 
     def _plan_mma(self) -> None:
         """Larger batches: router CTAs of `8 * row_tiles` rows, down CTAs of `8 *
@@ -431,19 +440,24 @@ class RouterOp(OpBase):
         memory by 16-byte cp.async through L2 (`.cg`: where the other CTAs' released logits
         are), all issued before one wait. (Plain loads here were sunk to their first use by
         ptxas: one L2 round trip per 32 experts, serial, several microseconds.)"""
-        f32 = cutlass.Float32
-        atom = stream.weight_copy_atom(f32)
         T, E = self.batch, self.n_experts
+        self._stage_f32(((mLogits.iterator, sLg.iterator, T * E // 4, None),
+                         (mBias.iterator, sBias.iterator, E // 4, None)), tidx)
+
+    @cute.jit
+    def _stage_f32(self, srcs, tidx):
+        """Trace-time: for each (global pointer, shared pointer, n, bound) of `srcs`, the first
+        `bound` (None: all n; else a run-time count up to n) of the n 16-byte fp32 vectors from
+        global into shared memory by L2-only cp.async, every copy issued before one wait; then a
+        CTA barrier."""
+        atom = stream.weight_copy_atom(cutlass.Float32)
         flat = cute.make_layout((4,))
-        srcs = ((cute.make_tensor(mLogits.iterator, cute.make_layout(T * E)), sLg),
-                (cute.make_tensor(mBias.iterator, cute.make_layout(E)), sBias))
-        for g_, s_ in srcs:
-            n = cute.size(g_) // 4
-            gv = cute.zipped_divide(g_, (4,))
-            sv = cute.zipped_divide(cute.make_tensor(s_.iterator, cute.make_layout(n * 4)), (4,))
+        for g_ptr, s_ptr, n, bound in srcs:
+            gv = cute.zipped_divide(cute.make_tensor(g_ptr, cute.make_layout(n * 4)), (4,))
+            sv = cute.zipped_divide(cute.make_tensor(s_ptr, cute.make_layout(n * 4)), (4,))
             for j in cutlass.range_constexpr(ceil_div(n, self.threads)):
                 v = tidx + j * self.threads
-                if v < n:
+                if v < (n if bound is None else bound):
                     cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), sv[(None, v)])
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
@@ -641,30 +655,15 @@ class RouterSelectOp(RouterOp):
         if unknown:
             raise ValueError(f"router_select: unknown tunables {sorted(unknown)}; known: {sorted(SELECT_TUNABLES)}")
         OpBase.__init__(self, shape, **{**SELECT_TUNABLES, **tunables})
-        try:
-            self.batch = int(shape["batch"])
-            self.n_experts = int(shape["n_experts"])
-            self.top_k = int(shape["top_k"])
-        except KeyError as e:
-            raise ValueError(f"router_select: shape needs batch, n_experts and top_k; missing {e}") from None
-        self.scale = float(shape.get("scale", 1.0))
-        if not 1 <= self.batch <= MAX_BATCH:
-            raise ValueError(f"router_select: batch {self.batch} outside 1..{MAX_BATCH}")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"router_select: top_k {self.top_k} outside 1..n_experts ({self.n_experts})")
+        self._routing_shape(shape)
         if self.n_experts % 4:
             raise ValueError(f"router_select: n_experts {self.n_experts} is not a multiple of 4 (16-byte copies)")
         self.warps = int(self.tunables["warps_per_cta"])
         if self.warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"router_select: warps_per_cta {self.warps} is not a power of two up to 32")
         self.threads = self.warps * WARP
-        self.slots = self.batch * self.top_k
-        self.groups = min(self.slots, self.n_experts)
-        self.per_lane = ceil_div(self.n_experts, WARP)
-        self.mask_words = ceil_div(self.batch, WARP)
         self.tokens_per_cta = self.warps
         self.ctas = ceil_div(self.batch, self.tokens_per_cta)
-        self.stream, self.pdl = False, 0
 
         def words(n):  # 16-byte aligned int32 / fp32 arrays
             return ceil_div(n, 4) * 4
@@ -735,25 +734,10 @@ class RouterSelectOp(RouterOp):
         sLast = smem.allocate_tensor(i32, cute.make_layout(4), byte_alignment=16)
 
         # --- this CTA's tokens' logits and the bias into shared memory, one wait --------------------
-        atom = stream.weight_copy_atom(f32)
-        flat = cute.make_layout((4,))
         rows = cutlass.min(T - t0, TPC)
         first = cute.assume(t0 * E, divby=4)  # E % 4 == 0: the row keeps the tensor's 16 bytes
-        gL = cute.zipped_divide(cute.make_tensor(mLogits.iterator + first, cute.make_layout(TPC * E)), (4,))
-        sL = cute.zipped_divide(cute.make_tensor(sLg.iterator, cute.make_layout(TPC * E)), (4,))
-        for j in cutlass.range_constexpr(ceil_div(TPC * E // 4, NTH)):
-            v = tidx + j * NTH
-            if v < rows * (E // 4):
-                cute.copy(atom, cute.make_tensor(gL[(None, v)].iterator, flat), sL[(None, v)])
-        gB = cute.zipped_divide(mBias, (4,))
-        sB = cute.zipped_divide(cute.make_tensor(sBias.iterator, cute.make_layout(E)), (4,))
-        for j in cutlass.range_constexpr(ceil_div(E // 4, NTH)):
-            v = tidx + j * NTH
-            if v < E // 4:
-                cute.copy(atom, cute.make_tensor(gB[(None, v)].iterator, flat), sB[(None, v)])
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+        self._stage_f32(((mLogits.iterator + first, sLg.iterator, TPC * E // 4, rows * (E // 4)),
+                         (mBias.iterator, sBias.iterator, E // 4, None)), tidx)
 
         # --- top-k: one warp per token ------------------------------------------------------------
         if warp < rows:
