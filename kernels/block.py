@@ -232,9 +232,6 @@ def load_block_kernels(cfg: ModelConfig, batch: int, root: Path = DEFAULT_ROOT, 
     return BlockKernels(**ks)
 
 
-GEMV_ROLES = ("logits", "down", "shared_gate_up", "shared_down", "up")
-
-
 class MoEBlock:
     """One batch size of the block: its kernels, weights and scratch; `launch` enqueues the chain."""
 
@@ -273,10 +270,10 @@ class MoEBlock:
         }
         if self.gemv_dense:
             self.buf.update({"gu": e((T, 2 * S), f32), "r": e((T, H), bf16), "s": e((T, H), bf16)})
-        for role in GEMV_ROLES:  # each launch its own split-K scratch: two may run at once
-            if self.k.get(role) is not None and self.k.get(role).meta["kernel"] == "gemv":
-                self.buf[f"{role}_partials"] = param_buffer(self.k.get(role), "partials")
-                self.buf[f"{role}_counters"] = param_buffer(self.k.get(role), "counters")
+        for role, kern in vars(self.k).items():  # each gemv its own split-K scratch: two may run at once
+            if kern.meta["kernel"] == "gemv":
+                self.buf[f"{role}_partials"] = param_buffer(kern, "partials")
+                self.buf[f"{role}_counters"] = param_buffer(kern, "counters")
         if concurrent:
             self._side = torch.cuda.Stream(device=dev)
 
