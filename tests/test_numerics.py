@@ -11,6 +11,7 @@ import torch
 from kernels import reference as R
 from validation import numerics as N
 from validation.check import check_callable
+from validation.defences import SELECTING_OPS
 from validation.opinputs import OP_DEFS, build_inputs, op_def
 from kernels.config import get_config
 
@@ -160,7 +161,7 @@ def test_the_oracle_rounded_to_the_output_dtype_passes_every_op(name):
 
     def oracle(**kw):
         bf = ref(**kw)
-        hi = ref(**kw, **({"ids": bf.ids} if name in ("router", "route_logits") else {}), compute_dtype=torch.float64)
+        hi = ref(**kw, **({"ids": bf.ids} if name in SELECTING_OPS else {}), compute_dtype=torch.float64)
         if isinstance(bf, torch.Tensor):
             return hi.to(bf.dtype)
         if name == "route_logits":

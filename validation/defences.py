@@ -220,6 +220,11 @@ class References:
     extra: dict  # op-specific (router: oracle biased scores)
 
 
+# Reference ops that select experts (ids and weights out): the oracle pins the bf16 path's
+# selection, and ids are compared up to near-ties of the scores.
+SELECTING_OPS = ("router", "route_logits")
+
+
 def compute_references(op: OpDef, inputs: dict) -> References:
     """The bf16 path (float32 compute) and the float64 oracle of `op` on `inputs`.
 
@@ -227,7 +232,7 @@ def compute_references(op: OpDef, inputs: dict) -> References:
     """
     ref = op.reference(**inputs, compute_dtype=F32)
     extra = {}
-    if op.name in ("router", "route_logits"):
+    if op.name in SELECTING_OPS:
         oracle = op.reference(**inputs, ids=ref.ids, compute_dtype=F64)
         logits = oracle.logits if op.name == "router" else inputs["logits"].to(F64)
         extra["scores"] = torch.sigmoid(logits) + inputs["bias"].to(F64)
@@ -241,7 +246,7 @@ def compare_outputs(op: OpDef, cand: dict[str, torch.Tensor], refs: References,
     """Every reference output compared; a missing output is a failed metric."""
     metrics = []
     cand = dict(cand)
-    if op.name in ("router", "route_logits") and {"ids", "weights"} <= cand.keys():
+    if op.name in SELECTING_OPS and {"ids", "weights"} <= cand.keys():
         metrics.append(compare_expert_ids("ids", cand["ids"], refs.extra["scores"], refs.bf16["ids"], policy))
         # Weights are compared per expert id: sort each token's (id, weight) pairs by id; tokens
         # whose chosen set differs from the reference's (forgiven ties) drop out of the comparison.
