@@ -75,13 +75,23 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     # the same launch with one selection round instead of 16: equal times mean the top-k tail is hidden
     v.append(("b1_default_top1", {"batch": 1, **K3, "top_k": 1}, {}))
     v.append(("b1_mma", {"batch": 1, **K3}, {"stream_max_batch": 0}))
+    # the selection by redux.sync (topk_redux 1) against the shuffles, and the timeline
+    # instrumentation of both (`timeline`: where a launch's time goes)
+    v.append(("b1_redux", {"batch": 1, **K3}, {"topk_redux": 1}))
+    v.append(("b1_timeline", {"batch": 1, **K3}, {"timeline": 1}))
+    v.append(("b1_redux_timeline", {"batch": 1, **K3}, {"topk_redux": 1, "timeline": 1}))
+    v.append(("b1_top1_timeline", {"batch": 1, **K3, "top_k": 1}, {"timeline": 1}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
+    v.append(("b2_redux", {"batch": 2, **K3}, {"topk_redux": 1}))
     for T in (8, 64):
         v.append((f"b{T}_default", {"batch": T, **K3}, {}))  # the mma design, its phase 2 shared
+        v.append((f"b{T}_redux", {"batch": T, **K3}, {"topk_redux": 1}))
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
+    v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk_redux": 1}))
+    v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk_redux": 1}))
     # the block's router shapes (kernels/block.py ROUTER_IN_BLOCK): batches 16-64, 16 warps with
     # 16-row router and 32-row down CTAs (batch 20: a second, partly padded batch tile; batch 40:
     # three); batch 8, 8 warps with 32-row router and 64-row down CTAs
@@ -203,6 +213,47 @@ def _read_same_bytes(nbytes: int, replays: int = 20) -> dict:
     return best
 
 
+def _timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> dict:
+    """`timeline` variants: `launches` launches back to back on one stream (pdl as built), each
+    with its own stamp buffer (kernels/ops/router.py TIMELINE_SLOTS), weights rotated past the
+    L2; stamps in ns relative to the launch's first CTA start (phase 2's %clock stamps in SM
+    cycles relative to its arrival), the median over `rounds` of launches 1 .. launches-2 (the
+    steady state), and the gap from one launch's last down CTA to the next one's first start."""
+    import statistics
+
+    import torch
+
+    from block_explore import _launch_router, _router_buffers
+    from kernels.ops.router import TIMELINE_SLOTS
+
+    bufs = [_router_buffers(op, op.batch, "cuda") for _ in range(launches)]
+    rows = []
+    for _ in range(rounds):
+        for b in bufs:
+            b["counter"].zero_()
+            b["counter"][TIMELINE_SLOTS["first_start"]] = -1
+            b["counter"][TIMELINE_SLOTS["first_down_start"]] = -1
+        torch.cuda.synchronize()
+        for i, b in enumerate(bufs):
+            _launch_router(k, op, hs[i % len(hs)], wg[i % len(wg)], bias, wd[i % len(wd)], b)
+        torch.cuda.synchronize()
+        stamps = [[int(x) & 0xFFFFFFFF for x in b["counter"].tolist()] for b in bufs]
+        for i in range(1, launches - 1):
+            st, prev = stamps[i], stamps[i - 1]
+            t0 = st[TIMELINE_SLOTS["first_start"]]
+            row = {n: ((st[j] - t0 + (1 << 31)) % (1 << 32)) - (1 << 31) for n, j in TIMELINE_SLOTS.items()
+                   if not n.endswith("_clk")}
+            c0 = st[TIMELINE_SLOTS["p2_arrived_clk"]]
+            row.update({n: (st[j] - c0) % (1 << 32) for n, j in TIMELINE_SLOTS.items() if n.endswith("_clk")})
+            row["gap_from_previous_down_end"] = ((t0 - prev[TIMELINE_SLOTS["last_down_end"]] + (1 << 31))
+                                                 % (1 << 32)) - (1 << 31)
+            row["start_to_start"] = (t0 - prev[TIMELINE_SLOTS["first_start"]]) % (1 << 32)
+            rows.append(row)
+    return {"launches": launches, "rounds": rounds, "unit": "ns (the _clk fields: SM cycles)",
+            "median": {n: statistics.median(r[n] for r in rows) for n in rows[0]},
+            "min": {n: min(r[n] for r in rows) for n in rows[0]}, "max": {n: max(r[n] for r in rows) for n in rows[0]}}
+
+
 # -- GPU: k3 -----------------------------------------------------------------------------------------
 
 
@@ -256,6 +307,9 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
                     "vs_read_same_bytes": res["read_same_bytes"]["us"] / us, "registers": e["registers"],
                     "launch": e["launch"], "tunables": e["tunables"]})
         row["stress"] = _stress(op, k, hs[0], w)
+        if op.timeline:
+            row["timeline"] = tl = _timeline(op, k, hs, wg, wd, w.bias)
+            print(f"{ident} timeline (median, ns from the first CTA start): {json.dumps(tl['median'])}", flush=True)
         res["k3"][ident] = row
         print(f"{ident:20s} {us:7.2f} us {row['fraction_of_read']:6.1%} of read "
               f"(x{row['vs_read_same_bytes']:.3f} of the same-bytes read) ok {row['passed']} "

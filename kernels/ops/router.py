@@ -83,8 +83,17 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # row_tiles, down_row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <=
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
-                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2}
+                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2,
+                    "topk_redux": 0, "timeline": 0}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
+INT32_MIN = -(1 << 31)  # the redux selection's key of a retired (or absent) expert
+# `timeline` 1 (explorer instrumentation, never a shipped variant): the counter buffer grows to
+# TIMELINE_WORDS int32 words of %globaltimer_lo stamps (ns; the host sets word 1 and 8 to
+# 0xffffffff, the others to 0) and phase 2's %clock stamps (SM cycles), see TIMELINE_SLOTS.
+TIMELINE_WORDS = 16
+TIMELINE_SLOTS = {"first_start": 1, "last_router_arrival": 2, "last_down_end": 3, "p2_arrived": 4,
+                  "p2_staged": 5, "p2_selected": 6, "p2_grouped": 7, "first_down_start": 8,
+                  "p2_arrived_clk": 9, "p2_staged_clk": 10, "p2_selected_clk": 11, "p2_grouped_clk": 12}
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -124,6 +133,9 @@ class RouterOp(OpBase):
     tunables; `scale` (routed_scale) is baked in (default 1.0). `stream` says which design."""
 
     kernel_name = "router"
+    topk_redux = 0  # router_select keeps the shuffle selection
+    timeline = 0
+    _tl = None
 
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
@@ -137,8 +149,11 @@ class RouterOp(OpBase):
             raise ValueError(f"router: shape needs batch, n_experts, hidden, top_k and latent; missing {e}") from None
         self._routing_shape(shape)
         self.pdl = int(self.tunables["pdl"])
-        if self.pdl not in (0, 1):
-            raise ValueError("router: pdl must be 0 or 1")
+        self.topk_redux = int(self.tunables["topk_redux"])
+        self.timeline = int(self.tunables["timeline"])
+        for name in ("pdl", "topk_redux", "timeline"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"router: {name} must be 0 or 1")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         if self.stream:
             self._plan_stream()
@@ -245,7 +260,7 @@ class RouterOp(OpBase):
             "group_expert": TensorSpec((self.groups,), "int32"),
             "group_start": TensorSpec((self.groups + 1,), "int32"),
             "sorted_slots": TensorSpec((self.slots,), "int32"),
-            "counter": TensorSpec((1,), "int32"),
+            "counter": TensorSpec((TIMELINE_WORDS if self.timeline else 1,), "int32"),
             "w_down": TensorSpec((self.latent, H), "bfloat16"),
             "z": TensorSpec((T, self.latent), "bfloat16"),
         }
@@ -277,6 +292,7 @@ class RouterOp(OpBase):
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mCounter: cute.Tensor, mWd: cute.Tensor,
                mZ: cute.Tensor):
         outs = (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted)
+        self._tl = mCounter if self.timeline else None  # trace time: where `_stamp` writes
         if cutlass.const_expr(self.stream):
             self._stream_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
         else:
@@ -365,10 +381,13 @@ class RouterOp(OpBase):
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
+        self._stamp("first_start", tidx, "min")
         if bidx < self.ctas:
             self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
             self._arrive(mCounter, sLast, tidx)
+            self._stamp("last_router_arrival", tidx, "max")
             if sLast[0] == 1:
+                self._stamp("p2_arrived", tidx)
                 # the streaming buffers are dead (every thread passed the arrival's barriers)
                 base = cute.recast_ptr(sU.iterator, dtype=i32)
                 o = self.phase2_offsets
@@ -381,9 +400,37 @@ class RouterOp(OpBase):
                 sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
                 sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
                 self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
+                self._stamp("p2_staged", tidx)
                 self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx)
+                self._stamp("p2_grouped", tidx, sync=True)
         else:
+            self._stamp("first_down_start", tidx, "min")
             self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
+            self._stamp("last_down_end", tidx, "max", sync=True)
+
+    def _stamp(self, name: str, tidx, op: str | None = None, sync: bool = False):
+        """Trace-time, `timeline` 1 only (else nothing): after a CTA barrier if `sync`, thread 0 writes %globaltimer_lo to the
+        timeline slot `name` (op "min"/"max": an unsigned atomic reduction over CTAs; None: a
+        store) and, for phase 2's stamps, %clock to the slot `name`_clk."""
+        if cutlass.const_expr(self._tl is None):
+            return
+        if cutlass.const_expr(sync):
+            cute.arch.sync_threads()
+        self._stamp_now(TIMELINE_SLOTS[name], TIMELINE_SLOTS.get(name + "_clk"), tidx, op)
+
+    @cute.jit
+    def _stamp_now(self, slot: int, clk_slot, tidx, op):
+        u32 = cutlass.Uint32
+        if tidx == 0:
+            now = cute.arch.globaltimer_lo()
+            ptr = self._tl.iterator + slot
+            if cutlass.const_expr(op is None):
+                cute.arch.store(ptr, cutlass.Int32(now), sem="relaxed", scope="gpu")
+            else:
+                cute.arch.red(ptr, u32(now), op="u" + op, dtype=u32, sem="relaxed", scope="gpu")
+            if cutlass.const_expr(clk_slot is not None):
+                cute.arch.store(self._tl.iterator + clk_slot, cutlass.Int32(cute.arch.clock()), sem="relaxed",
+                                scope="gpu")
 
     @cute.jit
     def _stream_rows(self, P, mW, mX, mY, blk, vU, sP, tidx):
@@ -485,6 +532,7 @@ class RouterOp(OpBase):
         for t in cutlass.range(warp, T, W, unroll=1):
             self._topk_one(lg, bias, t, t, mIds, mWeights, sIds, sSel, sMask, lane)
         cute.arch.sync_threads()
+        self._stamp("p2_selected", tidx)
         self._group(outs, sMask, sStart, sIds, tidx)
 
     @cute.jit
@@ -509,35 +557,59 @@ class RouterOp(OpBase):
         # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
         # so no round waits on a store or a branch
         mine = [i32(E)] * ceil_div(K, WARP)
-        for j in cutlass.range_constexpr(K):
-            # This lane's best (greatest score, then lowest index) as TOPK_CHAINS independent
-            # chains over its values (value i in chain i % TOPK_CHAINS, ascending index: strict
-            # > keeps the lowest), merged after: one 28-deep dependent chain per round made the
-            # selection ~10 us at batch 1, longer than the down CTAs' streaming it hides behind.
-            nch = min(TOPK_CHAINS, V)
-            cv = [neg_inf] * nch
-            ci = [i32(E)] * nch
+        if cutlass.const_expr(self.topk_redux):
+            # Each lane keeps its best (key, index); a round is two warp reductions (redux.sync:
+            # the greatest key, then the lowest index holding it) and only the winner's lane
+            # retires it and rescans its values. Keys: the scores' bits as order-preserving
+            # int32 (+0 for -0, so equal scores have equal keys).
+            keys = cute.recast_tensor(vals, i32)
             for i in cutlass.range_constexpr(V):
-                c = i % nch
-                take = vals[i] > cv[c]
-                cv[c] = cutlass.select_(take, vals[i], cv[c])
-                ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
-            bv = cv[0]
-            bi = ci[0]
-            for c in cutlass.range_constexpr(1, nch):
-                take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
-                bv = cutlass.select_(take, cv[c], bv)
-                bi = cutlass.select_(take, ci[c], bi)
-            for sh in cutlass.range_constexpr(5):
-                ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
-                oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
-                if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
-                    bv = ov
-                    bi = oi
-            for i in cutlass.range_constexpr(V):
-                if lane + i * WARP == bi:
-                    vals[i] = neg_inf
-            mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
+                vals[i] = cutlass.select_(vals[i] == f32(0.0), f32(0.0), vals[i])
+                keys[i] = cutlass.select_(keys[i] < 0, keys[i] ^ i32(0x7FFFFFFF), keys[i])
+                if cutlass.const_expr((i + 1) * WARP > E):
+                    if lane + i * WARP >= E:
+                        keys[i] = i32(INT32_MIN)
+            lk, li = self._lane_best(keys, lane)
+            for j in cutlass.range_constexpr(K):
+                m = cute.arch.warp_redux_sync(lk, "max")
+                w = cute.arch.warp_redux_sync(cutlass.select_(lk == m, li, i32(E)), "min")
+                mine[j // WARP] = cutlass.select_(lane == j % WARP, w, mine[j // WARP])
+                if cutlass.const_expr(j + 1 < K):
+                    if lane == w % WARP:
+                        r = w // WARP
+                        for i in cutlass.range_constexpr(V):
+                            keys[i] = cutlass.select_(r == i, i32(INT32_MIN), keys[i])
+                        lk, li = self._lane_best(keys, lane)
+        else:
+            for j in cutlass.range_constexpr(K):
+                # This lane's best (greatest score, then lowest index) as TOPK_CHAINS independent
+                # chains over its values (value i in chain i % TOPK_CHAINS, ascending index: strict
+                # > keeps the lowest), merged after: one 28-deep dependent chain per round made the
+                # selection ~10 us at batch 1, longer than the down CTAs' streaming it hides behind.
+                nch = min(TOPK_CHAINS, V)
+                cv = [neg_inf] * nch
+                ci = [i32(E)] * nch
+                for i in cutlass.range_constexpr(V):
+                    c = i % nch
+                    take = vals[i] > cv[c]
+                    cv[c] = cutlass.select_(take, vals[i], cv[c])
+                    ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
+                bv = cv[0]
+                bi = ci[0]
+                for c in cutlass.range_constexpr(1, nch):
+                    take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
+                    bv = cutlass.select_(take, cv[c], bv)
+                    bi = cutlass.select_(take, ci[c], bi)
+                for sh in cutlass.range_constexpr(5):
+                    ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> sh)
+                    oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> sh)
+                    if cutlass.or_(ov > bv, cutlass.and_(ov == bv, oi < bi)):
+                        bv = ov
+                        bi = oi
+                for i in cutlass.range_constexpr(V):
+                    if lane + i * WARP == bi:
+                        vals[i] = neg_inf
+                mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
         for q in cutlass.range_constexpr(len(mine)):
             if q * WARP + lane < K:
                 mIds[t, q * WARP + lane] = mine[q]
@@ -560,6 +632,27 @@ class RouterOp(OpBase):
             total = total + f32(WEIGHT_EPS)
             for j in cutlass.range_constexpr(K):
                 mWeights[t, j] = sSel[lt * K + j] / total * f32(self.scale)
+
+    def _lane_best(self, keys, lane):
+        """Trace-time: this lane's greatest int32 key and the lowest expert index holding it
+        (value i is expert lane + 32 i), as TOPK_CHAINS independent chains merged after."""
+        E = self.n_experts
+        V = self.per_lane
+        i32 = cutlass.Int32
+        nch = min(TOPK_CHAINS, V)
+        cv = [i32(INT32_MIN)] * nch
+        ci = [i32(E)] * nch
+        for i in range(V):
+            c = i % nch
+            take = keys[i] > cv[c]
+            cv[c] = cutlass.select_(take, keys[i], cv[c])
+            ci[c] = cutlass.select_(take, lane + i * WARP, ci[c])
+        bv, bi = cv[0], ci[0]
+        for c in range(1, nch):
+            take = cutlass.or_(cv[c] > bv, cutlass.and_(cv[c] == bv, ci[c] < bi))
+            bv = cutlass.select_(take, cv[c], bv)
+            bi = cutlass.select_(take, ci[c], bi)
+        return bv, bi
 
     @cute.jit
     def _group(self, outs, sMask, sStart, sIds, tidx):
