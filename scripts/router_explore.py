@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -214,11 +215,14 @@ def _read_same_bytes(nbytes: int, replays: int = 20) -> dict:
 
 
 def _timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> dict:
-    """`timeline` variants: `launches` launches back to back on one stream (pdl as built), each
-    with its own stamp buffer (kernels/ops/router.py TIMELINE_SLOTS), weights rotated past the
-    L2; stamps in ns relative to the launch's first CTA start (phase 2's %clock stamps in SM
-    cycles relative to its arrival), the median over `rounds` of launches 1 .. launches-2 (the
-    steady state), and the gap from one launch's last down CTA to the next one's first start."""
+    """`timeline` variants: `launches` launches, each with its own stamp buffer
+    (kernels/ops/router.py TIMELINE_SLOTS), weights rotated past the L2, two ways: "stream"
+    (issued one by one from the host: each launch alone on the GPU) and "graph" (captured in one
+    CUDA graph, as the per-op timing runs them: pdl lets each start under the previous one).
+    Stamps in ns from the launch's first CTA start (the `_clk` fields: SM cycles from phase 2's
+    arrival); medians (and min, max) over `rounds` of launches 1 .. launches-2, the steady
+    state; `gap_from_previous_down_end`: this launch's first start after the previous one's last
+    down CTA end (negative: they overlap)."""
     import statistics
 
     import torch
@@ -227,31 +231,43 @@ def _timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> di
     from kernels.ops.router import TIMELINE_SLOTS
 
     bufs = [_router_buffers(op, op.batch, "cuda") for _ in range(launches)]
-    rows = []
-    for _ in range(rounds):
-        for b in bufs:
-            b["counter"].zero_()
-            b["counter"][TIMELINE_SLOTS["first_start"]] = -1
-            b["counter"][TIMELINE_SLOTS["first_down_start"]] = -1
-        torch.cuda.synchronize()
+
+    def launch_all():
         for i, b in enumerate(bufs):
             _launch_router(k, op, hs[i % len(hs)], wg[i % len(wg)], bias, wd[i % len(wd)], b)
-        torch.cuda.synchronize()
-        stamps = [[int(x) & 0xFFFFFFFF for x in b["counter"].tolist()] for b in bufs]
-        for i in range(1, launches - 1):
-            st, prev = stamps[i], stamps[i - 1]
-            t0 = st[TIMELINE_SLOTS["first_start"]]
-            row = {n: ((st[j] - t0 + (1 << 31)) % (1 << 32)) - (1 << 31) for n, j in TIMELINE_SLOTS.items()
-                   if not n.endswith("_clk")}
-            c0 = st[TIMELINE_SLOTS["p2_arrived_clk"]]
-            row.update({n: (st[j] - c0) % (1 << 32) for n, j in TIMELINE_SLOTS.items() if n.endswith("_clk")})
-            row["gap_from_previous_down_end"] = ((t0 - prev[TIMELINE_SLOTS["last_down_end"]] + (1 << 31))
-                                                 % (1 << 32)) - (1 << 31)
-            row["start_to_start"] = (t0 - prev[TIMELINE_SLOTS["first_start"]]) % (1 << 32)
-            rows.append(row)
-    return {"launches": launches, "rounds": rounds, "unit": "ns (the _clk fields: SM cycles)",
-            "median": {n: statistics.median(r[n] for r in rows) for n in rows[0]},
-            "min": {n: min(r[n] for r in rows) for n in rows[0]}, "max": {n: max(r[n] for r in rows) for n in rows[0]}}
+
+    def wrap(x):  # u32 difference as a signed int
+        return ((x + (1 << 31)) % (1 << 32)) - (1 << 31)
+
+    launch_all()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        launch_all()
+    out = {"launches": launches, "rounds": rounds, "unit": "ns (the _clk fields: SM cycles)"}
+    for how in ("stream", "graph"):
+        rows = []
+        for _ in range(rounds):
+            for b in bufs:
+                b["counter"].zero_()
+            torch.cuda.synchronize()
+            graph.replay() if how == "graph" else launch_all()
+            torch.cuda.synchronize()
+            stamps = [[int(x) & 0xFFFFFFFF for x in b["counter"].tolist()] for b in bufs]
+            for i in range(1, launches - 1):
+                st, prev = stamps[i], stamps[i - 1]
+                t0 = st[TIMELINE_SLOTS["first_start"]]
+                row = {n: wrap(st[j] - t0) for n, j in TIMELINE_SLOTS.items() if not n.endswith("_clk")}
+                c0 = st[TIMELINE_SLOTS["p2_arrived_clk"]]
+                row.update({n: wrap(st[j] - c0) for n, j in TIMELINE_SLOTS.items() if n.endswith("_clk")})
+                row["gap_from_previous_down_end"] = wrap(t0 - prev[TIMELINE_SLOTS["last_down_end"]])
+                row["start_to_start"] = wrap(t0 - prev[TIMELINE_SLOTS["first_start"]])
+                rows.append(row)
+        out[how] = {"median": {n: statistics.median(r[n] for r in rows) for n in rows[0]},
+                    "min": {n: min(r[n] for r in rows) for n in rows[0]},
+                    "max": {n: max(r[n] for r in rows) for n in rows[0]}}
+    del graph
+    return out
 
 
 # -- GPU: k3 -----------------------------------------------------------------------------------------
@@ -267,7 +283,9 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     from kernels.config import get_config
 
     cfg = get_config("k3")
-    ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")}
+    only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call
+    ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")
+            and (not only or i in only.split(","))}
     w = R.make_weights(cfg, "cuda", seed=0)
     torch.cuda.synchronize()
     wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
@@ -309,7 +327,9 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
         row["stress"] = _stress(op, k, hs[0], w)
         if op.timeline:
             row["timeline"] = tl = _timeline(op, k, hs, wg, wd, w.bias)
-            print(f"{ident} timeline (median, ns from the first CTA start): {json.dumps(tl['median'])}", flush=True)
+            for how in ("stream", "graph"):
+                print(f"{ident} timeline {how} (median, ns from the first CTA start): {json.dumps(tl[how]['median'])}",
+                      flush=True)
         res["k3"][ident] = row
         print(f"{ident:20s} {us:7.2f} us {row['fraction_of_read']:6.1%} of read "
               f"(x{row['vs_read_same_bytes']:.3f} of the same-bytes read) ok {row['passed']} "

@@ -88,12 +88,20 @@ DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_m
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 INT32_MIN = -(1 << 31)  # the redux selection's key of a retired (or absent) expert
 # `timeline` 1 (explorer instrumentation, never a shipped variant): the counter buffer grows to
-# TIMELINE_WORDS int32 words of %globaltimer_lo stamps (ns; the host sets word 1 and 8 to
-# 0xffffffff, the others to 0) and phase 2's %clock stamps (SM cycles), see TIMELINE_SLOTS.
-TIMELINE_WORDS = 16
-TIMELINE_SLOTS = {"first_start": 1, "last_router_arrival": 2, "last_down_end": 3, "p2_arrived": 4,
-                  "p2_staged": 5, "p2_selected": 6, "p2_grouped": 7, "first_down_start": 8,
-                  "p2_arrived_clk": 9, "p2_staged_clk": 10, "p2_selected_clk": 11, "p2_grouped_clk": 12}
+# TIMELINE_WORDS int32 words (the host zeroes them): %globaltimer_lo stamps (ns) and phase 2's
+# %clock stamps (SM cycles) at TIMELINE_SLOTS. Plain stores by one CTA each, except the two
+# maxima over CTAs (unsigned reductions), each in a 128-byte line of its own, away from the
+# arrival counter (word 0), so that the stamps do not queue the arrivals behind them.
+TIMELINE_WORDS = 128
+TIMELINE_SLOTS = {
+    "first_start": 32, "router_first_arrival": 33, "router_cta_last_arrival": 34, "p2_cta_start": 35,
+    "p2_arrived": 36, "p2_staged": 37, "p2_selected": 38, "p2_grouped": 39, "first_down_start": 40,
+    "last_cta_start": 41,
+    "p2_arrived_clk": 48, "p2_staged_clk": 49, "p2_vals_clk": 50, "p2_rounds_clk": 51, "p2_selected_clk": 52,
+    "p2_grouped_clk": 53,
+    "last_down_end": 64,  # max over the down CTAs
+    "last_router_arrival": 96,  # max over the router CTAs
+}
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -381,13 +389,16 @@ class RouterOp(OpBase):
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
-        self._stamp("first_start", tidx, "min")
+        t_start = self._stamp_start(tidx, bidx)
         if bidx < self.ctas:
             self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
             self._arrive(mCounter, sLast, tidx)
-            self._stamp("last_router_arrival", tidx, "max")
+            self._stamp("last_router_arrival", tidx, op="max")
+            self._stamp("router_first_arrival", tidx, when=bidx == 0)
+            self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas - 1)
             if sLast[0] == 1:
                 self._stamp("p2_arrived", tidx)
+                self._stamp("p2_cta_start", tidx, value=t_start)
                 # the streaming buffers are dead (every thread passed the arrival's barriers)
                 base = cute.recast_ptr(sU.iterator, dtype=i32)
                 o = self.phase2_offsets
@@ -404,30 +415,43 @@ class RouterOp(OpBase):
                 self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx)
                 self._stamp("p2_grouped", tidx, sync=True)
         else:
-            self._stamp("first_down_start", tidx, "min")
             self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
-            self._stamp("last_down_end", tidx, "max", sync=True)
+            self._stamp("last_down_end", tidx, op="max", sync=True)
 
-    def _stamp(self, name: str, tidx, op: str | None = None, sync: bool = False):
-        """Trace-time, `timeline` 1 only (else nothing): after a CTA barrier if `sync`, thread 0 writes %globaltimer_lo to the
-        timeline slot `name` (op "min"/"max": an unsigned atomic reduction over CTAs; None: a
-        store) and, for phase 2's stamps, %clock to the slot `name`_clk."""
+    def _stamp_start(self, tidx, bidx):
+        """Trace-time, `timeline` 1 only: this CTA's start (%globaltimer_lo, thread 0), stored
+        by the first CTA, the first down CTA and the last CTA; returned (None without timeline)."""
+        if cutlass.const_expr(self._tl is None):
+            return None
+        now = cute.arch.globaltimer_lo()
+        self._stamp("first_start", tidx, when=bidx == 0, value=now)
+        self._stamp("first_down_start", tidx, when=bidx == self.ctas, value=now)
+        self._stamp("last_cta_start", tidx, when=bidx == self.ctas + self.down_ctas - 1, value=now)
+        return now
+
+    def _stamp(self, name: str, tidx, *, op: str | None = None, sync: bool = False, when=None, value=None):
+        """Trace-time, `timeline` 1 only (else nothing): after a CTA barrier if `sync`, thread 0
+        (of the CTAs where `when` holds) writes `value` (default %globaltimer_lo now) to the
+        timeline slot `name` (op "max": an unsigned atomic reduction over CTAs; None: a store)
+        and, where the slot `name`_clk exists, %clock to it."""
         if cutlass.const_expr(self._tl is None):
             return
         if cutlass.const_expr(sync):
             cute.arch.sync_threads()
-        self._stamp_now(TIMELINE_SLOTS[name], TIMELINE_SLOTS.get(name + "_clk"), tidx, op)
+        cond = tidx == 0 if when is None else cutlass.and_(tidx == 0, when)
+        self._stamp_now(TIMELINE_SLOTS.get(name), TIMELINE_SLOTS.get(name + "_clk"), cond, op, value)
 
     @cute.jit
-    def _stamp_now(self, slot: int, clk_slot, tidx, op):
+    def _stamp_now(self, slot, clk_slot, cond, op, value):
         u32 = cutlass.Uint32
-        if tidx == 0:
-            now = cute.arch.globaltimer_lo()
-            ptr = self._tl.iterator + slot
-            if cutlass.const_expr(op is None):
-                cute.arch.store(ptr, cutlass.Int32(now), sem="relaxed", scope="gpu")
-            else:
-                cute.arch.red(ptr, u32(now), op="u" + op, dtype=u32, sem="relaxed", scope="gpu")
+        if cond:
+            if cutlass.const_expr(slot is not None):
+                now = cute.arch.globaltimer_lo() if value is None else value
+                ptr = self._tl.iterator + slot
+                if cutlass.const_expr(op is None):
+                    cute.arch.store(ptr, cutlass.Int32(now), sem="relaxed", scope="gpu")
+                else:
+                    cute.arch.red(ptr, u32(now), op="u" + op, dtype=u32, sem="relaxed", scope="gpu")
             if cutlass.const_expr(clk_slot is not None):
                 cute.arch.store(self._tl.iterator + clk_slot, cutlass.Int32(cute.arch.clock()), sem="relaxed",
                                 scope="gpu")
@@ -554,6 +578,7 @@ class RouterOp(OpBase):
                 vals[i] = neg_inf
                 if lane + i * WARP < E:
                     vals[i] = sigmoid(lg[lt, lane + i * WARP]) + bias[lane + i * WARP]
+        self._stamp("p2_vals", lane)  # timeline only: lane 0 of the warp of token 0 is thread 0 at batch 1
         # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
         # so no round waits on a store or a branch
         mine = [i32(E)] * ceil_div(K, WARP)
@@ -610,6 +635,7 @@ class RouterOp(OpBase):
                     if lane + i * WARP == bi:
                         vals[i] = neg_inf
                 mine[j // WARP] = cutlass.select_(lane == j % WARP, bi, mine[j // WARP])
+        self._stamp("p2_rounds", lane)
         for q in cutlass.range_constexpr(len(mine)):
             if q * WARP + lane < K:
                 mIds[t, q * WARP + lane] = mine[q]
