@@ -76,23 +76,31 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     # the same launch with one selection round instead of 16: equal times mean the top-k tail is hidden
     v.append(("b1_default_top1", {"batch": 1, **K3, "top_k": 1}, {}))
     v.append(("b1_mma", {"batch": 1, **K3}, {"stream_max_batch": 0}))
-    # the selection by redux.sync (topk_redux 1) against the shuffles, and the timeline
+    # the selection by redux.sync (topk 1) against the shuffles, and the timeline
     # instrumentation of both (`timeline`: where a launch's time goes)
-    v.append(("b1_redux", {"batch": 1, **K3}, {"topk_redux": 1}))
+    v.append(("b1_redux", {"batch": 1, **K3}, {"topk": 1}))
+    v.append(("b1_radix", {"batch": 1, **K3}, {"topk": 2}))
+    v.append(("b1_radix_s64", {"batch": 1, **K3}, {"topk": 2, "stream_threads": 64}))
+    v.append(("b1_radix_s256_k32", {"batch": 1, **K3}, {"topk": 2, "stream_threads": 256, "stream_cta_kib": 32}))
     v.append(("b1_timeline", {"batch": 1, **K3}, {"timeline": 1}))
-    v.append(("b1_redux_timeline", {"batch": 1, **K3}, {"topk_redux": 1, "timeline": 1}))
+    v.append(("b1_redux_timeline", {"batch": 1, **K3}, {"topk": 1, "timeline": 1}))
+    v.append(("b1_radix_timeline", {"batch": 1, **K3}, {"topk": 2, "timeline": 1}))
     v.append(("b1_top1_timeline", {"batch": 1, **K3, "top_k": 1}, {"timeline": 1}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
-    v.append(("b2_redux", {"batch": 2, **K3}, {"topk_redux": 1}))
+    v.append(("b2_redux", {"batch": 2, **K3}, {"topk": 1}))
+    v.append(("b2_radix", {"batch": 2, **K3}, {"topk": 2}))
     for T in (8, 64):
         v.append((f"b{T}_default", {"batch": T, **K3}, {}))  # the mma design, its phase 2 shared
-        v.append((f"b{T}_redux", {"batch": T, **K3}, {"topk_redux": 1}))
+        v.append((f"b{T}_redux", {"batch": T, **K3}, {"topk": 1}))
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
-    v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk_redux": 1}))
-    v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk_redux": 1}))
+    v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk": 1}))
+    v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
+    v.append(("mini_b1_p1_radix", {"batch": 1, **MINI}, {"stream_max_batch": 4, "topk": 2}))
+    v.append(("mini_b3_p1_radix", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk": 2}))
+    v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
     # the block's router shapes (kernels/block.py ROUTER_IN_BLOCK): batches 16-64, 16 warps with
     # 16-row router and 32-row down CTAs (batch 20: a second, partly padded batch tile; batch 40:
     # three); batch 8, 8 warps with 32-row router and 64-row down CTAs
@@ -153,6 +161,42 @@ def _check(op, b, h, w_gate, bias, w_down, scale: float) -> dict:
     ok = sel["passed"] and grp["passed"] and logits_err < 1e-5 and z["passed"] and counter_zero and finite
     return {"passed": ok, "selection": sel, "grouping": grp, "logits_rel_err_vs_f64": logits_err, "z": z,
             "counter_zero": counter_zero, "finite": finite}
+
+
+def _tied(w_gate, bias, how: str):
+    """Router weights whose scores tie: "triples" (rows and bias repeated in threes, so the
+    k-th place falls inside a tie whenever 3 does not divide top_k) or "all" (every row and
+    bias equal: the selection must be experts 0 .. top_k-1)."""
+    import torch
+
+    E = w_gate.shape[0]
+    if how == "all":
+        return w_gate[:1].expand(E, -1).contiguous(), torch.zeros_like(bias)
+    idx = (torch.arange(E, device=w_gate.device) // 3) * 3
+    return w_gate[idx].contiguous(), bias[idx].contiguous()
+
+
+def _check_ties(op, k, h, w_gate, bias, w_down, scale: float) -> dict:
+    """Tied scores (`_tied`): the ids must be exactly the reference rule's (ties to the lower
+    expert) on the kernel's own logits, besides every check of `_check`."""
+    from block_explore import _launch_router, _router_buffers
+    from block_proof import check_selection
+
+    out = {}
+    for how in ("triples", "all"):
+        wg, bs = _tied(w_gate, bias, how)
+        b = _router_buffers(op, op.batch, "cuda")
+        _poison(b)
+        _launch_router(k, op, h, wg, bs, w_down, b)
+        import torch
+
+        torch.cuda.synchronize()
+        r = _check(op, b, h, wg, bs, w_down, scale)
+        sel = check_selection(b["logits"], bs, b["ids"], b["weights"], op.top_k, scale)
+        exact = sel["tokens_exactly_reference"] == sel["tokens"]
+        out[how] = {"passed": bool(r["passed"] and exact), "exact_ids": exact, "check": r["passed"]}
+    out["passed"] = all(v["passed"] for v in out.values() if isinstance(v, dict))
+    return out
 
 
 def _poison(b) -> None:
@@ -325,6 +369,8 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
                     "vs_read_same_bytes": res["read_same_bytes"]["us"] / us, "registers": e["registers"],
                     "launch": e["launch"], "tunables": e["tunables"]})
         row["stress"] = _stress(op, k, hs[0], w)
+        row["ties"] = _check_ties(op, k, hs[0], w.w_gate, w.bias, w.w_down, cfg.routed_scale)
+        row["passed"] = bool(row["passed"] and row["ties"]["passed"])
         if op.timeline:
             row["timeline"] = tl = _timeline(op, k, hs, wg, wd, w.bias)
             for how in ("stream", "graph"):
@@ -334,7 +380,8 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
         print(f"{ident:20s} {us:7.2f} us {row['fraction_of_read']:6.1%} of read "
               f"(x{row['vs_read_same_bytes']:.3f} of the same-bytes read) ok {row['passed']} "
               f"logits {row['logits_rel_err_vs_f64']:.1e} z ratio {row['z']['ratio']:.3f} "
-              f"stress {row['stress']['not_bitwise_identical']}/{row['stress']['counters_left_nonzero']}", flush=True)
+              f"stress {row['stress']['not_bitwise_identical']}/{row['stress']['counters_left_nonzero']} "
+              f"ties {'ok' if row['ties']['passed'] else 'NOT OK ' + json.dumps(row['ties'])}", flush=True)
     del wg, wd, w
     torch.cuda.empty_cache()
 
@@ -364,9 +411,11 @@ def child() -> int:
         _launch_router(k, op, h, w.w_gate, w.bias, w.w_down, b)
         torch.cuda.synchronize()
         r = _check(op, b, h, w.w_gate, w.bias, w.w_down, cfg.routed_scale)
-        print(marker(ident, r["passed"], logits_err=f"{r['logits_rel_err_vs_f64']:.2e}",
+        ties = _check_ties(op, k, h, w.w_gate, w.bias, w.w_down, cfg.routed_scale)
+        print(marker(ident, r["passed"] and ties["passed"], logits_err=f"{r['logits_rel_err_vs_f64']:.2e}",
                      z_ratio=f"{r['z']['ratio']:.3f}", selection=r["selection"]["passed"],
-                     grouping=r["grouping"]["passed"], counter_zero=r["counter_zero"]), flush=True)
+                     grouping=r["grouping"]["passed"], counter_zero=r["counter_zero"],
+                     ties=ties["passed"]), flush=True)
     return 0
 
 

@@ -84,8 +84,15 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2,
-                    "topk_redux": 0, "timeline": 0}
+                    "topk": 0, "timeline": 0}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
+# `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
+# butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
+# reductions (the greatest key, then the lowest index holding it), only the winner's lane
+# rescans; 2 "radix": the whole CTA per token (`_topk_cta`), a 4-pass 8-bit radix select of the
+# k-th greatest key, then the selected experts ranked. Same selection and weights in all three.
+TOPK_DESIGNS = ("shuffle", "redux", "radix")
+RADIX_BITS = 8
 INT32_MIN = -(1 << 31)  # the redux selection's key of a retired (or absent) expert
 # `timeline` 1 (explorer instrumentation, never a shipped variant): the counter buffer grows to
 # TIMELINE_WORDS int32 words (the host zeroes them): %globaltimer_lo stamps (ns) and phase 2's
@@ -98,7 +105,7 @@ TIMELINE_SLOTS = {
     "p2_arrived": 36, "p2_staged": 37, "p2_selected": 38, "p2_grouped": 39, "first_down_start": 40,
     "last_cta_start": 41,
     "p2_arrived_clk": 48, "p2_staged_clk": 49, "p2_vals_clk": 50, "p2_rounds_clk": 51, "p2_selected_clk": 52,
-    "p2_grouped_clk": 53,
+    "p2_grouped_clk": 53, "p2_radix_clk": 54,
     "last_down_end": 64,  # max over the down CTAs
     "last_router_arrival": 96,  # max over the router CTAs
 }
@@ -141,7 +148,7 @@ class RouterOp(OpBase):
     tunables; `scale` (routed_scale) is baked in (default 1.0). `stream` says which design."""
 
     kernel_name = "router"
-    topk_redux = 0  # router_select keeps the shuffle selection
+    topk = 0  # the selection (TOPK_DESIGNS); router_select keeps the shuffles
     timeline = 0
     _tl = None
 
@@ -157,11 +164,11 @@ class RouterOp(OpBase):
             raise ValueError(f"router: shape needs batch, n_experts, hidden, top_k and latent; missing {e}") from None
         self._routing_shape(shape)
         self.pdl = int(self.tunables["pdl"])
-        self.topk_redux = int(self.tunables["topk_redux"])
+        self.topk = int(self.tunables["topk"])
         self.timeline = int(self.tunables["timeline"])
-        for name in ("pdl", "topk_redux", "timeline"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"router: {name} must be 0 or 1")
+        for name, top in (("pdl", 1), ("topk", 2), ("timeline", 1)):
+            if not 0 <= getattr(self, name) <= top:
+                raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         if self.stream:
             self._plan_stream()
@@ -221,7 +228,16 @@ class RouterOp(OpBase):
         self.smem_bytes = (self.partial_rows * self.pb * self.warps * 4 + 16
                            + 2 * ceil_div(self.slots * 4, 16) * 16
                            + ceil_div(self.mask_words * self.n_experts * 4, 16) * 16
-                           + ceil_div(self.n_experts * 4, 16) * 16 + 64)
+                           + ceil_div(self.n_experts * 4, 16) * 16 + 64
+                           + sum(ceil_div(w * 4, 16) * 16 for _, w in self._radix_words()))
+
+    def _radix_words(self) -> tuple:
+        """(name, int32 words) of the radix selection's shared scratch (`topk` 2, else none):
+        two histograms, control words, the candidates' keys and ids, every expert's key."""
+        if self.topk != 2:
+            return ()
+        return (("hist", 2 << RADIX_BITS), ("ctl", 4), ("cand_key", self.top_k), ("cand_id", self.top_k),
+                ("key", self.n_experts))
 
     def _plan_stream(self) -> None:
         """Smallest batches (kernels/ops/stream.py): the router's rows and W_down's as one grid
@@ -248,7 +264,7 @@ class RouterOp(OpBase):
             raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of 4 (16-byte logit copies)")
         for name, words in (("logits", B * self.n_experts), ("bias", self.n_experts),
                             ("mask", self.mask_words * self.n_experts), ("start", self.n_experts),
-                            ("ids", self.slots), ("sel", self.slots)):
+                            ("ids", self.slots), ("sel", self.slots)) + self._radix_words():
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
         self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
@@ -334,6 +350,11 @@ class RouterOp(OpBase):
         sSel = smem.allocate_tensor(f32, cute.make_layout(TK), byte_alignment=16)
         sMask = smem.allocate_tensor(i32, cute.make_layout(self.mask_words * E), byte_alignment=16)
         sStart = smem.allocate_tensor(i32, cute.make_layout(E), byte_alignment=16)
+        radix = None
+        if cutlass.const_expr(self.topk == 2):
+            words = [ceil_div(w, 4) * 4 for _, w in self._radix_words()]
+            sR = smem.allocate_tensor(i32, cute.make_layout(sum(words)), byte_alignment=16)
+            radix = self._radix_views(sR.iterator, {n: sum(words[:j]) for j, (n, _) in enumerate(self._radix_words())})
 
         if bidx < self.ctas:
             # --- phase 1: this CTA's logits ------------------------------------------------------
@@ -354,7 +375,7 @@ class RouterOp(OpBase):
             # --- arrival: the last CTA runs phase 2 ----------------------------------------------
             self._arrive(mCounter, sLast, tidx)
             if sLast[0] == 1:
-                self._select_and_group(mLogits, mBias, outs, sMask, sStart, sIds, sSel, tidx)
+                self._select_and_group(mLogits, mBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
         else:
             # --- down CTAs: z = h @ W_down.T for 8 * down_row_tiles rows ------------------------
             RD = self.down_rows_per_cta
@@ -412,7 +433,8 @@ class RouterOp(OpBase):
                 sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
                 self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
                 self._stamp("p2_staged", tidx)
-                self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx)
+                radix = self._radix_views(base, o) if self.topk == 2 else None
+                self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
                 self._stamp("p2_grouped", tidx, sync=True)
         else:
             self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
@@ -534,8 +556,22 @@ class RouterOp(OpBase):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
+    def _radix_views(self, base, offsets):
+        """Trace-time: the radix selection's shared tensors from an int32 pointer and the word
+        offsets of `_radix_words` (keys as uint32: their order is the scores' order)."""
+        u32 = cutlass.Uint32
+        K, E = self.top_k, self.n_experts
+        H = 1 << RADIX_BITS
+        return {"hist": cute.make_tensor(base + offsets["hist"], cute.make_layout((H, 2), stride=(1, H))),
+                "ctl": cute.make_tensor(base + offsets["ctl"], cute.make_layout(4)),
+                "ctl_u": cute.make_tensor(cute.recast_ptr(base + offsets["ctl"], dtype=u32), cute.make_layout(4)),
+                "cand_key": cute.make_tensor(cute.recast_ptr(base + offsets["cand_key"], dtype=u32),
+                                             cute.make_layout(K)),
+                "cand_id": cute.make_tensor(base + offsets["cand_id"], cute.make_layout(K)),
+                "key": cute.make_tensor(cute.recast_ptr(base + offsets["key"], dtype=u32), cute.make_layout(E))}
+
     @cute.jit
-    def _select_and_group(self, lg, bias, outs, sMask, sStart, sIds, sSel, tidx):
+    def _select_and_group(self, lg, bias, outs, sMask, sStart, sIds, sSel, tidx, radix=None):
         """Trace-time phase 2 of the last router CTA (module docstring): top-k per token, the
         weights, then the grouping by expert (counting sort over per-expert token masks).
         `lg` [T, E] and `bias` [E] are the logits and bias, in global or shared memory."""
@@ -552,9 +588,14 @@ class RouterOp(OpBase):
         for i in cutlass.range(tidx, MW * E, NTH, unroll=1):
             sMask[i] = i32(0)
         cute.arch.sync_threads()
-        # --- top-k: one warp per token -----------------------------------------------------------
-        for t in cutlass.range(warp, T, W, unroll=1):
-            self._topk_one(lg, bias, t, t, mIds, mWeights, sIds, sSel, sMask, lane)
+        if cutlass.const_expr(self.topk == 2):
+            # --- top-k: the whole CTA per token ---------------------------------------------------
+            for t in cutlass.range(0, T, unroll=1):
+                self._topk_cta(lg, bias, t, mIds, mWeights, sIds, sSel, sMask, radix, tidx)
+        else:
+            # --- top-k: one warp per token --------------------------------------------------------
+            for t in cutlass.range(warp, T, W, unroll=1):
+                self._topk_one(lg, bias, t, t, mIds, mWeights, sIds, sSel, sMask, lane)
         cute.arch.sync_threads()
         self._stamp("p2_selected", tidx)
         self._group(outs, sMask, sStart, sIds, tidx)
@@ -582,7 +623,7 @@ class RouterOp(OpBase):
         # selection j is kept by lane j % 32 (register j // 32) and written after the rounds,
         # so no round waits on a store or a branch
         mine = [i32(E)] * ceil_div(K, WARP)
-        if cutlass.const_expr(self.topk_redux):
+        if cutlass.const_expr(self.topk == 1):
             # Each lane keeps its best (key, index); a round is two warp reductions (redux.sync:
             # the greatest key, then the lowest index holding it) and only the winner's lane
             # retires it and rescans its values. Keys: the scores' bits as order-preserving
@@ -658,6 +699,162 @@ class RouterOp(OpBase):
             total = total + f32(WEIGHT_EPS)
             for j in cutlass.range_constexpr(K):
                 mWeights[t, j] = sSel[lt * K + j] / total * f32(self.scale)
+
+    @cute.jit
+    def _topk_cta(self, lg, bias, t, mIds, mWeights, sIds, sSel, sMask, radix, tidx):
+        """Trace-time, the whole CTA (after a CTA barrier; ends with one): token t's top-k, the
+        same selection, ids order and weights as `_topk_one`, in few dependent steps spread
+        over every thread (one warp's rounds were the serial tail of phase 2 at batch 1).
+
+        Keys: each thread takes experts tidx, tidx + threads, ...: s = sigmoid(logit) + bias
+        (-0 made +0), its bits as an order-preserving uint32 key. Radix select: 32 / RADIX_BITS
+        passes from the top digit; in each, the keys that match the digits chosen so far count
+        into a shared histogram of the next digit (shared atomics), then warp 0 finds the digit
+        holding the `need`-th greatest key (lane l holds digits 255 - 8l .. 248 - 8l, summed,
+        scanned across lanes) and keeps `need` minus the keys above it. After the last pass the
+        prefix is T, the k-th greatest key; `need` keys equal to T are taken, `eq` exist.
+        Candidates: every key > T, and the keys equal to T when all of them are taken, claim a
+        slot by a shared atomic counter (slot order is arbitrary); else (a tie straddling the
+        k-th place) warp 0 takes the `need` lowest experts with key T, in index order (ballots).
+        Ranks: candidate p's rank is the number of candidates with a greater key, or an equal
+        key and a lower expert index: the order of `_topk_one`'s rounds. Rank r's expert goes
+        to ids[t, r], its unbiased score to sSel, and the weights follow as in `_topk_one`."""
+        E = self.n_experts
+        K = self.top_k
+        NTH = self.threads
+        J = ceil_div(E, NTH)
+        H = 1 << RADIX_BITS
+        D = H // WARP  # digits per lane in the scan
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        u32 = cutlass.Uint32
+        warp = tidx // WARP
+        lane = tidx % WARP
+        hist, ctl, ctl_u = radix["hist"], radix["ctl"], radix["ctl_u"]
+        cand_key, cand_id, skey = radix["cand_key"], radix["cand_id"], radix["key"]
+
+        for i in cutlass.range_constexpr(ceil_div(2 * H, NTH)):
+            if tidx + i * NTH < 2 * H:
+                hist[tidx + i * NTH] = i32(0)
+        if tidx == 0:
+            ctl_u[0] = u32(0)  # the digits chosen so far
+            ctl[1] = i32(K)  # keys still to take at or below them
+            ctl[3] = i32(0)  # candidate slots claimed
+        vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
+        keys = cute.recast_tensor(vals, u32)
+        for j in cutlass.range_constexpr(J):
+            e = tidx + j * NTH
+            if cutlass.const_expr((j + 1) * NTH <= E):
+                vals[j] = sigmoid(lg[t, e]) + bias[e]
+            else:
+                vals[j] = f32(0.0)
+                if e < E:
+                    vals[j] = sigmoid(lg[t, e]) + bias[e]
+            vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
+            keys[j] = keys[j] ^ cutlass.select_((keys[j] >> 31) == u32(1), u32(0xFFFFFFFF), u32(0x80000000))
+            if cutlass.const_expr((j + 1) * NTH <= E):
+                skey[e] = keys[j]
+            else:
+                if e < E:
+                    skey[e] = keys[j]
+        cute.arch.sync_threads()
+        self._stamp("p2_vals", tidx)
+        for p in cutlass.range_constexpr(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            cur = p % 2
+            prefix = ctl_u[0]
+            for j in cutlass.range_constexpr(J):
+                e = tidx + j * NTH
+                d = i32((keys[j] >> shift) & u32(H - 1))
+                if cutlass.const_expr(p == 0 and (j + 1) * NTH <= E):
+                    cute.arch.atomic_add(hist.iterator + cur * H + d, i32(1))
+                else:
+                    ok = e < E
+                    if cutlass.const_expr(p > 0):
+                        ok = cutlass.and_(ok, (keys[j] >> (shift + RADIX_BITS)) == prefix)
+                    if ok:
+                        cute.arch.atomic_add(hist.iterator + cur * H + d, i32(1))
+            for i in cutlass.range_constexpr(ceil_div(H, NTH)):  # the next pass's bins
+                if tidx + i * NTH < H:
+                    hist[tidx + i * NTH, 1 - cur] = i32(0)
+            cute.arch.sync_threads()
+            if warp == 0:
+                need = ctl[1]
+                c = [hist[H - 1 - D * lane - m, cur] for m in range(D)]
+                here = c[0]
+                for m in cutlass.range_constexpr(1, D):
+                    here = here + c[m]
+                incl = here
+                for sh in cutlass.range_constexpr(5):
+                    o = cute.arch.shuffle_sync_up(incl, offset=1 << sh)
+                    if lane >= (1 << sh):
+                        incl = incl + o
+                run = incl - here  # keys in the greater digits of the lower lanes
+                if cutlass.and_(run < need, need <= incl):  # exactly one lane
+                    digit = i32(0)
+                    above = i32(0)
+                    at = i32(0)
+                    found = lane < 0  # false
+                    for m in cutlass.range_constexpr(D):
+                        hit = cutlass.and_(run + c[m] >= need, cutlass.not_(found))
+                        digit = cutlass.select_(hit, H - 1 - D * lane - m, digit)
+                        above = cutlass.select_(hit, run, above)
+                        at = cutlass.select_(hit, c[m], at)
+                        found = cutlass.or_(found, hit)
+                        run = run + c[m]
+                    ctl_u[0] = (prefix << RADIX_BITS) | u32(digit)
+                    ctl[1] = need - above
+                    ctl[2] = at  # after the last pass: how many keys equal T
+            cute.arch.sync_threads()
+        self._stamp("p2_radix", tidx)
+        kth = ctl_u[0]
+        need = ctl[1]
+        all_eq = ctl[2] == need
+        for j in cutlass.range_constexpr(J):
+            e = tidx + j * NTH
+            take = cutlass.or_(keys[j] > kth, cutlass.and_(keys[j] == kth, all_eq))
+            if cutlass.const_expr((j + 1) * NTH > E):
+                take = cutlass.and_(take, e < E)
+            if take:
+                slot = cute.arch.atomic_add(ctl.iterator + 3, i32(1))
+                cand_key[slot] = keys[j]
+                cand_id[slot] = e
+        cute.arch.sync_threads()
+        if cutlass.not_(all_eq):  # a tie across the k-th place: the lowest experts of key T
+            if warp == 0:
+                taken = i32(0)
+                base = i32(K) - need
+                for c0 in cutlass.range(0, E, WARP, unroll=1):
+                    e = c0 + lane
+                    eq = cutlass.and_(e < E, skey[cutlass.min(e, E - 1)] == kth)
+                    m = u32(cute.arch.vote_ballot_sync(eq))
+                    r = taken + i32(cute.arch.popc(m & ((u32(1) << u32(lane)) - u32(1))))
+                    if cutlass.and_(eq, r < need):
+                        cand_key[base + r] = kth
+                        cand_id[base + r] = e
+                    taken = taken + i32(cute.arch.popc(m))
+            cute.arch.sync_threads()
+        for p in cutlass.range(tidx, K, NTH, unroll=1):
+            kp = cand_key[p]
+            ip = cand_id[p]
+            rank = i32(0)
+            for q in cutlass.range_constexpr(K):
+                kq = cand_key[q]
+                rank = rank + cutlass.select_(cutlass.or_(kq > kp, cutlass.and_(kq == kp, cand_id[q] < ip)),
+                                              i32(1), i32(0))
+            mIds[t, rank] = ip
+            sIds[t * K + rank] = ip
+            sSel[t * K + rank] = sigmoid(lg[t, ip])
+            cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
+        cute.arch.sync_threads()
+        self._stamp("p2_rounds", tidx)
+        for p in cutlass.range(tidx, K, NTH, unroll=1):
+            total = sSel[t * K]
+            for j in cutlass.range_constexpr(1, K):
+                total = total + sSel[t * K + j]
+            total = total + f32(WEIGHT_EPS)
+            mWeights[t, p] = sSel[t * K + p] / total * f32(self.scale)
+        cute.arch.sync_threads()
 
     def _lane_best(self, keys, lane):
         """Trace-time: this lane's greatest int32 key and the lowest expert index holding it
