@@ -81,7 +81,8 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_redux", {"batch": 1, **K3}, {"topk": 1}))
     v.append(("b1_radix", {"batch": 1, **K3}, {"topk": 2}))
     v.append(("b1_radix_s64", {"batch": 1, **K3}, {"topk": 2, "stream_threads": 64}))
-    v.append(("b1_radix_s256_k32", {"batch": 1, **K3}, {"topk": 2, "stream_threads": 256, "stream_cta_kib": 32}))
+    for t, kib in ((256, 32), (128, 32), (64, 32), (256, 64), (128, 64)):  # rows per CTA: kib // 14, threads per row
+        v.append((f"b1_radix_s{t}_k{kib}", {"batch": 1, **K3}, {"topk": 2, "stream_threads": t, "stream_cta_kib": kib}))
     v.append(("b1_timeline", {"batch": 1, **K3}, {"timeline": 1}))
     v.append(("b1_redux_timeline", {"batch": 1, **K3}, {"topk": 1, "timeline": 1}))
     v.append(("b1_radix_timeline", {"batch": 1, **K3}, {"topk": 2, "timeline": 1}))

@@ -790,6 +790,7 @@ class RouterOp(OpBase):
                     if lane >= (1 << sh):
                         incl = incl + o
                 run = incl - here  # keys in the greater digits of the lower lanes
+                cute.arch.sync_warp()  # every lane has read `need` before the winner rewrites it
                 if cutlass.and_(run < need, need <= incl):  # exactly one lane
                     digit = i32(0)
                     above = i32(0)
