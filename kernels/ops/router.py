@@ -84,7 +84,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "timeline": 0}
+                    "topk": 0, "timeline": 0, "arrive": 1}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -151,6 +151,7 @@ class RouterOp(OpBase):
     topk = 0  # the selection (TOPK_DESIGNS); router_select keeps the shuffles
     timeline = 0
     _tl = None
+    arrive = 1
 
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
@@ -166,7 +167,8 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.topk = int(self.tunables["topk"])
         self.timeline = int(self.tunables["timeline"])
-        for name, top in (("pdl", 1), ("topk", 2), ("timeline", 1)):
+        self.arrive = int(self.tunables["arrive"])
+        for name, top in (("pdl", 1), ("topk", 2), ("timeline", 1), ("arrive", 2)):
             if not 0 <= getattr(self, name) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
@@ -290,7 +292,8 @@ class RouterOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        return LaunchConfig(grid=(self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
+        selector = 1 if self.stream and self.arrive == 2 else 0
+        return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
@@ -411,34 +414,83 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if bidx < self.ctas:
-            self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
-            self._arrive(mCounter, sLast, tidx)
-            self._stamp("last_router_arrival", tidx, op="max")
-            self._stamp("router_first_arrival", tidx, when=bidx == 0)
-            self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas - 1)
-            if sLast[0] == 1:
+        if cutlass.const_expr(self.arrive == 2):
+            # CTA 0 selects; the router CTAs are 1 .. ctas, the down CTAs follow
+            if bidx == 0:
+                self._select_when_arrived(mCounter, tidx)
                 self._stamp("p2_arrived", tidx)
                 self._stamp("p2_cta_start", tidx, value=t_start)
-                # the streaming buffers are dead (every thread passed the arrival's barriers)
-                base = cute.recast_ptr(sU.iterator, dtype=i32)
-                o = self.phase2_offsets
-                E = self.n_experts
-                sLg = cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
-                                       cute.make_layout((B, E), stride=(E, 1)))
-                sBias = cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E))
-                sMask = cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E))
-                sStart = cute.make_tensor(base + o["start"], cute.make_layout(E))
-                sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
-                sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
-                self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
-                self._stamp("p2_staged", tidx)
-                radix = self._radix_views(base, o) if self.topk == 2 else None
-                self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
-                self._stamp("p2_grouped", tidx, sync=True)
+                self._phase2_stream(sU, outs, mBias, tidx)
+            elif bidx <= self.ctas:
+                self._stream_rows(self.plan, mW, mH, outs[0], bidx - 1, vU, sP, tidx)
+                cute.arch.sync_threads()  # every logit of this CTA stored
+                if tidx == 0:
+                    cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
+                self._stamp("last_router_arrival", tidx, op="max")
+                self._stamp("router_first_arrival", tidx, when=bidx == 1)
+                self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas)
+            else:
+                self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - 1 - self.ctas, vU, sP, tidx)
+                self._stamp("last_down_end", tidx, op="max", sync=True)
         else:
-            self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
-            self._stamp("last_down_end", tidx, op="max", sync=True)
+            if bidx < self.ctas:
+                self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
+                if cutlass.const_expr(self.arrive == 1):
+                    self._arrive(mCounter, sLast, tidx)
+                self._stamp("last_router_arrival", tidx, op="max")
+                self._stamp("router_first_arrival", tidx, when=bidx == 0)
+                self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas - 1)
+                if cutlass.const_expr(self.arrive == 1):
+                    if sLast[0] == 1:
+                        self._stamp("p2_arrived", tidx)
+                        self._stamp("p2_cta_start", tidx, value=t_start)
+                        # the streaming buffers are dead (every thread passed the arrival's barriers)
+                        self._phase2_stream(sU, outs, mBias, tidx)
+            else:
+                self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
+                self._stamp("last_down_end", tidx, op="max", sync=True)
+
+    @cute.jit
+    def _select_when_arrived(self, mCounter, tidx):
+        """Trace-time, `arrive` 2, CTA 0 of the stream design: let the next launch start, wait
+        for the previous one (pdl), then thread 0 spins on the counter (gpu-scope acquire loads)
+        until every router CTA has added its release (`red`), resets it for the next launch
+        (relaxed: the next launch's router CTAs add only after this grid completed, past their
+        `griddepcontrol.wait`, or behind it in stream order without pdl), and a CTA barrier
+        hands the acquire on to every thread."""
+        i32 = cutlass.Int32
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+        if tidx == 0:
+            seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
+            while seen < self.ctas:
+                seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
+            cute.arch.store(mCounter.iterator, i32(0), sem="relaxed", scope="gpu")
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _phase2_stream(self, sU, outs, mBias, tidx):
+        """Trace-time, stream design: phase 2 in the CTA that runs it, over its streaming
+        buffers (dead by now): every logit and the bias staged, the selection and the grouping."""
+        B = self.batch
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        base = cute.recast_ptr(sU.iterator, dtype=i32)
+        o = self.phase2_offsets
+        E = self.n_experts
+        sLg = cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
+                               cute.make_layout((B, E), stride=(E, 1)))
+        sBias = cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E))
+        sMask = cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E))
+        sStart = cute.make_tensor(base + o["start"], cute.make_layout(E))
+        sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
+        sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
+        self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
+        self._stamp("p2_staged", tidx)
+        radix = self._radix_views(base, o) if self.topk == 2 else None
+        self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
+        self._stamp("p2_grouped", tidx, sync=True)
 
     def _stamp_start(self, tidx, bidx):
         """Trace-time, `timeline` 1 only: this CTA's start (%globaltimer_lo, thread 0), stored
@@ -447,8 +499,9 @@ class RouterOp(OpBase):
             return None
         now = cute.arch.globaltimer_lo()
         self._stamp("first_start", tidx, when=bidx == 0, value=now)
-        self._stamp("first_down_start", tidx, when=bidx == self.ctas, value=now)
-        self._stamp("last_cta_start", tidx, when=bidx == self.ctas + self.down_ctas - 1, value=now)
+        first_down = self.ctas + (1 if self.arrive == 2 else 0)
+        self._stamp("first_down_start", tidx, when=bidx == first_down, value=now)
+        self._stamp("last_cta_start", tidx, when=bidx == first_down + self.down_ctas - 1, value=now)
         return now
 
     def _stamp(self, name: str, tidx, *, op: str | None = None, sync: bool = False, when=None, value=None):
