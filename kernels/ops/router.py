@@ -455,8 +455,9 @@ class RouterOp(OpBase):
         """Trace-time, `arrive` 2, CTA 0 of the stream design: let the next launch start, wait
         for the previous one (pdl), then thread 0 spins on the counter (gpu-scope acquire loads)
         until every router CTA has added its release (`red`), resets it for the next launch
-        (relaxed: the next launch's router CTAs add only after this grid completed, past their
-        `griddepcontrol.wait`, or behind it in stream order without pdl), and a CTA barrier
+        (release, as the arrival's reset; the next launch's router CTAs add only after this grid
+        completed, past their `griddepcontrol.wait`, or behind it in stream order without pdl),
+        and a CTA barrier
         hands the acquire on to every thread."""
         i32 = cutlass.Int32
         if cutlass.const_expr(self.pdl):
@@ -466,7 +467,7 @@ class RouterOp(OpBase):
             seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
             while seen < self.ctas:
                 seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
-            cute.arch.store(mCounter.iterator, i32(0), sem="relaxed", scope="gpu")
+            cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
         cute.arch.sync_threads()
 
     @cute.jit
