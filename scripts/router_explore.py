@@ -69,48 +69,49 @@ def _mma_sweep() -> list[tuple[str, dict, dict]]:
 def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream), b<batch>_mma, or
     b<batch>_default (the manifest's defaults); with `sweep`, the mma widths of `_mma_sweep`."""
-    v = [("b1_default", {"batch": 1, **K3}, {})]
-    for t, kib, pdl in ((128, 8, 0), (64, 8, 1)):
-        v.append((f"b1_s{t}_k{kib}_p{pdl}", {"batch": 1, **K3},
-                  {"stream_threads": t, "stream_cta_kib": kib, "pdl": pdl}))
-    # the same launch with one selection round instead of 16: equal times mean the top-k tail is hidden
-    v.append(("b1_default_top1", {"batch": 1, **K3, "top_k": 1}, {}))
-    v.append(("b1_mma", {"batch": 1, **K3}, {"stream_max_batch": 0}))
-    # the selection by redux.sync (topk 1) against the shuffles, and the timeline
-    # instrumentation of both (`timeline`: where a launch's time goes)
-    v.append(("b1_redux", {"batch": 1, **K3}, {"topk": 1}))
-    v.append(("b1_radix", {"batch": 1, **K3}, {"topk": 2}))
-    v.append(("b1_radix_s64", {"batch": 1, **K3}, {"topk": 2, "stream_threads": 64}))
-    for t, kib in ((256, 32), (128, 32), (64, 32), (256, 64), (128, 64)):  # rows per CTA: kib // 14, threads per row
-        v.append((f"b1_radix_s{t}_k{kib}", {"batch": 1, **K3}, {"topk": 2, "stream_threads": t, "stream_cta_kib": kib}))
-    # how phase 2 learns the logits are stored (`arrive`): 0 none (a timing bound, nothing
-    # selected), 2 a selector CTA spinning on the router CTAs' release adds
-    v.append(("b1_radix_arrive0", {"batch": 1, **K3}, {"topk": 2, "arrive": 0}))
-    v.append(("b1_radix_arrive2", {"batch": 1, **K3}, {"topk": 2, "arrive": 2}))
-    v.append(("b1_radix_s256_k32_arrive2", {"batch": 1, **K3},
-              {"topk": 2, "arrive": 2, "stream_threads": 256, "stream_cta_kib": 32}))
-    v.append(("b1_radix_arrive2_timeline", {"batch": 1, **K3}, {"topk": 2, "arrive": 2, "timeline": 1}))
-    v.append(("b1_timeline", {"batch": 1, **K3}, {"timeline": 1}))
-    v.append(("b1_redux_timeline", {"batch": 1, **K3}, {"topk": 1, "timeline": 1}))
-    v.append(("b1_radix_timeline", {"batch": 1, **K3}, {"topk": 2, "timeline": 1}))
-    v.append(("b1_top1_timeline", {"batch": 1, **K3, "top_k": 1}, {"timeline": 1}))
+    b1 = {"batch": 1, **K3}
+    round7 = {"stream_threads": 128, "stream_cta_kib": 8, "stream_topk": 0}  # round 7's defaults
+    v = [("b1_default", b1, {}),
+         ("b1_round7", b1, round7),
+         ("b1_round7_p0", b1, {**round7, "pdl": 0}),
+         # the selection designs (stream_topk) on round 7's CTA shape, and the default's shape with
+         # the shuffles
+         ("b1_redux_s128_k8", b1, {**round7, "stream_topk": 1}),
+         ("b1_radix_s128_k8", b1, {**round7, "stream_topk": 2}),
+         ("b1_shuffle", b1, {"stream_topk": 0}),
+         # the same launch with one selection round instead of 16: equal times mean the tail is
+         # hidden; and a timing bound without arrival or selection (arrive 0)
+         ("b1_default_top1", {**b1, "top_k": 1}, {}),
+         ("b1_default_arrive0", b1, {"arrive": 0}),
+         ("b1_round7_arrive0", b1, {**round7, "arrive": 0}),
+         # a selector CTA spinning on the router CTAs' release adds instead of the last arrival
+         ("b1_default_arrive2", b1, {"arrive": 2}),
+         ("b1_mma", b1, {"stream_max_batch": 0})]
+    # CTA shapes of the stream design: threads, KiB of rows per CTA (2 rows per 32 KiB at k = 7168)
+    for t, kib in ((128, 32), (64, 32), (256, 64), (128, 64), (64, 8)):
+        v.append((f"b1_s{t}_k{kib}", b1, {"stream_threads": t, "stream_cta_kib": kib}))
+    # the timeline instrumentation (`timeline`: where a launch's time goes)
+    v.append(("b1_default_timeline", b1, {"timeline": 1}))
+    v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
+    v.append(("b1_arrive2_timeline", b1, {"arrive": 2, "timeline": 1}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
+    v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
-    v.append(("b2_redux", {"batch": 2, **K3}, {"topk": 1}))
-    v.append(("b2_radix", {"batch": 2, **K3}, {"topk": 2}))
     for T in (8, 64):
         v.append((f"b{T}_default", {"batch": T, **K3}, {}))  # the mma design, its phase 2 shared
         v.append((f"b{T}_redux", {"batch": T, **K3}, {"topk": 1}))
+    mini_stream = {"stream_max_batch": 4, "stream_threads": 128, "stream_cta_kib": 8}
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
-        v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {"stream_max_batch": 4, "pdl": pdl}))
+        v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {**mini_stream, "pdl": pdl}))
+    v.append(("mini_b1_default", {"batch": 1, **MINI}, {"stream_max_batch": 4}))  # 8 rows per CTA
+    v.append(("mini_b3_default", {"batch": 3, **MINI}, {"stream_max_batch": 4}))
+    v.append(("mini_b3_p1_shuffle", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 0}))
+    v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 1}))
+    v.append(("mini_b1_p1_a2", {"batch": 1, **MINI}, {**mini_stream, "arrive": 2}))
+    v.append(("mini_b1_p0_a2", {"batch": 1, **MINI}, {**mini_stream, "arrive": 2, "pdl": 0}))
+    v.append(("mini_b3_p1_a2", {"batch": 3, **MINI}, {**mini_stream, "arrive": 2, "stream_topk": 0}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
-    v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk": 1}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
-    v.append(("mini_b1_p1_radix", {"batch": 1, **MINI}, {"stream_max_batch": 4, "topk": 2}))
-    v.append(("mini_b1_p1_radix_a2", {"batch": 1, **MINI}, {"stream_max_batch": 4, "topk": 2, "arrive": 2}))
-    v.append(("mini_b1_p0_radix_a2", {"batch": 1, **MINI}, {"stream_max_batch": 4, "topk": 2, "arrive": 2, "pdl": 0}))
-    v.append(("mini_b3_p1_a2", {"batch": 3, **MINI}, {"stream_max_batch": 4, "arrive": 2}))
-    v.append(("mini_b3_p1_radix", {"batch": 3, **MINI}, {"stream_max_batch": 4, "topk": 2}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
     # the block's router shapes (kernels/block.py ROUTER_IN_BLOCK): batches 16-64, 16 warps with
     # 16-row router and 32-row down CTAs (batch 20: a second, partly padded batch tile; batch 40:

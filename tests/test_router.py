@@ -105,31 +105,64 @@ def test_default_tunables_and_params_follow_the_manifest():
     for shape in SPEC.shapes:
         op = RT.RouterOp(shape)
         assert list(op.tensor_specs()) == [p.name for p in SPEC.params]
-        if shape["batch"] <= 2:  # stream: one CTA per row of W_g, then of W_down
-            assert op.stream and op.launch_config().grid[0] == 896 + 3584
+        if shape["batch"] <= 2:  # stream: one CTA per two rows of W_g, then of W_down
+            assert op.stream and op.launch_config().grid[0] == 896 // 2 + 3584 // 2
         else:
             assert not op.stream and op.launch_config().grid[0] == 896 // 8 + 3584 // 16
 
 
 def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
-    """Batch 1 (and 2 by default): router rows first (CTAs 0..895, they arrive), then W_down's; 128 threads, 7
-    vectors each; shared memory = one weight row + h (the phase-2 arrays reuse it) + partials."""
+    """Batch 1 (and 2 by default): router rows first (CTAs 0..447, they arrive), then W_down's;
+    256 threads, two rows of 128 threads, 7 vectors each; shared memory = two weight rows + h
+    (the phase-2 arrays reuse it) + partials."""
     op = RT.RouterOp(K3)
-    assert op.stream and (op.ctas, op.down_ctas, op.threads) == (896, 3584, 128)
-    assert op.plan.vectors == op.down_plan.vectors == 7 and op.plan.rows == 1
-    assert op.union_elems == 2 * 7168 and op.smem_bytes == 2 * 7168 * 2 + 16 + 16 + 64
-    o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union
-    assert all(v % 4 == 0 for v in o.values()) and 2 * (o["sel"] + op.slots) <= op.union_elems
+    assert op.stream and (op.ctas, op.down_ctas, op.threads) == (448, 1792, 256)
+    assert op.plan.vectors == op.down_plan.vectors == 7 and op.plan.rows == 2 and op.plan.row_threads == 128
+    assert op.union_elems == 3 * 7168 and op.smem_bytes == 3 * 7168 * 2 + 32 + 16 + 64
+    o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union, the radix scratch last
+    assert all(v % 4 == 0 for v in o.values()) and 2 * (o["key"] + op.n_experts) <= op.union_elems
     assert op.launch_config().pdl is True and RT.RouterOp(K3, pdl=0).launch_config().pdl is False
     assert RT.RouterOp({**K3, "batch": 4}, pdl=1).launch_config().pdl is False  # mma: plain launch
     assert not RT.RouterOp(K3, stream_max_batch=0).stream
     assert RT.RouterOp({**K3, "batch": 4}, stream_max_batch=4).stream
-    wide = RT.RouterOp(K3, stream_cta_kib=32)  # two rows per CTA: 64 threads each
+    # round 7's shape: one row of 128 threads per CTA
+    one = RT.RouterOp(K3, stream_threads=128, stream_cta_kib=8)
+    assert (one.rows_per_cta, one.ctas, one.down_ctas, one.plan.row_threads) == (1, 896, 3584, 128)
+    assert one.union_elems == 2 * 7168
+    wide = RT.RouterOp(K3, stream_threads=128, stream_cta_kib=32)  # two rows per CTA: 64 threads each
     assert (wide.rows_per_cta, wide.down_rows_per_cta, wide.ctas, wide.plan.row_threads) == (2, 2, 448, 64)
     # the union also holds phase 2 where rows are tiny (mini-like shapes)
     small = RT.RouterOp({"batch": 3, "n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512},
                         stream_max_batch=4)
-    assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["sel"] + small.slots)
+    assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["key"] + small.n_experts)
+
+
+def test_selection_designs_arrival_and_timeline():
+    """stream_topk picks the stream design's selection, topk the mma design's (TOPK_DESIGNS);
+    only the radix select (2) takes shared scratch. arrive 2 adds the selector CTA 0; the
+    timeline (explorer only) widens the counter, every stamp in its own word, the two maxima
+    over CTAs each alone in a 128-byte line away from the arrival counter (word 0)."""
+    assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix")
+    assert RT.RouterOp(K3).topk == 2 and RT.RouterOp({**K3, "batch": 8}).topk == 0
+    assert RT.RouterOp(K3, stream_topk=1).topk == 1 and RT.RouterOp({**K3, "batch": 8}, topk=1).topk == 1
+    assert RT.RouterOp(K3, stream_topk=0)._radix_words() == ()
+    words = dict(RT.RouterOp(K3)._radix_words())
+    assert words == {"hist": 512, "ctl": 4, "cand_key": 16, "cand_id": 16, "key": 896}
+    mma = RT.RouterOp({**K3, "batch": 8})
+    assert RT.RouterOp({**K3, "batch": 8}, topk=2).smem_bytes == mma.smem_bytes + 4 * (512 + 4 + 16 + 16 + 896)
+    assert RT.RouterOp(K3, arrive=2).launch_config().grid[0] == 1 + 448 + 1792
+    assert RT.RouterOp(K3, arrive=0).launch_config().grid[0] == 448 + 1792
+    assert RT.RouterOp({**K3, "batch": 8}, arrive=2).launch_config().grid == mma.launch_config().grid  # stream only
+    for bad in ({"stream_topk": 3}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}):
+        with pytest.raises(ValueError, match="must be one of"):
+            RT.RouterOp(K3, **bad)
+    assert RT.RouterOp(K3).tensor_specs()["counter"].shape == (1,)
+    assert RT.RouterOp(K3, timeline=1).tensor_specs()["counter"].shape == (RT.TIMELINE_WORDS,)
+    slots = RT.TIMELINE_SLOTS
+    assert len(set(slots.values())) == len(slots) and all(0 < w < RT.TIMELINE_WORDS for w in slots.values())
+    for contended in ("last_down_end", "last_router_arrival"):
+        line = slots[contended] // 32
+        assert line != 0 and [n for n, w in slots.items() if w // 32 == line] == [contended]
 
 
 def test_mma_design_cta_widths():

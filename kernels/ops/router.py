@@ -8,18 +8,26 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
   * batch <= `stream_max_batch` (default 2), "stream" (kernels/ops/stream.py, as the batch-1
     gemv): one grid of short CTAs over the rows of W_g then of W_down (the router CTAs first, so
     they are dispatched first), each owning whole rows (`stream_cta_kib` KiB of weights, at
-    least one row, `stream_threads` threads). Every thread issues all of its 16-byte `cp.async`
-    copies of its weight rows (`.cg`) and of h (`.ca`) into shared memory before it waits once,
-    then fp32 FMAs from shared memory and the warp-order reduction of stream.py. Router CTAs
-    store fp32 logits and arrive (below); down CTAs store bf16 z. Phase 2 reuses the streaming
-    buffers of the last router CTA, so a CTA costs only what it streams and more fit per SM. Why
-    it is fast: the memory system sees one stream of 64 MB with every byte of a CTA in flight at
-    once, and the router's 896 rows are the first CTAs of the grid, so the last of them selects
-    and groups while the down CTAs still stream: the serial top-k tail is hidden. With `pdl` 1
+    least one row, `stream_threads` threads; by default 2 rows of 128 threads each). Every
+    thread issues all of its 16-byte `cp.async` copies of its weight rows (`.cg`) and of h
+    (`.ca`) into shared memory before it waits once, then fp32 FMAs from shared memory and the
+    warp-order reduction of stream.py. Router CTAs store fp32 logits and arrive (below); down
+    CTAs store bf16 z. Phase 2 reuses the streaming buffers of the CTA that runs it, so a CTA
+    costs only what it streams and more fit per SM. Why it is fast: the memory system sees one
+    stream of 64 MB with every byte of a CTA in flight at once, and the router's 896 rows are
+    the first CTAs of the grid, so phase 2 selects and groups while the down CTAs still stream.
+    That hides it only if phase 2 is short: one warp's 16 selection rounds on an SM shared
+    with streaming CTAs took ~6 us at batch 1 (plus ~3 us for the scores), past the down
+    CTAs' end, so the stream design selects with the whole CTA (`stream_topk` 2, the radix
+    select below; evidence_reports/moe_block/round8/). With `pdl` 1
     (the default; stream design only) the launcher sets programmatic stream serialization: each CTA copies
     its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
     next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
     comes after the wait, so a launch never arrives before the previous one has reset it.
+    `arrive` 2 (stream design, explored, not the default): an extra CTA 0 runs phase 2; it
+    spins (thread 0, gpu-scope acquire loads, after its own `griddepcontrol.wait`) until every
+    router CTA has added a release `red` to the counter, so no router CTA waits for an atomic's
+    reply. `arrive` 0 skips arrival and phase 2: a timing bound for the explorer, not an op.
   * larger batches, "mma": CTAs 0 .. n_experts/(8 * row_tiles)-1 are router CTAs (phase 1, then
     the arrival); the others are down CTAs, 8 * `down_row_tiles` rows of W_down each (16 by
     default), same mma scheme, no arrival. Every CTA reads all of h (from L2): T / rows bytes
@@ -34,15 +42,24 @@ router CTA adds 1 to a gpu-scope counter with acq_rel semantics (the split-K pat
 kernels/ops/splitk_gemv.py): the CTA that arrives last resets the counter (release store; the
 host zeroes it once) and alone runs phase 2 over everybody's logits.
 
-Phase 2, the last router CTA (both designs):
-  * one warp per token: each lane holds n_experts/32 biased scores s + b in registers; top_k
-    rounds of a warp argmax (butterfly over (score, index): greater score wins, equal scores go
-    to the LOWER expert index, exactly the reference's stable descending sort); the winner's lane
-    retires it. Then one lane per selection recomputes its unbiased score (sigmoid of the same
+Phase 2, the last router CTA (both designs), the selection as `topk` (mma design) or
+`stream_topk` (stream design) says (TOPK_DESIGNS; the same ids, order and weights in all three):
+  * 0 "shuffle", one warp per token: each lane holds n_experts/32 biased scores s + b in
+    registers; top_k rounds of a warp argmax (butterfly over (score, index): greater score wins,
+    equal scores go to the LOWER expert index, exactly the reference's stable descending sort);
+    the winner's lane retires it.
+  * 1 "redux", one warp per token: the scores as order-preserving int32 keys; each lane keeps
+    its best (key, lowest index); a round is two redux.sync reductions (the greatest key, then
+    the lowest index holding it) and the winner's lane alone retires it and rescans.
+  * 2 "radix", the whole CTA per token (`_topk_cta`): every thread scores n_experts/threads
+    experts (uint32 keys), a 4-pass 8-bit radix select over shared histograms finds the k-th
+    greatest key T, the experts above T (and those at T, the lowest indices first when a tie
+    straddles the k-th place) are gathered and ranked by (key, then lower index).
+  Then one lane (thread) per selection recomputes its unbiased score (sigmoid of the same
     logit: bitwise the score ranked), and weights w_k = s_k / (sum of the selected s, in
-    selection order, + 1e-20) * scale. Lane 0 sets token t's bit in the chosen expert's token
-    mask (shared memory, one 32-bit word per 32 tokens).
-  * grouping by expert, a counting sort, deterministic: warp 0 scans the experts' token counts
+    selection order, + 1e-20) * scale. Token t's bit is set in each chosen expert's token mask
+    (shared memory, one 32-bit word per 32 tokens).
+Grouping by expert, a counting sort, deterministic: warp 0 scans the experts' token counts
     (population counts of the masks) and group flags across its lanes, so expert e's slots start
     at start[e] = #slots of lower experts and its group index is the number of lower experts
     chosen; slot p = t * top_k + j of expert e goes to sorted position start[e] + #tokens below t
@@ -83,8 +100,8 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # row_tiles, down_row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <=
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
-                    "stream_threads": 128, "stream_cta_kib": 8, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "timeline": 0, "arrive": 1}
+                    "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 1}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -165,13 +182,14 @@ class RouterOp(OpBase):
             raise ValueError(f"router: shape needs batch, n_experts, hidden, top_k and latent; missing {e}") from None
         self._routing_shape(shape)
         self.pdl = int(self.tunables["pdl"])
-        self.topk = int(self.tunables["topk"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("timeline", 1), ("arrive", 2)):
-            if not 0 <= getattr(self, name) <= top:
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
+            if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        # the selection of phase 2 (TOPK_DESIGNS), each design its own default
+        self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
         if self.stream:
             self._plan_stream()
         else:
