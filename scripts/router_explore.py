@@ -408,6 +408,61 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     torch.cuda.empty_cache()
 
 
+def ab(ids: list[str], rounds: int, out_dir: Path) -> int:
+    """Interleaved A/B at k3: `rounds` rounds, each timing every variant of `ids` once (the
+    per-op condition of `k3`) and the read of the same bytes, in a rotated order, so that
+    drift over the call falls on all of them alike; medians over rounds."""
+    import statistics
+
+    import torch
+
+    from benchmarks.common import gpu_environment, l2_bytes, read_bandwidth, rotation_count
+    from block_explore import _launch_router, _router_buffers, graph_us
+    from block_proof import op_bytes
+    from kernels import reference as R
+    from kernels.config import get_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_doc = json.loads((CARRY / "plan.json").read_text())
+    cfg = get_config("k3")
+    ents = _entries()
+    res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
+           "command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "ids": ids, "rounds": rounds,
+           "variants": [e for e in plan_doc["entries"] if e["id"] in ids]}
+    res["ceiling_read"] = read_bandwidth(reps=10)
+    read_tbps = res["ceiling_read"]["tbps"]
+    w = R.make_weights(cfg, "cuda", seed=0)
+    wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
+    nr = min(8, rotation_count(wbytes, l2_bytes()))
+    wg = [w.w_gate] + [w.w_gate.clone() for _ in range(nr - 1)]
+    wd = [w.w_down] + [w.w_down.clone() for _ in range(nr - 1)]
+    g = torch.Generator(device="cpu").manual_seed(101)
+    hs = [R.rmsnorm(torch.randn(1, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre) for _ in range(8)]
+    loaded = {}
+    for i in ids:
+        op, k = _load(ents[i])
+        loaded[i] = (op, k, _router_buffers(op, op.batch, "cuda"))
+    samples = {i: [] for i in ids + ["read_same_bytes"]}
+    for r in range(rounds):
+        order = ids[r % len(ids):] + ids[:r % len(ids)]
+        for i in order:
+            op, k, b = loaded[i]
+            samples[i].append(graph_us(lambda j: _launch_router(k, op, hs[j % 8], wg[j % nr], w.bias, wd[j % nr], b),
+                                       max(8, nr), replays=20))
+        samples["read_same_bytes"].append(_read_same_bytes(wbytes)["us"])
+        print(f"round {r}: " + " ".join(f"{i} {samples[i][-1]:.2f}" for i in samples), flush=True)
+    res["results"] = {}
+    for i, v in samples.items():
+        nb = wbytes if i == "read_same_bytes" else op_bytes(cfg, 1, cfg.top_k)["router+down"]
+        med = statistics.median(v)
+        res["results"][i] = {"us_per_round": v, "median_us": med, "min_us": min(v), "max_us": max(v),
+                             "bytes": nb, "fraction_of_read": nb / med / 1e6 / read_tbps}
+        print(f"{i:24s} median {med:6.2f} us ({min(v):.2f}-{max(v):.2f}) {nb / med / 1e6 / read_tbps:6.1%} of read",
+              flush=True)
+    (out_dir / "ab.json").write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
 # -- sanitized child (mini) ------------------------------------------------------------------------
 
 
@@ -504,7 +559,13 @@ def main(argv=None) -> int:
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--skip-sanitize", action="store_true")
     sub.add_parser("child")
+    b = sub.add_parser("ab", help="interleaved rounds of batch-1 variants (ids of the carried plan)")
+    b.add_argument("ids", nargs="+")
+    b.add_argument("--rounds", type=int, default=5)
+    b.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "ab":
+        return ab(a.ids, a.rounds, a.out)
     if a.cmd == "plan":
         return plan(a.jobs, a.sweep)
     if a.cmd == "child":
