@@ -101,7 +101,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 1}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 1, "stream_blocks": 1}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -184,6 +184,9 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
+        self.blocks = int(self.tunables["stream_blocks"])
+        if self.blocks not in (1, 2):
+            raise ValueError("router: stream_blocks must be 1 or 2")
         for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
@@ -287,7 +290,15 @@ class RouterOp(OpBase):
                             ("ids", self.slots), ("sel", self.slots)) + self._radix_words():
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
-        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
+        # stream_blocks 2: CTA c streams row blocks c (router or down) and c + workers (down),
+        # both buffers' copies issued before the first wait
+        self.workers = ceil_div(self.ctas + self.down_ctas, self.blocks)
+        if self.blocks == 2 and self.plan.rows != self.down_plan.rows:
+            raise ValueError("router: stream_blocks 2 needs W_g's and W_down's CTAs of the same rows")
+        if self.blocks == 2 and self.workers < self.ctas:
+            raise ValueError("router: stream_blocks 2 needs at least as many W_down row blocks as router ones")
+        self.union_elems = max((self.blocks * self.plan.rows + B) * k, (self.blocks * self.down_plan.rows + B) * k,
+                               2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
 
     # -- contract ---------------------------------------------------------------------------
@@ -311,7 +322,8 @@ class RouterOp(OpBase):
 
     def launch_config(self) -> LaunchConfig:
         selector = 1 if self.stream and self.arrive == 2 else 0
-        return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
+        ctas = self.workers if self.stream else self.ctas + self.down_ctas
+        return LaunchConfig(grid=(selector + ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
@@ -432,7 +444,9 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if cutlass.const_expr(self.arrive == 2):
+        if cutlass.const_expr(self.blocks == 2):
+            self._stream_two_blocks(mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, bidx, t_start)
+        elif cutlass.const_expr(self.arrive == 2):
             # CTA 0 selects; the router CTAs are 1 .. ctas, the down CTAs follow
             if bidx == 0:
                 self._select_when_arrived(mCounter, tidx)
@@ -467,6 +481,88 @@ class RouterOp(OpBase):
             else:
                 self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
                 self._stamp("last_down_end", tidx, op="max", sync=True)
+
+    @cute.jit
+    def _stream_two_blocks(self, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, bidx, t_start):
+        """Trace-time, `stream_blocks` 2: worker CTA c (after the selector CTA 0 with `arrive`
+        2) streams row block c (a router block when c < ctas, else W_down's) into buffer 0 and
+        row block c + workers (W_down's, if any) into buffer 1, every copy issued before the first
+        wait: block A's weights, (pdl wait) x, block B's weights; then block A's dots while block
+        B's bytes are in flight, the router block's arrival, block B's dots, phase 2 if last."""
+        B = self.batch
+        bf16 = cutlass.BFloat16
+        i32 = cutlass.Int32
+        P = self.plan  # W_g's and W_down's plans have the same CTA geometry (checked)
+        c = bidx - (1 if self.arrive == 2 else 0)
+        if cutlass.const_expr(self.arrive == 2):
+            if bidx == 0:
+                self._select_when_arrived(mCounter, tidx)
+                self._stamp("p2_arrived", tidx)
+                self._phase2_stream(sU, outs, mBias, tidx)
+        if c >= 0:
+            r = tidx // P.row_threads
+            kv0 = tidx % P.row_threads
+            buf1 = P.rows * P.kv
+            x_base = 2 * P.rows * P.kv
+            wa = stream.weight_copy_atom(bf16)
+            gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+            gWd = cute.zipped_divide(mWd, (1, BF16_PER_VECTOR))
+            if c < self.ctas:
+                stream.copy_row(P, wa, gW, c * P.rows + r, vU, r * P.kv, kv0)
+            else:
+                stream.copy_row(P, wa, gWd, (c - self.ctas) * P.rows + r, vU, r * P.kv, kv0)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # only static weights are read before it
+            if r == 0:  # row 0's threads copy x for every row of the CTA
+                gX = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
+                for b in cutlass.range_constexpr(B):
+                    stream.copy_row(P, stream.activation_copy_atom(bf16), gX, b, vU, x_base + b * P.kv, kv0)
+            cute.arch.cp_async_commit_group()
+            blk_b = c + self.workers - self.ctas  # block B: always W_down's
+            if blk_b < self.down_ctas:
+                stream.copy_row(P, wa, gWd, blk_b * P.rows + r, vU, buf1 + r * P.kv, kv0)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_threads()  # x was copied by row 0's threads
+            if c < self.ctas:
+                self._dots_and_store(P, outs[0], c, vU, r * P.kv, x_base, kv0, sP, tidx)
+            else:
+                self._dots_and_store(P, mZ, c - self.ctas, vU, r * P.kv, x_base, kv0, sP, tidx)
+            if cutlass.const_expr(self.arrive == 1):
+                if c < self.ctas:
+                    self._arrive(mCounter, sLast, tidx)
+            elif cutlass.const_expr(self.arrive == 2):
+                if c < self.ctas:
+                    cute.arch.sync_threads()  # every logit of this CTA stored
+                    if tidx == 0:
+                        cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # block B landed; block A's partials were read
+            if blk_b < self.down_ctas:
+                self._dots_and_store(P, mZ, blk_b, vU, buf1 + r * P.kv, x_base, kv0, sP, tidx)
+            self._stamp("last_down_end", tidx, op="max", sync=True)
+            if cutlass.const_expr(self.arrive == 1):
+                if c < self.ctas:
+                    if sLast[0] == 1:
+                        cute.arch.sync_threads()  # both buffers are dead
+                        self._stamp("p2_arrived", tidx)
+                        self._stamp("p2_cta_start", tidx, value=t_start)
+                        self._phase2_stream(sU, outs, mBias, tidx)
+
+    @cute.jit
+    def _dots_and_store(self, P, mY, blk, vU, w_base, x_base, kv0, sP, tidx):
+        """Trace-time: this thread's dots of its weight vectors (from vector `w_base`) with x,
+        the CTA's fixed-order reduction, and row block `blk` of y stored (as `_stream_rows`)."""
+        B = self.batch
+        acc = stream.dot(P, vU, w_base, vU, [x_base + b * P.kv for b in range(B)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        if tidx < P.rows * B:
+            rr = tidx // B
+            bb = tidx % B
+            mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
 
     @cute.jit
     def _select_when_arrived(self, mCounter, tidx):
