@@ -488,7 +488,8 @@ class RouterOp(OpBase):
         2) streams row block c (a router block when c < ctas, else W_down's) into buffer 0 and
         row block c + workers (W_down's, if any) into buffer 1, every copy issued before the first
         wait: block A's weights, (pdl wait) x, block B's weights; then block A's dots while block
-        B's bytes are in flight, the router block's arrival, block B's dots, phase 2 if last."""
+        B's bytes are in flight, block B's dots, then the router block's arrival (after every
+        store of the CTA) and phase 2 if last."""
         B = self.batch
         bf16 = cutlass.BFloat16
         i32 = cutlass.Int32
@@ -530,26 +531,25 @@ class RouterOp(OpBase):
                 self._dots_and_store(P, outs[0], c, vU, r * P.kv, x_base, kv0, sP, tidx)
             else:
                 self._dots_and_store(P, mZ, c - self.ctas, vU, r * P.kv, x_base, kv0, sP, tidx)
-            if cutlass.const_expr(self.arrive == 1):
-                if c < self.ctas:
-                    self._arrive(mCounter, sLast, tidx)
-            elif cutlass.const_expr(self.arrive == 2):
-                if c < self.ctas:
-                    cute.arch.sync_threads()  # every logit of this CTA stored
-                    if tidx == 0:
-                        cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # block B landed; block A's partials were read
             if blk_b < self.down_ctas:
                 self._dots_and_store(P, mZ, blk_b, vU, buf1 + r * P.kv, x_base, kv0, sP, tidx)
             self._stamp("last_down_end", tidx, op="max", sync=True)
+            # the router block's arrival after every store of the CTA (so nothing is written
+            # after the publish)
             if cutlass.const_expr(self.arrive == 1):
                 if c < self.ctas:
-                    if sLast[0] == 1:
-                        cute.arch.sync_threads()  # both buffers are dead
+                    self._arrive(mCounter, sLast, tidx)
+                    if sLast[0] == 1:  # both buffers are dead (every thread passed the barriers)
                         self._stamp("p2_arrived", tidx)
                         self._stamp("p2_cta_start", tidx, value=t_start)
                         self._phase2_stream(sU, outs, mBias, tidx)
+            elif cutlass.const_expr(self.arrive == 2):
+                if c < self.ctas:
+                    cute.arch.sync_threads()  # every logit and z of this CTA stored
+                    if tidx == 0:
+                        cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
 
     @cute.jit
     def _dots_and_store(self, P, mY, blk, vU, w_base, x_base, kv0, sP, tidx):
