@@ -488,12 +488,9 @@ class RouterOp(OpBase):
         2) streams row block c (a router block when c < ctas, else W_down's) into buffer 0 and
         row block c + workers (W_down's, if any) into buffer 1, every copy issued before the first
         wait: block A's weights, (pdl wait) x, block B's weights; then block A's dots while block
-        B's bytes are in flight, block B's dots, then the router block's arrival (after every
-        store of the CTA) and phase 2 if last."""
-        B = self.batch
-        bf16 = cutlass.BFloat16
-        i32 = cutlass.Int32
-        P = self.plan  # W_g's and W_down's plans have the same CTA geometry (checked)
+        B's bytes are in flight, block B's dots, then a router worker's arrival (after every
+        store of the CTA) and phase 2 if last. Router and down workers are separate branches
+        (`_worker`), so that every path that stores logits publishes them."""
         c = bidx - (1 if self.arrive == 2 else 0)
         if cutlass.const_expr(self.arrive == 2):
             if bidx == 0:
@@ -501,55 +498,62 @@ class RouterOp(OpBase):
                 self._stamp("p2_arrived", tidx)
                 self._phase2_stream(sU, outs, mBias, tidx)
         if c >= 0:
-            r = tidx // P.row_threads
-            kv0 = tidx % P.row_threads
-            buf1 = P.rows * P.kv
-            x_base = 2 * P.rows * P.kv
-            wa = stream.weight_copy_atom(bf16)
-            gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-            gWd = cute.zipped_divide(mWd, (1, BF16_PER_VECTOR))
             if c < self.ctas:
-                stream.copy_row(P, wa, gW, c * P.rows + r, vU, r * P.kv, kv0)
+                self._worker(True, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
             else:
-                stream.copy_row(P, wa, gWd, (c - self.ctas) * P.rows + r, vU, r * P.kv, kv0)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # only static weights are read before it
-            if r == 0:  # row 0's threads copy x for every row of the CTA
-                gX = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
-                for b in cutlass.range_constexpr(B):
-                    stream.copy_row(P, stream.activation_copy_atom(bf16), gX, b, vU, x_base + b * P.kv, kv0)
-            cute.arch.cp_async_commit_group()
-            blk_b = c + self.workers - self.ctas  # block B: always W_down's
-            if blk_b < self.down_ctas:
-                stream.copy_row(P, wa, gWd, blk_b * P.rows + r, vU, buf1 + r * P.kv, kv0)
-            cute.arch.cp_async_commit_group()
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_threads()  # x was copied by row 0's threads
-            if c < self.ctas:
-                self._dots_and_store(P, outs[0], c, vU, r * P.kv, x_base, kv0, sP, tidx)
-            else:
-                self._dots_and_store(P, mZ, c - self.ctas, vU, r * P.kv, x_base, kv0, sP, tidx)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # block B landed; block A's partials were read
-            if blk_b < self.down_ctas:
-                self._dots_and_store(P, mZ, blk_b, vU, buf1 + r * P.kv, x_base, kv0, sP, tidx)
-            self._stamp("last_down_end", tidx, op="max", sync=True)
-            # the router block's arrival after every store of the CTA (so nothing is written
-            # after the publish)
+                self._worker(False, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
+
+    @cute.jit
+    def _worker(self, router: bool, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start):
+        """Trace-time body of worker c of `_stream_two_blocks` (`router`: block A is W_g's)."""
+        B = self.batch
+        bf16 = cutlass.BFloat16
+        i32 = cutlass.Int32
+        P = self.plan  # W_g's and W_down's plans have the same CTA geometry (checked)
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        buf1 = P.rows * P.kv
+        x_base = 2 * P.rows * P.kv
+        wa = stream.weight_copy_atom(bf16)
+        gWd = cute.zipped_divide(mWd, (1, BF16_PER_VECTOR))
+        blk_a = c if router else c - self.ctas
+        if cutlass.const_expr(router):
+            stream.copy_row(P, wa, cute.zipped_divide(mW, (1, BF16_PER_VECTOR)), blk_a * P.rows + r, vU, r * P.kv, kv0)
+        else:
+            stream.copy_row(P, wa, gWd, blk_a * P.rows + r, vU, r * P.kv, kv0)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # only static weights are read before it
+        if r == 0:  # row 0's threads copy x for every row of the CTA
+            gX = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
+            for b in cutlass.range_constexpr(B):
+                stream.copy_row(P, stream.activation_copy_atom(bf16), gX, b, vU, x_base + b * P.kv, kv0)
+        cute.arch.cp_async_commit_group()
+        blk_b = c + self.workers - self.ctas  # block B: always W_down's
+        if blk_b < self.down_ctas:
+            stream.copy_row(P, wa, gWd, blk_b * P.rows + r, vU, buf1 + r * P.kv, kv0)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.cp_async_wait_group(1)
+        cute.arch.sync_threads()  # x was copied by row 0's threads
+        self._dots_and_store(P, outs[0] if router else mZ, blk_a, vU, r * P.kv, x_base, kv0, sP, tidx)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # block B landed; block A's partials were read
+        if blk_b < self.down_ctas:
+            self._dots_and_store(P, mZ, blk_b, vU, buf1 + r * P.kv, x_base, kv0, sP, tidx)
+        self._stamp("last_down_end", tidx, op="max", sync=True)
+        if cutlass.const_expr(router):
+            # the arrival after every store of the CTA (so nothing is written after the publish)
             if cutlass.const_expr(self.arrive == 1):
-                if c < self.ctas:
-                    self._arrive(mCounter, sLast, tidx)
-                    if sLast[0] == 1:  # both buffers are dead (every thread passed the barriers)
-                        self._stamp("p2_arrived", tidx)
-                        self._stamp("p2_cta_start", tidx, value=t_start)
-                        self._phase2_stream(sU, outs, mBias, tidx)
+                self._arrive(mCounter, sLast, tidx)
+                if sLast[0] == 1:  # both buffers are dead (every thread passed the barriers)
+                    self._stamp("p2_arrived", tidx)
+                    self._stamp("p2_cta_start", tidx, value=t_start)
+                    self._phase2_stream(sU, outs, mBias, tidx)
             elif cutlass.const_expr(self.arrive == 2):
-                if c < self.ctas:
-                    cute.arch.sync_threads()  # every logit and z of this CTA stored
-                    if tidx == 0:
-                        cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
+                cute.arch.sync_threads()  # every logit and z of this CTA stored
+                if tidx == 0:
+                    cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
 
     @cute.jit
     def _dots_and_store(self, P, mY, blk, vU, w_base, x_base, kv0, sP, tidx):
