@@ -70,7 +70,7 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     """(id, shape, tunables). Ids: b<batch>_s<threads>_k<cta KiB>_p<pdl> (stream), b<batch>_mma, or
     b<batch>_default (the manifest's defaults); with `sweep`, the mma widths of `_mma_sweep`."""
     b1 = {"batch": 1, **K3}
-    round7 = {"stream_threads": 128, "stream_cta_kib": 8, "stream_topk": 0}  # round 7's defaults
+    round7 = {"stream_threads": 128, "stream_cta_kib": 8, "stream_topk": 0, "arrive": 1}  # round 7's defaults
     v = [("b1_default", b1, {}),
          ("b1_round7", b1, round7),
          ("b1_round7_p0", b1, {**round7, "pdl": 0}),
@@ -84,22 +84,16 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
          ("b1_default_top1", {**b1, "top_k": 1}, {}),
          ("b1_default_arrive0", b1, {"arrive": 0}),
          ("b1_round7_arrive0", b1, {**round7, "arrive": 0}),
-         # a selector CTA spinning on the router CTAs' release adds instead of the last arrival
-         ("b1_default_arrive2", b1, {"arrive": 2}),
-         ("b1_mma", b1, {"stream_max_batch": 0}),
-         # two row blocks per CTA, double-buffered (stream_blocks 2)
-         ("b1_blocks2", b1, {"stream_blocks": 2}),
-         ("b1_blocks2_arrive2", b1, {"stream_blocks": 2, "arrive": 2}),
-         ("b1_blocks2_s128_k8", b1, {"stream_blocks": 2, "stream_threads": 128, "stream_cta_kib": 8}),
-         ("b1_blocks2_s128_k8_arrive2", b1,
-          {"stream_blocks": 2, "stream_threads": 128, "stream_cta_kib": 8, "arrive": 2})]
+         # the last router CTA's arrival instead of the selector CTA (round 7's scheme)
+         ("b1_default_arrive1", b1, {"arrive": 1}),
+         ("b1_mma", b1, {"stream_max_batch": 0})]
     # CTA shapes of the stream design: threads, KiB of rows per CTA (2 rows per 32 KiB at k = 7168)
     for t, kib in ((128, 32), (64, 32), (256, 64), (128, 64), (64, 8)):
         v.append((f"b1_s{t}_k{kib}", b1, {"stream_threads": t, "stream_cta_kib": kib}))
     # the timeline instrumentation (`timeline`: where a launch's time goes)
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
-    v.append(("b1_arrive2_timeline", b1, {"arrive": 2, "timeline": 1}))
+    v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
@@ -113,12 +107,9 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b3_default", {"batch": 3, **MINI}, {"stream_max_batch": 4}))
     v.append(("mini_b3_p1_shuffle", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 0}))
     v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 1}))
-    v.append(("mini_b1_p1_a2", {"batch": 1, **MINI}, {**mini_stream, "arrive": 2}))
-    v.append(("mini_b1_p0_a2", {"batch": 1, **MINI}, {**mini_stream, "arrive": 2, "pdl": 0}))
-    v.append(("mini_b3_p1_a2", {"batch": 3, **MINI}, {**mini_stream, "arrive": 2, "stream_topk": 0}))
-    v.append(("mini_b1_p1_blocks2", {"batch": 1, **MINI}, {**mini_stream, "stream_blocks": 2}))
-    v.append(("mini_b1_p0_blocks2", {"batch": 1, **MINI}, {**mini_stream, "stream_blocks": 2, "pdl": 0}))
-    v.append(("mini_b3_p1_blocks2_a2", {"batch": 3, **MINI}, {**mini_stream, "stream_blocks": 2, "arrive": 2}))
+    v.append(("mini_b1_p1_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1}))
+    v.append(("mini_b1_p0_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1, "pdl": 0}))
+    v.append(("mini_b3_p1_a1", {"batch": 3, **MINI}, {**mini_stream, "arrive": 1, "stream_topk": 0}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))

@@ -105,14 +105,14 @@ def test_default_tunables_and_params_follow_the_manifest():
     for shape in SPEC.shapes:
         op = RT.RouterOp(shape)
         assert list(op.tensor_specs()) == [p.name for p in SPEC.params]
-        if shape["batch"] <= 2:  # stream: one CTA per two rows of W_g, then of W_down
-            assert op.stream and op.launch_config().grid[0] == 896 // 2 + 3584 // 2
+        if shape["batch"] <= 2:  # stream: the selector CTA, one CTA per two rows of W_g, then of W_down
+            assert op.stream and op.launch_config().grid[0] == 1 + 896 // 2 + 3584 // 2
         else:
             assert not op.stream and op.launch_config().grid[0] == 896 // 8 + 3584 // 16
 
 
 def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
-    """Batch 1 (and 2 by default): router rows first (CTAs 0..447, they arrive), then W_down's;
+    """Batch 1 (and 2 by default): the selector CTA 0, router rows (CTAs 1..448), then W_down's;
     256 threads, two rows of 128 threads, 7 vectors each; shared memory = two weight rows + h
     (the phase-2 arrays reuse it) + partials."""
     op = RT.RouterOp(K3)
@@ -139,7 +139,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
 
 def test_selection_designs_arrival_and_timeline():
     """stream_topk picks the stream design's selection, topk the mma design's (TOPK_DESIGNS);
-    only the radix select (2) takes shared scratch. arrive 2 adds the selector CTA 0; the
+    only the radix select (2) takes shared scratch. arrive 2 (default) adds the selector CTA 0; the
     timeline (explorer only) widens the counter, every stamp in its own word, the two maxima
     over CTAs each alone in a 128-byte line away from the arrival counter (word 0)."""
     assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix")
@@ -150,7 +150,8 @@ def test_selection_designs_arrival_and_timeline():
     assert words == {"hist": 512, "ctl": 4, "cand_key": 16, "cand_id": 16, "key": 896}
     mma = RT.RouterOp({**K3, "batch": 8})
     assert RT.RouterOp({**K3, "batch": 8}, topk=2).smem_bytes == mma.smem_bytes + 4 * (512 + 4 + 16 + 16 + 896)
-    assert RT.RouterOp(K3, arrive=2).launch_config().grid[0] == 1 + 448 + 1792
+    assert RT.RouterOp(K3).launch_config().grid[0] == 1 + 448 + 1792  # arrive 2: the selector CTA
+    assert RT.RouterOp(K3, arrive=1).launch_config().grid[0] == RT.RouterOp(K3, arrive=0).launch_config().grid[0]
     assert RT.RouterOp(K3, arrive=0).launch_config().grid[0] == 448 + 1792
     assert RT.RouterOp({**K3, "batch": 8}, arrive=2).launch_config().grid == mma.launch_config().grid  # stream only
     for bad in ({"stream_topk": 3}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}):
@@ -221,7 +222,7 @@ def _sass_ops(art) -> list[str]:
 
 @pytest.mark.slow
 def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
-    """Through the real build, batch 1, pdl 0 and 1: each streaming body (router rows, down
+    """Through the real build, batch 1, the last-arrival scheme (arrive 1), pdl 0 and 1: each streaming body (router rows, down
     rows) issues its 7 weight copies (LDGSTS, L2 only) and h's 7 before its one wait (DEPBAR)
     and before any shared load or FMA; nothing is loaded into registers before the arrival
     (ATOMG, acq_rel) and its reset (release store); the last CTA stages logits and bias by
@@ -230,7 +231,7 @@ def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
     from kernels.build import build_variant
 
     for pdl in (0, 1):
-        art = build_variant("router", K3, {"pdl": pdl}, root=tmp_path)
+        art = build_variant("router", K3, {"pdl": pdl, "arrive": 1}, root=tmp_path)
         ops = _sass_ops(art)
         arrive = next(i for i, o in enumerate(ops) if "ATOMG.E.ADD.STRONG.GPU" in o)
         assert any("STG.E.STRONG.GPU" in o for o in ops[arrive:arrive + 20])  # the reset
@@ -256,6 +257,41 @@ def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
             else:
                 assert not acq
         assert bodies == 2
+
+
+@pytest.mark.slow
+def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_path):
+    """The default arrival (arrive 2), batch 1, pdl 0 and 1: the selector CTA lets the next
+    launch start and waits for the previous one (PREEXIT, ACQBULK) before its spin, whose
+    counter loads are gpu-scope strong loads each followed by an L1 invalidation (acquire);
+    the counter's reset is a strong store behind a gpu-scope fence (release), before phase 2's
+    staging; each router CTA's add is a reduction (no reply awaited) behind a fence, after its
+    one wait; each streaming body keeps its 7 weight copies before ACQBULK and h's 7 after."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    for pdl in (0, 1):
+        ops = _sass_ops(build_variant("router", K3, {"pdl": pdl}, root=tmp_path))
+        spin = [i for i, o in enumerate(ops) if o.startswith("LDG.E.STRONG.GPU")]
+        assert spin and all(ops[i + 1] == "CCTL.IVALL" for i in spin)
+        reset = next(i for i, o in enumerate(ops) if o.startswith("STG.E.STRONG.GPU"))
+        assert reset > max(spin) and "MEMBAR.ALL.GPU" in ops[reset - 3:reset]
+        waits = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
+        assert len(waits) == 3 and reset < waits[0]  # phase 2's staging, router rows, down rows
+        red = [i for i, o in enumerate(ops) if o.startswith("REDG.E.ADD.S32.STRONG.GPU")]
+        assert len(red) == 1 and waits[0] < red[0] and ops[red[0] - 3:red[0]].count("MEMBAR.ALL.GPU") == 1
+        assert not any("ATOMG" in o for o in ops)
+        acq = [i for i, o in enumerate(ops) if "ACQBULK" in o]
+        pre = [i for i, o in enumerate(ops) if o == "PREEXIT"]
+        if pdl:
+            assert len(acq) == 3 and len(pre) == 3 and pre[0] < acq[0] < min(spin)
+            for a, lo, w in zip(acq[1:], waits, waits[1:]):  # the two streaming bodies
+                seg = [(i, ops[i]) for i in range(lo + 1, w) if "LDGSTS" in ops[i]]
+                wts = [i for i, o in seg if "BYPASS" in o]
+                xs = [i for i, o in seg if "BYPASS" not in o]
+                assert len([i for i in wts if i < a]) == 7 and len([i for i in xs if a < i < w]) == 7
+        else:
+            assert not acq and not pre
 
 
 # -- router_select: the router's phase 2 from a GEMM's logits ------------------------------------

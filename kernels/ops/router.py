@@ -24,10 +24,15 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
     its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
     next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
     comes after the wait, so a launch never arrives before the previous one has reset it.
-    `arrive` 2 (stream design, explored, not the default): an extra CTA 0 runs phase 2; it
-    spins (thread 0, gpu-scope acquire loads, after its own `griddepcontrol.wait`) until every
-    router CTA has added a release `red` to the counter, so no router CTA waits for an atomic's
-    reply. `arrive` 0 skips arrival and phase 2: a timing bound for the explorer, not an op.
+    The stream design's arrival (`arrive`, default 2): an extra CTA 0 runs phase 2; it spins
+    (thread 0, gpu-scope acquire loads, after its own `launch_dependents` and
+    `griddepcontrol.wait`) until every router CTA has added a release `red` to the counter,
+    resets it (release) and hands the acquire on by a CTA barrier; no router CTA waits for an
+    atomic's reply (0.05-0.08 us faster than the last arrival below in interleaved A/B, round 8).
+    The spin cannot deadlock: only CTA 0 waits, on CTAs that wait on nothing of this grid, and
+    the next launch's CTAs pass their `griddepcontrol.wait` only after this grid completed.
+    `arrive` 1 is the last-arrival scheme below; `arrive` 0 skips arrival and phase 2: a timing
+    bound for the explorer, not an op.
   * larger batches, "mma": CTAs 0 .. n_experts/(8 * row_tiles)-1 are router CTAs (phase 1, then
     the arrival); the others are down CTAs, 8 * `down_row_tiles` rows of W_down each (16 by
     default), same mma scheme, no arrival. Every CTA reads all of h (from L2): T / rows bytes
@@ -37,12 +42,12 @@ Phase 1 of the mma design, every router CTA: `8 * row_tiles` router rows for eve
 the tensor cores (the decode mma scheme of kernels/ops/decode_mma.py; W_g through the read-only
 path), partials summed in warp order in shared memory, fp32 logits stored.
 
-Arrival (both designs): after a CTA barrier that follows its logit stores, thread 0 of each
-router CTA adds 1 to a gpu-scope counter with acq_rel semantics (the split-K pattern of
-kernels/ops/splitk_gemv.py): the CTA that arrives last resets the counter (release store; the
+Arrival (the mma design; the stream design with `arrive` 1): after a CTA barrier that follows
+its logit stores, thread 0 of each router CTA adds 1 to a gpu-scope counter with acq_rel
+semantics (the split-K pattern of kernels/ops/splitk_gemv.py): the CTA that arrives last resets the counter (release store; the
 host zeroes it once) and alone runs phase 2 over everybody's logits.
 
-Phase 2, the last router CTA (both designs), the selection as `topk` (mma design) or
+Phase 2, in the last router CTA (or the stream design's CTA 0), the selection as `topk` (mma design) or
 `stream_topk` (stream design) says (TOPK_DESIGNS; the same ids, order and weights in all three):
   * 0 "shuffle", one warp per token: each lane holds n_experts/32 biased scores s + b in
     registers; top_k rounds of a warp argmax (butterfly over (score, index): greater score wins,
@@ -101,7 +106,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # stream_max_batch).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 1, "stream_blocks": 1}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -168,7 +173,7 @@ class RouterOp(OpBase):
     topk = 0  # the selection (TOPK_DESIGNS); router_select keeps the shuffles
     timeline = 0
     _tl = None
-    arrive = 1
+    arrive = 2
 
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
@@ -184,9 +189,6 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        self.blocks = int(self.tunables["stream_blocks"])
-        if self.blocks not in (1, 2):
-            raise ValueError("router: stream_blocks must be 1 or 2")
         for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
@@ -290,15 +292,7 @@ class RouterOp(OpBase):
                             ("ids", self.slots), ("sel", self.slots)) + self._radix_words():
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
-        # stream_blocks 2: CTA c streams row blocks c (router or down) and c + workers (down),
-        # both buffers' copies issued before the first wait
-        self.workers = ceil_div(self.ctas + self.down_ctas, self.blocks)
-        if self.blocks == 2 and self.plan.rows != self.down_plan.rows:
-            raise ValueError("router: stream_blocks 2 needs W_g's and W_down's CTAs of the same rows")
-        if self.blocks == 2 and self.workers < self.ctas:
-            raise ValueError("router: stream_blocks 2 needs at least as many W_down row blocks as router ones")
-        self.union_elems = max((self.blocks * self.plan.rows + B) * k, (self.blocks * self.down_plan.rows + B) * k,
-                               2 * off)
+        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
 
     # -- contract ---------------------------------------------------------------------------
@@ -322,8 +316,7 @@ class RouterOp(OpBase):
 
     def launch_config(self) -> LaunchConfig:
         selector = 1 if self.stream and self.arrive == 2 else 0
-        ctas = self.workers if self.stream else self.ctas + self.down_ctas
-        return LaunchConfig(grid=(selector + ctas, 1, 1), block=(self.threads, 1, 1),
+        return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
@@ -444,9 +437,7 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if cutlass.const_expr(self.blocks == 2):
-            self._stream_two_blocks(mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, bidx, t_start)
-        elif cutlass.const_expr(self.arrive == 2):
+        if cutlass.const_expr(self.arrive == 2):
             # CTA 0 selects; the router CTAs are 1 .. ctas, the down CTAs follow
             if bidx == 0:
                 self._select_when_arrived(mCounter, tidx)
@@ -481,92 +472,6 @@ class RouterOp(OpBase):
             else:
                 self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
                 self._stamp("last_down_end", tidx, op="max", sync=True)
-
-    @cute.jit
-    def _stream_two_blocks(self, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, bidx, t_start):
-        """Trace-time, `stream_blocks` 2: worker CTA c (after the selector CTA 0 with `arrive`
-        2) streams row block c (a router block when c < ctas, else W_down's) into buffer 0 and
-        row block c + workers (W_down's, if any) into buffer 1, every copy issued before the first
-        wait: block A's weights, (pdl wait) x, block B's weights; then block A's dots while block
-        B's bytes are in flight, block B's dots, then a router worker's arrival (after every
-        store of the CTA) and phase 2 if last. Router and down workers are separate branches
-        (`_worker`), so that every path that stores logits publishes them."""
-        c = bidx - (1 if self.arrive == 2 else 0)
-        if cutlass.const_expr(self.arrive == 2):
-            if bidx == 0:
-                self._select_when_arrived(mCounter, tidx)
-                self._stamp("p2_arrived", tidx)
-                self._phase2_stream(sU, outs, mBias, tidx)
-        if c >= 0:
-            if c < self.ctas:
-                self._worker(True, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
-            else:
-                self._worker(False, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
-
-    @cute.jit
-    def _worker(self, router: bool, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start):
-        """Trace-time body of worker c of `_stream_two_blocks` (`router`: block A is W_g's)."""
-        B = self.batch
-        bf16 = cutlass.BFloat16
-        i32 = cutlass.Int32
-        P = self.plan  # W_g's and W_down's plans have the same CTA geometry (checked)
-        r = tidx // P.row_threads
-        kv0 = tidx % P.row_threads
-        buf1 = P.rows * P.kv
-        x_base = 2 * P.rows * P.kv
-        wa = stream.weight_copy_atom(bf16)
-        gWd = cute.zipped_divide(mWd, (1, BF16_PER_VECTOR))
-        blk_a = c if router else c - self.ctas
-        if cutlass.const_expr(router):
-            stream.copy_row(P, wa, cute.zipped_divide(mW, (1, BF16_PER_VECTOR)), blk_a * P.rows + r, vU, r * P.kv, kv0)
-        else:
-            stream.copy_row(P, wa, gWd, blk_a * P.rows + r, vU, r * P.kv, kv0)
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # only static weights are read before it
-        if r == 0:  # row 0's threads copy x for every row of the CTA
-            gX = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
-            for b in cutlass.range_constexpr(B):
-                stream.copy_row(P, stream.activation_copy_atom(bf16), gX, b, vU, x_base + b * P.kv, kv0)
-        cute.arch.cp_async_commit_group()
-        blk_b = c + self.workers - self.ctas  # block B: always W_down's
-        if blk_b < self.down_ctas:
-            stream.copy_row(P, wa, gWd, blk_b * P.rows + r, vU, buf1 + r * P.kv, kv0)
-        cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-        cute.arch.cp_async_wait_group(1)
-        cute.arch.sync_threads()  # x was copied by row 0's threads
-        self._dots_and_store(P, outs[0] if router else mZ, blk_a, vU, r * P.kv, x_base, kv0, sP, tidx)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()  # block B landed; block A's partials were read
-        if blk_b < self.down_ctas:
-            self._dots_and_store(P, mZ, blk_b, vU, buf1 + r * P.kv, x_base, kv0, sP, tidx)
-        self._stamp("last_down_end", tidx, op="max", sync=True)
-        if cutlass.const_expr(router):
-            # the arrival after every store of the CTA (so nothing is written after the publish)
-            if cutlass.const_expr(self.arrive == 1):
-                self._arrive(mCounter, sLast, tidx)
-                if sLast[0] == 1:  # both buffers are dead (every thread passed the barriers)
-                    self._stamp("p2_arrived", tidx)
-                    self._stamp("p2_cta_start", tidx, value=t_start)
-                    self._phase2_stream(sU, outs, mBias, tidx)
-            elif cutlass.const_expr(self.arrive == 2):
-                cute.arch.sync_threads()  # every logit and z of this CTA stored
-                if tidx == 0:
-                    cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
-
-    @cute.jit
-    def _dots_and_store(self, P, mY, blk, vU, w_base, x_base, kv0, sP, tidx):
-        """Trace-time: this thread's dots of its weight vectors (from vector `w_base`) with x,
-        the CTA's fixed-order reduction, and row block `blk` of y stored (as `_stream_rows`)."""
-        B = self.batch
-        acc = stream.dot(P, vU, w_base, vU, [x_base + b * P.kv for b in range(B)], kv0)
-        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-        cute.arch.sync_threads()
-        if tidx < P.rows * B:
-            rr = tidx // B
-            bb = tidx % B
-            mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
 
     @cute.jit
     def _select_when_arrived(self, mCounter, tidx):
