@@ -128,6 +128,10 @@ ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_til
 # W_sgu's 45.1 where shared_gate_up takes 45.2-45.4. A router split that kept the router's own
 # mma launch for the logits and moved only z to a gemv (commit 281903a, round7/split_down_281903a/)
 # was no faster: the router's launch itself, not its down CTAs, took the time.
+# Round 8 (evidence_reports/moe_block/round8/) made the router's stream design faster: alone,
+# 16.7-16.9 us at batch 1 and 18.8 at batch 2 (round 7's: 19.4 and 24.4), where the block's
+# gemv path at batch 2 takes 29.6-30.2 us. So batch 2 may be better back on the router
+# kernel, but that has not been measured in the block yet: batch 2 stays here.
 GEMV_ROUTER = (2, 4, 8, 16, 32, 64)
 GEMV_DENSE = (8, 16, 32, 64)
 
