@@ -4,6 +4,7 @@ dynamic race audit of the stream design's arrival counter on the mini preset; a 
 
   python scripts/router_explore.py plan [--sweep]              # CPU host with the DSL
   PYTHONPATH=. python3 scripts/router_explore.py gpu --out DIR # GPU host, carrying .devcarry/router_x
+  PYTHONPATH=. python3 scripts/router_explore.py ab ID [ID ...] --rounds N --out DIR   # GPU host
 
 `plan` builds every variant of `_variants()` (with --sweep also the mma design's CTA widths at
 batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
@@ -17,13 +18,20 @@ batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
     torch path's error), counter left zero; time per launch in a CUDA graph of launches on
     distinct h, weights rotated past the L2 (the per-op condition of scripts/block_proof.py);
     stress: 16 launches on the same inputs, half beside bf16 matmuls on another stream, bitwise
-    identical, counter zero after each;
+    identical, counter zero after each; tied scores (`_tied`: W_g rows and bias repeated in
+    threes, and all equal), where the ids must be exactly the reference's; for `timeline`
+    variants the stamps of 8 launches alone and in a graph (`_timeline`); `arrive` 0 variants
+    (no selection) are timed only;
   * compute-sanitizer memcheck, racecheck, synccheck, initcheck (validation/race/dynamic.py) over
     a child that launches the mini variants (stream: batch 1 with and without pdl, batch 3 with
     several rows per CTA; mma: batch 3 with 4 warps, and the block's shapes: batches 20 and 40
     with 16 warps of 16-row router and 32-row down CTAs, batch 8 with 32/64-row CTAs) and checks
-    them against the reference; a mini stress.
+    them against the reference, tied inputs included; a mini stress.
 Results: DIR/explore.json, DIR/sanitizers.log.
+
+`ab`: interleaved rounds of batch-1 variants of the carried plan and the same-bytes read, the
+order rotated each round, medians over rounds (DIR/ab.json): A/B figures that drift within a
+call cannot favour one variant.
 """
 
 from __future__ import annotations
