@@ -88,18 +88,20 @@ STREAM_EXPERTS_MAX_BATCH = 16
 STREAM_SLOTS = 1
 
 
-# The router's stream design is its default up to batch 2 (faster alone: 24.3 us against the
-# mma design's 34.2 at batch 2), but in the block at batch 2 the step took 1000 us against 644
-# with the mma router (evidence_reports/moe_block/round3/final/, when batch 2's experts were still
-# the persistent pipelined kernels; not re-measured since they moved to the stream path), so the
-# block keeps the mma router there.
+# The router's stream design is its default up to batch 2. Round 3 kept the block's batch 2 on
+# the mma router (the step took 1000 us against 644 with the stream router,
+# evidence_reports/moe_block/round3/final/, when batch 2's experts were the persistent pipelined
+# kernels); round 7 moved it to the gemv path (GEMV_ROUTER); round 8 (the radix selection, 18.8
+# us alone against the gemv path's 29.6-30.2 in the block) brings batch 2 back to the router's
+# stream design (evidence_reports/moe_block/round8/b2/: the block beside round 8's final on the
+# same steps).
 # Batches 8-64: the mma design's CTA shape, swept in one call (evidence_reports/moe_block/round5/
 # router_widths/; round 4 had 16 warps at 32 and 64): 16 warps with 16-row router and 32-row down
 # CTAs from batch 16 (router+down 52.4 -> 40.7 us at 16, 69.2 -> 62.8 at 32, 124.1 -> 109.3 at 64
 # against 16 warps of 8- and 16-row CTAs); at batch 8 8 warps with 32-row router and 64-row down
 # CTAs (36.6 -> 34.6 us).
 _WIDE_ROUTER = {"warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
-ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_tiles": 8},
+ROUTER_IN_BLOCK = {8: {"row_tiles": 4, "down_row_tiles": 8},
                    16: _WIDE_ROUTER, 32: _WIDE_ROUTER, 64: _WIDE_ROUTER}
 
 
@@ -130,9 +132,8 @@ ROUTER_IN_BLOCK = {2: {"stream_max_batch": 1}, 8: {"row_tiles": 4, "down_row_til
 # was no faster: the router's launch itself, not its down CTAs, took the time.
 # Round 8 (evidence_reports/moe_block/round8/) made the router's stream design faster: alone,
 # 16.7-16.9 us at batch 1 and 18.8 at batch 2 (round 7's: 19.4 and 24.4), where the block's
-# gemv path at batch 2 takes 29.6-30.2 us. So batch 2 may be better back on the router
-# kernel, but that has not been measured in the block yet: batch 2 stays here.
-GEMV_ROUTER = (2, 4, 8, 16, 32, 64)
+# gemv path at batch 2 takes 29.6-30.2 us: batch 2 is back on the router kernel (above).
+GEMV_ROUTER = (4, 8, 16, 32, 64)
 GEMV_DENSE = (8, 16, 32, 64)
 
 

@@ -184,6 +184,9 @@ def test_mma_design_cta_widths():
     for T in (8, 16, 32, 64):
         op = RT.RouterOp({**K3, "batch": T}, **block_tunables("router", T))
         assert not op.stream and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA, (T, op.smem_bytes)
+    for T in (1, 2):  # the block runs the router's stream design (radix select) at batches 1 and 2
+        op = RT.RouterOp({**K3, "batch": T}, **block_tunables("router", T))
+        assert op.stream and op.topk == 2 and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA
     with pytest.raises(ValueError, match="not a multiple of 24 rows"):
         RT.RouterOp({**b64, "n_experts": 64 * 14}, row_tiles=3)
     for bad in ({"down_row_tiles": 0}, {"row_tiles": 0}):
