@@ -43,6 +43,13 @@ class Tunable:
     name: str
     choices: tuple
     default: Any
+    # choices that only an explorer builds (instrumentation, timing bounds): valid builds, but not
+    # ops, so never candidates of a tuner (`tuned_choices`)
+    explore_only: tuple = ()
+
+    @property
+    def tuned_choices(self) -> tuple:
+        return tuple(c for c in self.choices if c not in self.explore_only)
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,11 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
             raise ManifestError(
                 f"kernel {name!r}: tunable {tname!r} default {t['default']!r} not among its choices"
             )
-        tunables.append(Tunable(tname, tuple(t["choices"]), t["default"]))
+        explore_only = tuple(t.get("explore_only", ()))
+        if not set(explore_only) <= set(t["choices"]) or t["default"] in explore_only:
+            raise ManifestError(f"kernel {name!r}: tunable {tname!r} explore_only {list(explore_only)} must be "
+                                f"choices other than the default")
+        tunables.append(Tunable(tname, tuple(t["choices"]), t["default"], explore_only))
 
     sources = tuple(need("sources", list))
     for s in sources:

@@ -281,7 +281,8 @@ def _read_same_bytes(nbytes: int, replays: int = 20) -> dict:
 def _timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> dict:
     """`timeline` variants: `launches` launches, each with its own stamp buffer
     (kernels/ops/router.py TIMELINE_SLOTS), weights rotated past the L2, two ways: "stream"
-    (issued one by one from the host: each launch alone on the GPU) and "graph" (captured in one
+    (issued one by one from the host; pdl is set, but the host's pace leaves the GPU idle between
+    them: `gap_from_previous_down_end` was 80-150 us in every call) and "graph" (captured in one
     CUDA graph, as the per-op timing runs them: pdl lets each start under the previous one).
     Stamps in ns from the launch's first CTA start (the `_clk` fields: SM cycles from phase 2's
     arrival); medians (and min, max) over `rounds` of launches 1 .. launches-2, the steady
@@ -434,6 +435,10 @@ def ab(ids: list[str], rounds: int, out_dir: Path) -> int:
     plan_doc = json.loads((CARRY / "plan.json").read_text())
     cfg = get_config("k3")
     ents = _entries()
+    bad = [i for i in ids if i not in ents or ents[i]["shape"] != {"batch": 1, **K3}]
+    if bad:
+        print(f"router_explore ab: not batch-1 k3 variants of the carried plan: {bad}", file=sys.stderr)
+        return 2
     res = {"commit": plan_doc["commit"], "plan_dirty": plan_doc["dirty"], "env": gpu_environment(),
            "command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "ids": ids, "rounds": rounds,
            "variants": [e for e in plan_doc["entries"] if e["id"] in ids]}

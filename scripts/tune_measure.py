@@ -58,9 +58,10 @@ def _repo_root() -> Path:
 
 
 def tunable_grid(spec) -> list[dict]:
-    """Every combination of the declared tunable choices, the defaults first."""
+    """Every combination of the declared tunable choices, the defaults first, less the
+    explorer-only ones (kernels/manifest.py `Tunable.explore_only`)."""
     names = [t.name for t in spec.tunables]
-    grid = [dict(zip(names, c)) for c in itertools.product(*(t.choices for t in spec.tunables))]
+    grid = [dict(zip(names, c)) for c in itertools.product(*(t.tuned_choices for t in spec.tunables))]
     default = spec.tunable_defaults()
     return sorted(grid, key=lambda c: c != default)
 

@@ -122,13 +122,14 @@ def test_rewrite_module_and_manifest_defaults():
 
 
 def test_real_manifest_defaults_can_be_rewritten_in_place():
-    """Every real kernel's tunables: each non-default choice rewrites to a defaults-only change, and
-    the op module's defaults (where it has a *TUNABLES dict) agree with the manifest's."""
+    """Every real kernel's tunables: each non-default choice a tuner may pick (explorer-only ones
+    are never defaults) rewrites to a defaults-only change, and the op module's defaults (where
+    it has a *TUNABLES dict) agree with the manifest's."""
     text = (REPO_ROOT / "kernels" / "manifest.toml").read_text()
     manifest = parse_manifest(text)
     for spec in manifest.kernels.values():
         for t in spec.tunables:
-            other = next((c for c in t.choices if c != t.default), None)
+            other = next((c for c in t.tuned_choices if c != t.default), None)
             if other is None:
                 continue
             new = rewrite_manifest_defaults(text, spec.name, {t.name: other})

@@ -137,3 +137,22 @@ def test_every_repo_module_an_op_imports_is_declared():
         helpers = {f for f in source_closure(k) if f.startswith("kernels/ops/")}
         undeclared = helpers - set(k.sources) - SHARED
         assert not undeclared, f"{k.name} imports {sorted(undeclared)} but does not declare them as sources"
+
+
+def test_explore_only_choices_are_valid_builds_but_never_defaults():
+    """`explore_only` names choices an explorer may build but a tuner never tries; it must be a
+    subset of the choices and exclude the default, and the gate counts a change to it as a
+    change of the tunable's range."""
+    from validation.policy import manifest_changes
+
+    real = (REPO_ROOT / "kernels" / "manifest.toml").read_text()
+    router = {t.name: t for t in parse_manifest(real).kernel("router").tunables}
+    assert router["timeline"].explore_only == (1,) and router["timeline"].tuned_choices == (0,)
+    assert router["arrive"].tuned_choices == (1, 2)
+    for bad in ("explore_only = [0] }", "explore_only = [3] }"):  # the default; not a choice
+        with pytest.raises(ManifestError, match="explore_only"):
+            parse_manifest(real.replace("explore_only = [1] }", bad, 1))
+    base = parse_manifest(real)
+    head = parse_manifest(real.replace("default = 2, explore_only = [0] }", "default = 2 }", 1))
+    violations, _ = manifest_changes(base, head)
+    assert [v.rule for v in violations] == ["manifest-tunable-range"]

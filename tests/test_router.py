@@ -140,6 +140,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
 def test_selection_designs_arrival_and_timeline():
     """stream_topk picks the stream design's selection, topk the mma design's (TOPK_DESIGNS);
     only the radix select (2) takes shared scratch. arrive 2 (default) adds the selector CTA 0; the
+    explorer-only choices (timeline 1, arrive 0) are never a tuner's candidates; the
     timeline (explorer only) widens the counter, every stamp in its own word, the two maxima
     over CTAs each alone in a 128-byte line away from the arrival counter (word 0)."""
     assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix")
@@ -157,6 +158,12 @@ def test_selection_designs_arrival_and_timeline():
     for bad in ({"stream_topk": 3}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}):
         with pytest.raises(ValueError, match="must be one of"):
             RT.RouterOp(K3, **bad)
+    from agent.proposers.tuner import tunable_grid
+
+    tuned = {t.name: t.tuned_choices for t in SPEC.tunables}
+    assert tuned["timeline"] == (0,) and tuned["arrive"] == (1, 2) and tuned["stream_topk"] == (0, 1, 2)
+    grid = tunable_grid(SPEC)
+    assert grid[0] == SPEC.tunable_defaults() and not any(c["timeline"] or not c["arrive"] for c in grid)
     assert RT.RouterOp(K3).tensor_specs()["counter"].shape == (1,)
     assert RT.RouterOp(K3, timeline=1).tensor_specs()["counter"].shape == (RT.TIMELINE_WORDS,)
     slots = RT.TIMELINE_SLOTS
@@ -282,7 +289,9 @@ def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_p
         waits = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
         assert len(waits) == 3 and reset < waits[0]  # phase 2's staging, router rows, down rows
         red = [i for i, o in enumerate(ops) if o.startswith("REDG.E.ADD.S32.STRONG.GPU")]
-        assert len(red) == 1 and waits[0] < red[0] and ops[red[0] - 3:red[0]].count("MEMBAR.ALL.GPU") == 1
+        # the router CTAs' body (between the selector's staging wait and the down CTAs' body)
+        assert len(red) == 1 and waits[1] < red[0] < waits[2]
+        assert ops[red[0] - 3:red[0]].count("MEMBAR.ALL.GPU") == 1
         assert not any("ATOMG" in o for o in ops)
         acq = [i for i, o in enumerate(ops) if "ACQBULK" in o]
         pre = [i for i, o in enumerate(ops) if o == "PREEXIT"]

@@ -180,7 +180,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
 # -- the manifest, compared as data ------------------------------------------------------------
 
 def _tunables(k: KernelSpec) -> dict:
-    return {t.name: (tuple(t.choices), t.default) for t in k.tunables}
+    return {t.name: (tuple(t.choices), t.default, tuple(t.explore_only)) for t in k.tunables}
 
 
 def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list[Violation], set[str]]:
@@ -230,7 +230,7 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
                                  f"kernel {name!r}: declared field(s) {', '.join(keys)} changed "
                                  "(tolerances and other validation settings)"))
         bt, ht = _tunables(b), _tunables(h)
-        if set(bt) != set(ht) or any(bt[t][0] != ht[t][0] for t in bt):
+        if set(bt) != set(ht) or any(bt[t][0] != ht[t][0] or bt[t][2] != ht[t][2] for t in bt):
             out.append(Violation("manifest-tunable-range", path,
                                  f"kernel {name!r}: tunables or their choices changed"))
         elif any(bt[t][1] != ht[t][1] for t in bt):

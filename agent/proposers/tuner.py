@@ -69,9 +69,10 @@ def shape_key(shape: dict) -> str:
 
 
 def tunable_grid(spec) -> list[dict]:
-    """Every combination of the kernel's declared tunable choices (defaults first)."""
+    """Every combination of the kernel's declared tunable choices (defaults first), less the
+    explorer-only ones (kernels/manifest.py `Tunable.explore_only`)."""
     names = [t.name for t in spec.tunables]
-    grid = [dict(zip(names, combo)) for combo in itertools.product(*(t.choices for t in spec.tunables))]
+    grid = [dict(zip(names, combo)) for combo in itertools.product(*(t.tuned_choices for t in spec.tunables))]
     default = spec.tunable_defaults()
     return sorted(grid, key=lambda c: c != default)
 

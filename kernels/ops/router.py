@@ -2,13 +2,15 @@
 top-k of s + bias (selection only), weights renormalised over the unbiased scores, and the routing
 grouped by expert for the expert kernels (kernels/ops/moe_experts.py). The latent down-projection
 z = h @ W_down.T (bf16 out) runs alongside, in the same launch: both read h, and the down CTAs
-keep the SMs streaming while the router's last CTA selects and groups.
+keep the SMs streaming while phase 2 (the stream design's selector CTA, or the last router CTA)
+selects and groups.
 
 Two designs, chosen at build time from the batch (both deterministic, same phase 2):
   * batch <= `stream_max_batch` (default 2), "stream" (kernels/ops/stream.py, as the batch-1
     gemv): one grid of short CTAs over the rows of W_g then of W_down (the router CTAs first, so
     they are dispatched first), each owning whole rows (`stream_cta_kib` KiB of weights, at
-    least one row, `stream_threads` threads; by default 2 rows of 128 threads each). Every
+    least one row, `stream_threads` threads; by default, at k3's hidden 7168, 2 rows of 128
+    threads each). Every
     thread issues all of its 16-byte `cp.async` copies of its weight rows (`.cg`) and of h
     (`.ca`) into shared memory before it waits once, then fp32 FMAs from shared memory and the
     warp-order reduction of stream.py. Router CTAs store fp32 logits and arrive (below); down
@@ -102,8 +104,8 @@ WEIGHT_EPS = 1e-20  # kernels.reference.router
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
 
 # Host-side tunables; must equal the manifest's defaults ([kernels.router]). warps_per_cta,
-# row_tiles, down_row_tiles, k_unroll: the mma design; stream_*, pdl: the stream design (batch <=
-# stream_max_batch).
+# row_tiles, down_row_tiles, k_unroll, topk: the mma design; stream_*, pdl, arrive: the stream
+# design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
                     "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
@@ -114,7 +116,8 @@ TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (inst
 # rescans; 2 "radix": the whole CTA per token (`_topk_cta`), a 4-pass 8-bit radix select of the
 # k-th greatest key, then the selected experts ranked. Same selection and weights in all three.
 TOPK_DESIGNS = ("shuffle", "redux", "radix")
-RADIX_BITS = 8
+RADIX_BITS = 8  # `_topk_cta` assumes 8: 4 passes, 256 bins scanned as 8 per lane of warp 0
+assert RADIX_BITS == 8
 INT32_MIN = -(1 << 31)  # the redux selection's key of a retired (or absent) expert
 # `timeline` 1 (explorer instrumentation, never a shipped variant): the counter buffer grows to
 # TIMELINE_WORDS int32 words (the host zeroes them): %globaltimer_lo stamps (ns) and phase 2's
@@ -267,7 +270,8 @@ class RouterOp(OpBase):
     def _plan_stream(self) -> None:
         """Smallest batches (kernels/ops/stream.py): the router's rows and W_down's as one grid
         of short whole-row CTAs of the same thread count; shared memory holds a CTA's weight
-        rows and h, or, in the last router CTA after its own rows, phase 2's arrays."""
+        rows and h, or, in the CTA that runs phase 2 (the selector CTA; with `arrive` 1 the last
+        router CTA, after its own rows), phase 2's arrays."""
         t = self.tunables
         threads, cta_bytes = int(t["stream_threads"]), int(t["stream_cta_kib"]) * 1024
         self.plan = StreamPlan(n=self.n_experts, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
@@ -606,7 +610,7 @@ class RouterOp(OpBase):
 
     @cute.jit
     def _stage_scores(self, mLogits, mBias, sLg, sBias, tidx):
-        """Trace-time, stream design, last router CTA: every logit and bias value into shared
+        """Trace-time, stream design, the CTA that runs phase 2: every logit and bias value into shared
         memory by 16-byte cp.async through L2 (`.cg`: where the other CTAs' released logits
         are), all issued before one wait. (Plain loads here were sunk to their first use by
         ptxas: one L2 round trip per 32 experts, serial, several microseconds.)"""
@@ -649,7 +653,8 @@ class RouterOp(OpBase):
 
     @cute.jit
     def _select_and_group(self, lg, bias, outs, sMask, sStart, sIds, sSel, tidx, radix=None):
-        """Trace-time phase 2 of the last router CTA (module docstring): top-k per token, the
+        """Trace-time phase 2 (module docstring; the last router CTA, or the stream design's
+        selector CTA): top-k per token, the
         weights, then the grouping by expert (counting sort over per-expert token masks).
         `lg` [T, E] and `bias` [E] are the logits and bias, in global or shared memory."""
         mIds, mWeights = outs[1], outs[2]
@@ -789,7 +794,7 @@ class RouterOp(OpBase):
         into a shared histogram of the next digit (shared atomics), then warp 0 finds the digit
         holding the `need`-th greatest key (lane l holds digits 255 - 8l .. 248 - 8l, summed,
         scanned across lanes) and keeps `need` minus the keys above it. After the last pass the
-        prefix is T, the k-th greatest key; `need` keys equal to T are taken, `eq` exist.
+        prefix is T, the k-th greatest key; `need` keys equal to T are taken, of the ctl[2] that exist.
         Candidates: every key > T, and the keys equal to T when all of them are taken, claim a
         slot by a shared atomic counter (slot order is arbitrary); else (a tie straddling the
         k-th place) warp 0 takes the `need` lowest experts with key T, in index order (ballots).
