@@ -448,34 +448,37 @@ class RouterOp(OpBase):
                 self._stamp("p2_arrived", tidx)
                 self._stamp("p2_cta_start", tidx, value=t_start)
                 self._phase2_stream(sU, outs, mBias, tidx)
-            elif bidx <= self.ctas:
-                self._stream_rows(self.plan, mW, mH, outs[0], bidx - 1, vU, sP, tidx)
+            else:
+                self._stream_cta(bidx - 1, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
+        else:
+            self._stream_cta(bidx, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
+
+    @cute.jit
+    def _stream_cta(self, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start):
+        """Trace-time: streaming CTA c of the stream design (router CTAs 0 .. ctas-1, then the
+        down CTAs) and its arrival as `arrive` says: 2, a release `red` for the selector CTA;
+        1, the acq_rel arrival and, in the last router CTA, phase 2; 0, none."""
+        i32 = cutlass.Int32
+        if c < self.ctas:
+            self._stream_rows(self.plan, mW, mH, outs[0], c, vU, sP, tidx)
+            if cutlass.const_expr(self.arrive == 2):
                 cute.arch.sync_threads()  # every logit of this CTA stored
                 if tidx == 0:
                     cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
-                self._stamp("last_router_arrival", tidx, op="max")
-                self._stamp("router_first_arrival", tidx, when=bidx == 1)
-                self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas)
-            else:
-                self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - 1 - self.ctas, vU, sP, tidx)
-                self._stamp("last_down_end", tidx, op="max", sync=True)
+            elif cutlass.const_expr(self.arrive == 1):
+                self._arrive(mCounter, sLast, tidx)
+            self._stamp("last_router_arrival", tidx, op="max")
+            self._stamp("router_first_arrival", tidx, when=c == 0)
+            self._stamp("router_cta_last_arrival", tidx, when=c == self.ctas - 1)
+            if cutlass.const_expr(self.arrive == 1):
+                if sLast[0] == 1:
+                    self._stamp("p2_arrived", tidx)
+                    self._stamp("p2_cta_start", tidx, value=t_start)
+                    # the streaming buffers are dead (every thread passed the arrival's barriers)
+                    self._phase2_stream(sU, outs, mBias, tidx)
         else:
-            if bidx < self.ctas:
-                self._stream_rows(self.plan, mW, mH, outs[0], bidx, vU, sP, tidx)
-                if cutlass.const_expr(self.arrive == 1):
-                    self._arrive(mCounter, sLast, tidx)
-                self._stamp("last_router_arrival", tidx, op="max")
-                self._stamp("router_first_arrival", tidx, when=bidx == 0)
-                self._stamp("router_cta_last_arrival", tidx, when=bidx == self.ctas - 1)
-                if cutlass.const_expr(self.arrive == 1):
-                    if sLast[0] == 1:
-                        self._stamp("p2_arrived", tidx)
-                        self._stamp("p2_cta_start", tidx, value=t_start)
-                        # the streaming buffers are dead (every thread passed the arrival's barriers)
-                        self._phase2_stream(sU, outs, mBias, tidx)
-            else:
-                self._stream_rows(self.down_plan, mWd, mH, mZ, bidx - self.ctas, vU, sP, tidx)
-                self._stamp("last_down_end", tidx, op="max", sync=True)
+            self._stream_rows(self.down_plan, mWd, mH, mZ, c - self.ctas, vU, sP, tidx)
+            self._stamp("last_down_end", tidx, op="max", sync=True)
 
     @cute.jit
     def _select_when_arrived(self, mCounter, tidx):
