@@ -335,44 +335,71 @@ def _timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> di
     return out
 
 
+def _rotated_weights(cfg):
+    """k3 weights (seed 0), the router+down weight bytes, and W_g / W_down rotated over up to 8
+    copies past the L2 (the per-op condition of scripts/block_proof.py): (w, bytes, n, wg, wd)."""
+    import torch
+
+    from benchmarks.common import l2_bytes, rotation_count
+    from kernels import reference as R
+
+    w = R.make_weights(cfg, "cuda", seed=0)
+    torch.cuda.synchronize()
+    wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
+    nr = min(8, rotation_count(wbytes, l2_bytes()))
+    wg = [w.w_gate] + [w.w_gate.clone() for _ in range(nr - 1)]
+    wd = [w.w_down] + [w.w_down.clone() for _ in range(nr - 1)]
+    return w, wbytes, nr, wg, wd
+
+
+def _tokens(cfg, w, T: int, calls: int):
+    """`calls` normalised hidden states of T tokens (seed 100 + T)."""
+    import torch
+
+    from kernels import reference as R
+
+    g = torch.Generator(device="cpu").manual_seed(100 + T)
+    return [R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
+            for _ in range(calls)]
+
+
+def _per_op_us(op, k, hs, wg, wd, bias, b) -> float:
+    """us per launch in a CUDA graph of launches on distinct h with the weights rotated."""
+    from block_explore import _launch_router, graph_us
+
+    n = max(len(hs), len(wg))
+    return graph_us(lambda i: _launch_router(k, op, hs[i % len(hs)], wg[i % len(wg)], bias, wd[i % len(wd)], b),
+                    n, replays=20)
+
+
 # -- GPU: k3 -----------------------------------------------------------------------------------------
 
 
 def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     import torch
 
-    from benchmarks.common import l2_bytes, rotation_count
-    from block_explore import _launch_router, _rel, _router_buffers, graph_us
+    from block_explore import _launch_router, _rel, _router_buffers
     from block_proof import op_bytes
-    from kernels import reference as R
     from kernels.config import get_config
 
     cfg = get_config("k3")
     only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call
     ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")
             and (not only or i in only.split(","))}
-    w = R.make_weights(cfg, "cuda", seed=0)
-    torch.cuda.synchronize()
-    wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
+    w, wbytes, nr, wg, wd = _rotated_weights(cfg)
     res["read_same_bytes"] = r = _read_same_bytes(wbytes)
     r["fraction_of_read"] = wbytes / r["us"] / 1e6 / read_tbps
     print(f"read of the same {wbytes / 1e6:.1f} MB per launch: {r['us']:.2f} us {r['fraction_of_read']:.1%}",
           flush=True)
-    nr = min(8, rotation_count(wbytes, l2_bytes()))
-    wg = [w.w_gate] + [w.w_gate.clone() for _ in range(nr - 1)]
-    wd = [w.w_down] + [w.w_down.clone() for _ in range(nr - 1)]
     res["k3"] = {}
     firsts = {}
     for ident, e in ents.items():
         T = e["shape"]["batch"]
         op, k = _load(e)
-        g = torch.Generator(device="cpu").manual_seed(100 + T)
-        hs = [R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
-              for _ in range(calls)]
+        hs = _tokens(cfg, w, T, calls)
         b = _router_buffers(op, T, "cuda")
         if op.stream and op.arrive == 0:  # a timing bound: nothing is selected, nothing to check
-            us = graph_us(lambda i: _launch_router(k, op, hs[i % calls], wg[i % nr], w.bias, wd[i % nr], b),
-                          max(calls, nr), replays=20)
+            us = _per_op_us(op, k, hs, wg, wd, w.bias, b)
             nb = op_bytes(cfg, T, min(T * cfg.top_k, cfg.n_experts))["router+down"]
             res["k3"][ident] = {"timing_bound_only": True, "passed": True, "us": us, "bytes": nb,
                                 "fraction_of_read": nb / us / 1e6 / read_tbps, "tunables": e["tunables"],
@@ -392,8 +419,7 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
                                         "z_rel_diff": _rel(out["z"], f["z"])}
         else:
             firsts[T] = {"id": ident, **out}
-        us = graph_us(lambda i: _launch_router(k, op, hs[i % calls], wg[i % nr], w.bias, wd[i % nr], b),
-                      max(calls, nr), replays=20)
+        us = _per_op_us(op, k, hs, wg, wd, w.bias, b)
         n_groups = int(b["n_groups"][0].item())
         nb = op_bytes(cfg, T, n_groups)["router+down"]
         row.update({"us": us, "bytes": nb, "fraction_of_read": nb / us / 1e6 / read_tbps,
@@ -423,12 +449,9 @@ def ab(ids: list[str], rounds: int, out_dir: Path) -> int:
     drift over the call falls on all of them alike; medians over rounds."""
     import statistics
 
-    import torch
-
-    from benchmarks.common import gpu_environment, l2_bytes, read_bandwidth, rotation_count
-    from block_explore import _launch_router, _router_buffers, graph_us
+    from benchmarks.common import gpu_environment, read_bandwidth
+    from block_explore import _router_buffers
     from block_proof import op_bytes
-    from kernels import reference as R
     from kernels.config import get_config
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -444,13 +467,8 @@ def ab(ids: list[str], rounds: int, out_dir: Path) -> int:
            "variants": [e for e in plan_doc["entries"] if e["id"] in ids]}
     res["ceiling_read"] = read_bandwidth(reps=10)
     read_tbps = res["ceiling_read"]["tbps"]
-    w = R.make_weights(cfg, "cuda", seed=0)
-    wbytes = (cfg.n_experts + cfg.latent) * cfg.hidden * 2
-    nr = min(8, rotation_count(wbytes, l2_bytes()))
-    wg = [w.w_gate] + [w.w_gate.clone() for _ in range(nr - 1)]
-    wd = [w.w_down] + [w.w_down.clone() for _ in range(nr - 1)]
-    g = torch.Generator(device="cpu").manual_seed(101)
-    hs = [R.rmsnorm(torch.randn(1, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre) for _ in range(8)]
+    w, wbytes, nr, wg, wd = _rotated_weights(cfg)
+    hs = _tokens(cfg, w, 1, 8)
     loaded = {}
     for i in ids:
         op, k = _load(ents[i])
@@ -460,8 +478,7 @@ def ab(ids: list[str], rounds: int, out_dir: Path) -> int:
         order = ids[r % len(ids):] + ids[:r % len(ids)]
         for i in order:
             op, k, b = loaded[i]
-            samples[i].append(graph_us(lambda j: _launch_router(k, op, hs[j % 8], wg[j % nr], w.bias, wd[j % nr], b),
-                                       max(8, nr), replays=20))
+            samples[i].append(_per_op_us(op, k, hs, wg, wd, w.bias, b))
         samples["read_same_bytes"].append(_read_same_bytes(wbytes)["us"])
         print(f"round {r}: " + " ".join(f"{i} {samples[i][-1]:.2f}" for i in samples), flush=True)
     res["results"] = {}
