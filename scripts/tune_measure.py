@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
 import math
 import subprocess
@@ -57,15 +56,6 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
-def tunable_grid(spec) -> list[dict]:
-    """Every combination of the declared tunable choices, the defaults first, less the
-    explorer-only ones (kernels/manifest.py `Tunable.explore_only`)."""
-    names = [t.name for t in spec.tunables]
-    grid = [dict(zip(names, c)) for c in itertools.product(*(t.tuned_choices for t in spec.tunables))]
-    default = spec.tunable_defaults()
-    return sorted(grid, key=lambda c: c != default)
-
-
 def sources_sha256(root: Path, sources) -> dict[str, str]:
     return {s: hashlib.sha256((Path(root) / s).read_bytes()).hexdigest() for s in sources}
 
@@ -84,6 +74,7 @@ def prepare(kernel: str, root: Path, plan_path: Path, *, request: Path | None, a
             eta: int) -> dict:
     """Build the settings x shapes to measure: a tuner's request, every shape (`all_shapes`), or by
     default the tuner's first successive-halving round (every setting on its few screening shapes)."""
+    from agent.proposers.tuner import schedule, spread_pick, tunable_grid  # the tuner's own grid
     from kernels.build import BuildError, build_kernel  # compiles in child processes (the DSL lives there)
     from kernels.manifest import load_manifest
 
@@ -96,8 +87,6 @@ def prepare(kernel: str, root: Path, plan_path: Path, *, request: Path | None, a
             raise SystemExit(f"tune_measure: the request is for kernel {req.get('kernel')!r}, not {kernel!r}")
         configs, shapes = req["configs"], req["shapes"]
     elif not all_shapes:
-        from agent.proposers.tuner import schedule, spread_pick
-
         shapes = spread_pick(shapes, schedule(len(configs), len(shapes), eta)[0])
     default = spec.tunable_defaults()
     if default not in configs:  # every round compares with the defaults on the same shapes
