@@ -102,6 +102,15 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
+    # the bulk engine (stream_engine 1, kernels/ops/bulk.py): persistent CTAs, a ring of row slots
+    # filled by one bulk copy per row; ring depth, consumer warps, CTA count; no arrival (a bound)
+    eng = {"stream_engine": 1}
+    v.append(("b1_bulk", b1, eng))
+    for name, extra in (("s5", {"bulk_stages": 5}), ("s4", {"bulk_stages": 4}), ("w14", {"bulk_warps": 14}),
+                        ("w4", {"bulk_warps": 4}), ("c264_s3", {"bulk_ctas": 264, "bulk_stages": 3}),
+                        ("p0", {"pdl": 0}), ("arrive0", {"arrive": 0})):
+        v.append((f"b1_bulk_{name}", b1, {**eng, **extra}))
+    v.append(("b2_bulk", {"batch": 2, **K3}, eng))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
@@ -118,6 +127,15 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b1_p1_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1}))
     v.append(("mini_b1_p0_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1, "pdl": 0}))
     v.append(("mini_b3_p1_a1", {"batch": 3, **MINI}, {**mini_stream, "arrive": 1, "stream_topk": 0}))
+    # the bulk engine on the mini preset (128 vectors per row: 4 consumer warps of one vector
+    # per lane): 576 rows over 132 CTAs (every row in the prologue's copies), and over 66 CTAs
+    # with 3 slots (the ring wraps: 8-9 rows per CTA); batch 3; without pdl
+    mini_bulk = {"stream_max_batch": 4, "stream_engine": 1, "bulk_warps": 4}
+    v.append(("mini_b1_bulk", {"batch": 1, **MINI}, mini_bulk))
+    v.append(("mini_b1_bulk_c66_s3", {"batch": 1, **MINI}, {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3}))
+    v.append(("mini_b3_bulk_c66_s3", {"batch": 3, **MINI}, {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3}))
+    v.append(("mini_b1_bulk_p0_c66_s3", {"batch": 1, **MINI},
+              {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3, "pdl": 0}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
@@ -133,6 +151,13 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
 
 
 MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
+
+
+def _mini_ids() -> list[str]:
+    """The mini variants the sanitizers and the mini stress launch: every one, or with
+    ROUTER_EXPLORE_ONLY set only the mini ids it lists (the child inherits the variable)."""
+    only = os.environ.get("ROUTER_EXPLORE_ONLY")
+    return [i for i in MINI_IDS if not only or i in only.split(",")]
 
 
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
@@ -383,7 +408,7 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     from kernels.config import get_config
 
     cfg = get_config("k3")
-    only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call
+    only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call (minis too)
     ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")
             and (not only or i in only.split(","))}
     w, wbytes, nr, wg, wd = _rotated_weights(cfg)
@@ -509,7 +534,7 @@ def child() -> int:
     ents = _entries()
     g = torch.Generator(device="cpu").manual_seed(5)
     w = R.make_weights(cfg, "cuda", seed=3)
-    for ident in MINI_IDS:
+    for ident in _mini_ids():
         op, k = _load(ents[ident])
         T = op.batch
         h = R.rmsnorm(torch.randn(T, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
@@ -533,12 +558,12 @@ def sanitize(res: dict, out_dir: Path) -> bool:
     from kernels.config import get_config
     from explore_common import run_sanitizers
 
-    run_sanitizers(res, "scripts/router_explore.py", MINI_IDS, out_dir, timeout_s=240)
+    run_sanitizers(res, "scripts/router_explore.py", _mini_ids(), out_dir, timeout_s=240)
     cfg = get_config("mini")
     w = R.make_weights(cfg, "cuda", seed=4)
     g = torch.Generator(device="cpu").manual_seed(9)
     res["mini_stress"] = {}
-    for ident in MINI_IDS:
+    for ident in _mini_ids():
         op, k = _load(_entries()[ident])
         h = R.rmsnorm(torch.randn(op.batch, cfg.hidden, generator=g).to(torch.bfloat16).cuda(), w.gamma_pre)
         res["mini_stress"][ident] = s = _stress(op, k, h, w, runs=24)

@@ -80,9 +80,9 @@ Grouping by expert, a counting sort, deterministic: warp 0 scans the experts' to
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops import bulk, stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass, warp_allreduce_sum
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
@@ -97,6 +97,7 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
+from kernels.ops.bulk import BulkPlan
 from kernels.ops.stream import StreamPlan
 
 MAX_BATCH = 64
@@ -108,7 +109,8 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
+                    "stream_engine": 0, "bulk_ctas": 132, "bulk_stages": 7, "bulk_warps": 7}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -192,10 +194,12 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2),
+                          ("stream_engine", 1)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
+        self.engine = int(self.tunables["stream_engine"]) if self.stream else 0
         # the selection of phase 2 (TOPK_DESIGNS), each design its own default
         self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
         if self.stream:
@@ -273,6 +277,8 @@ class RouterOp(OpBase):
         rows and h, or, in the CTA that runs phase 2 (the selector CTA; with `arrive` 1 the last
         router CTA, after its own rows), phase 2's arrays."""
         t = self.tunables
+        if self.engine == 1:
+            return self._plan_bulk()
         threads, cta_bytes = int(t["stream_threads"]), int(t["stream_cta_kib"]) * 1024
         self.plan = StreamPlan(n=self.n_experts, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
         self.down_plan = StreamPlan(n=self.latent, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
@@ -284,20 +290,49 @@ class RouterOp(OpBase):
         self.rows_per_cta = self.plan.rows
         self.down_rows_per_cta = self.down_plan.rows
         self.ctas = self.plan.ctas
+        self.arrivals = self.ctas
         self.down_ctas = self.down_plan.ctas
         # bf16 elements of the union: (weight rows + h rows) of either plan, or phase 2's arrays
         B, k = self.batch, self.hidden
+        off = self._phase2_layout()
+        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
+        self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
+
+    def _phase2_layout(self) -> int:
+        """Phase 2's shared arrays (`phase2_offsets`, int32 words from the union's start);
+        returns the words they take."""
         self.phase2_offsets = {}
         off = 0
         if self.n_experts % 4:
             raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of 4 (16-byte logit copies)")
-        for name, words in (("logits", B * self.n_experts), ("bias", self.n_experts),
+        for name, words in (("logits", self.batch * self.n_experts), ("bias", self.n_experts),
                             ("mask", self.mask_words * self.n_experts), ("start", self.n_experts),
                             ("ids", self.slots), ("sel", self.slots)) + self._radix_words():
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
-        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
-        self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
+        return off
+
+    def _plan_bulk(self) -> None:
+        """`stream_engine` 1 (kernels/ops/bulk.py): `bulk_ctas` persistent CTAs over the rows of
+        W_g then W_down, dealt round robin, `bulk_stages` row slots each, `bulk_warps`
+        consumer warps and a producer warp; with `arrive` 2 an extra CTA 0 runs phase 2 over
+        its ring. Every CTA that owns a router row (the first min(ctas, n_experts)) adds one
+        release `red` to the counter once its router logits are stored."""
+        t = self.tunables
+        if self.arrive == 1:
+            raise ValueError("router: stream_engine 1 has no last-arrival scheme (arrive 1): its "
+                             "CTAs stream to the end of the launch; use arrive 2")
+        if self.timeline:
+            raise ValueError("router: the timeline instrumentation covers stream_engine 0 only")
+        self.bulk = BulkPlan(rows=self.n_experts + self.latent, k=self.hidden, ctas=int(t["bulk_ctas"]),
+                             stages=int(t["bulk_stages"]), warps=int(t["bulk_warps"]), batch=self.batch)
+        self.threads = self.bulk.threads
+        self.warps = self.threads // WARP
+        self.ctas = self.bulk.ctas
+        self.arrivals = min(self.ctas, self.n_experts)  # CTAs owning a router row
+        self.down_ctas = 0
+        self.union_elems = max(self.bulk.ring_elems(), 2 * self._phase2_layout())
+        self.smem_bytes = self.bulk.smem_bytes(self.union_elems)
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -426,6 +461,14 @@ class RouterOp(OpBase):
     @cute.jit
     def _stream_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
         """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/stream.py)."""
+        if cutlass.const_expr(self.engine == 1):
+            self._bulk_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
+        else:
+            self._cpasync_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
+
+    @cute.jit
+    def _cpasync_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
+        """`stream_engine` 0: the short whole-row CTAs of kernels/ops/stream.py."""
         B = self.batch
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
@@ -452,6 +495,113 @@ class RouterOp(OpBase):
                 self._stream_cta(bidx - 1, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
         else:
             self._stream_cta(bidx, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
+
+    @cute.jit
+    def _bulk_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
+        """`stream_engine` 1 (kernels/ops/bulk.py, `_plan_bulk`): CTA 0 selects (`arrive` 2),
+        the others stream."""
+        P = self.bulk
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        sU = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((self.union_elems,)),
+                                  byte_alignment=bulk.RING_ALIGN)
+        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((P.stages, P.batch, P.warps)),
+                                  byte_alignment=16)
+        bars = smem.allocate_array(cutlass.Int64, 2 * P.stages)
+        if cutlass.const_expr(self.arrive == 2):
+            if bidx == 0:
+                self._select_when_arrived(mCounter, tidx)
+                self._phase2_stream(sU, outs, mBias, tidx)
+            else:
+                self._bulk_cta(bidx - 1, mH, mW, outs[0], mCounter, mWd, mZ, sU, sP, bars, tidx)
+        else:
+            self._bulk_cta(bidx, mH, mW, outs[0], mCounter, mWd, mZ, sU, sP, bars, tidx)
+
+    @cute.jit
+    def _bulk_cta(self, c, mH, mW, mLogits, mCounter, mWd, mZ, sU, sP, bars, tidx):
+        """Streaming CTA c of `stream_engine` 1: rows c, c + ctas, ... of [W_g; W_down] through
+        the ring (kernels/ops/bulk.py). The producer warp stores each row's outputs (fp32
+        logits, bf16 z) and, with `arrive` 2, adds its release `red` to the counter right after
+        the store of its CTA's last router logit (its own stores: the release orders them).
+        With pdl the prologue's copies (static weights) come before `griddepcontrol.wait`, x's
+        loads and every store after it; every thread triggers the next launch once the
+        producer has issued the CTA's last copy."""
+        P = self.bulk
+        S = P.stages
+        G = P.ctas
+        E = self.n_experts
+        i32 = cutlass.Int32
+        lane = tidx % WARP
+        warp = cute.arch.make_warp_uniform(tidx // WARP)
+        full = bars
+        empty = bars + S
+        n_rows = (P.rows - c + G - 1) // G  # rows of this CTA
+        n_router = (E - c + G - 1) // G  # of them router rows (c < ctas <= rows: both >= 0)
+        if c >= E:
+            n_router = i32(0)
+        trigger = n_rows - S - 1  # the producer's iteration that issues the last copy
+        vR = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
+
+        if tidx == 0:
+            bulk.init_barriers(P, full, empty)
+        cute.arch.sync_threads()
+        if warp == P.warps:
+            if lane == 0:
+                for st in cutlass.range_constexpr(S):
+                    if st < n_rows:
+                        self._bulk_issue(c + st * G, mW, mWd, sU, st, full)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # only static weights are read before it
+            if trigger < 0:  # the prologue issued every copy
+                cute.arch.griddepcontrol_launch_dependents()
+        if warp < P.warps:
+            xs = bulk.load_x(P, mH, warp, lane)
+            for i in cutlass.range(n_rows, unroll=1):
+                slot = i % S
+                cute.arch.mbarrier_wait(full + slot, (i // S) % 2)
+                acc = bulk.dot_slot(P, vR, slot, xs, warp, lane)
+                totals = [warp_allreduce_sum(a) for a in acc]
+                if lane == 0:
+                    for b in cutlass.range_constexpr(P.batch):
+                        sP[slot, b, warp] = totals[b]
+                    cute.arch.mbarrier_arrive(empty + slot)
+                if cutlass.const_expr(self.pdl):
+                    if i == trigger:
+                        cute.arch.griddepcontrol_launch_dependents()
+        else:
+            for i in cutlass.range(n_rows, unroll=1):
+                slot = i % S
+                cute.arch.mbarrier_wait(empty + slot, (i // S) % 2)
+                if lane == 0:
+                    u = c + i * G
+                    for b in cutlass.range_constexpr(P.batch):
+                        tot = sP[slot, b, 0]
+                        for w in cutlass.range_constexpr(1, P.warps):
+                            tot = tot + sP[slot, b, w]
+                        if u < E:
+                            mLogits[b, u] = tot
+                        else:
+                            mZ[b, u - E] = tot.to(cutlass.BFloat16)
+                    if cutlass.const_expr(self.arrive == 2):
+                        if i == n_router - 1:
+                            cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release",
+                                          scope="gpu")
+                    if i + S < n_rows:
+                        self._bulk_issue(u + S * G, mW, mWd, sU, slot, full)
+                if cutlass.const_expr(self.pdl):
+                    if i == trigger:
+                        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def _bulk_issue(self, u, mW, mWd, sU, slot, full):
+        """One thread: row u of [W_g; W_down] into ring slot `slot` (kernels/ops/bulk.py)."""
+        E = self.n_experts
+        k = self.hidden
+        if u < E:
+            bulk.issue_row(self.bulk, mW.iterator + u * k, sU, slot, full)
+        else:
+            bulk.issue_row(self.bulk, mWd.iterator + (u - E) * k, sU, slot, full)
 
     @cute.jit
     def _stream_cta(self, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start):
@@ -495,7 +645,7 @@ class RouterOp(OpBase):
             cute.arch.griddepcontrol_wait()
         if tidx == 0:
             seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
-            while seen < self.ctas:
+            while seen < self.arrivals:
                 seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
             cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
         cute.arch.sync_threads()
