@@ -115,6 +115,16 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     for ch in (1, 2, 4, 8):
         v.append((f"b1_bulk_ch{ch}", b1, {**eng, "bulk_chunk": ch}))
     v.append(("b1_bulk_ch2_c264_s4", b1, {**eng, "bulk_chunk": 2, "bulk_ctas": 264, "bulk_stages": 4}))
+    # two or three CTAs per SM: a single CTA's ring is consumer-bound (round 9: an SM with two
+    # static CTAs streamed 1.4x the rows per us of an SM with one)
+    for ch, ctas, st in ((4, 264, 4), (4, 264, 5), (4, 396, 3), (2, 396, 3)):
+        v.append((f"b1_bulk_ch{ch}_c{ctas}_s{st}", b1,
+                  {**eng, "bulk_chunk": ch, "bulk_ctas": ctas, "bulk_stages": st}))
+    v.append(("b1_bulk_ch4_c264_s4_arrive0", b1,
+              {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4, "arrive": 0}))
+    v.append(("b1_bulk_ch4_c264_s4_timeline", b1,
+              {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4, "timeline": 1}))
+    v.append(("b2_bulk_ch4_c264_s4", {"batch": 2, **K3}, {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4}))
     v.append(("b1_bulk_ch4_arrive0", b1, {**eng, "bulk_chunk": 4, "arrive": 0}))
     v.append(("b2_bulk_ch4", {"batch": 2, **K3}, {**eng, "bulk_chunk": 4}))
     # per-CTA stamps (SM, start, end, rows): where the time goes, static and chunked
