@@ -4,6 +4,8 @@ dynamic race audit of the stream design's arrival counter on the mini preset; a 
 
   python scripts/router_explore.py plan [--sweep]              # CPU host with the DSL
   PYTHONPATH=. python3 scripts/router_explore.py gpu --out DIR # GPU host, carrying .devcarry/router_x
+      (ROUTER_EXPLORE_ONLY=ID,ID,...: only those k3 variants, and only those mini variants in
+      the sanitizers and the mini stress)
   PYTHONPATH=. python3 scripts/router_explore.py ab ID [ID ...] --rounds N --out DIR   # GPU host
 
 `plan` builds every variant of `_variants()` (with --sweep also the mma design's CTA widths at
@@ -102,34 +104,6 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
-    # the bulk engine (stream_engine 1, kernels/ops/bulk.py): persistent CTAs, a ring of row slots
-    # filled by one bulk copy per row; ring depth, consumer warps, CTA count; no arrival (a bound)
-    eng = {"stream_engine": 1}
-    v.append(("b1_bulk", b1, eng))
-    for name, extra in (("s5", {"bulk_stages": 5}), ("s4", {"bulk_stages": 4}), ("w14", {"bulk_warps": 14}),
-                        ("w4", {"bulk_warps": 4}), ("c264_s3", {"bulk_ctas": 264, "bulk_stages": 3}),
-                        ("p0", {"pdl": 0}), ("arrive0", {"arrive": 0})):
-        v.append((f"b1_bulk_{name}", b1, {**eng, **extra}))
-    v.append(("b2_bulk", {"batch": 2, **K3}, eng))
-    # rows past the first stages x ctas handed out in chunks by a work counter (bulk_chunk)
-    for ch in (1, 2, 4, 8):
-        v.append((f"b1_bulk_ch{ch}", b1, {**eng, "bulk_chunk": ch}))
-    v.append(("b1_bulk_ch2_c264_s4", b1, {**eng, "bulk_chunk": 2, "bulk_ctas": 264, "bulk_stages": 4}))
-    # two or three CTAs per SM: a single CTA's ring is consumer-bound (round 9: an SM with two
-    # static CTAs streamed 1.4x the rows per us of an SM with one)
-    for ch, ctas, st in ((4, 264, 4), (4, 264, 5), (4, 396, 3), (2, 396, 3)):
-        v.append((f"b1_bulk_ch{ch}_c{ctas}_s{st}", b1,
-                  {**eng, "bulk_chunk": ch, "bulk_ctas": ctas, "bulk_stages": st}))
-    v.append(("b1_bulk_ch4_c264_s4_arrive0", b1,
-              {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4, "arrive": 0}))
-    v.append(("b1_bulk_ch4_c264_s4_timeline", b1,
-              {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4, "timeline": 1}))
-    v.append(("b2_bulk_ch4_c264_s4", {"batch": 2, **K3}, {**eng, "bulk_chunk": 4, "bulk_ctas": 264, "bulk_stages": 4}))
-    v.append(("b1_bulk_ch4_arrive0", b1, {**eng, "bulk_chunk": 4, "arrive": 0}))
-    v.append(("b2_bulk_ch4", {"batch": 2, **K3}, {**eng, "bulk_chunk": 4}))
-    # per-CTA stamps (SM, start, end, rows): where the time goes, static and chunked
-    v.append(("b1_bulk_timeline", b1, {**eng, "timeline": 1}))
-    v.append(("b1_bulk_ch4_timeline", b1, {**eng, "bulk_chunk": 4, "timeline": 1}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
@@ -146,19 +120,6 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b1_p1_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1}))
     v.append(("mini_b1_p0_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1, "pdl": 0}))
     v.append(("mini_b3_p1_a1", {"batch": 3, **MINI}, {**mini_stream, "arrive": 1, "stream_topk": 0}))
-    # the bulk engine on the mini preset (128 vectors per row: 4 consumer warps of one vector
-    # per lane): 576 rows over 132 CTAs (every row in the prologue's copies), and over 66 CTAs
-    # with 3 slots (the ring wraps: 8-9 rows per CTA); batch 3; without pdl
-    mini_bulk = {"stream_max_batch": 4, "stream_engine": 1, "bulk_warps": 4}
-    v.append(("mini_b1_bulk", {"batch": 1, **MINI}, mini_bulk))
-    v.append(("mini_b1_bulk_c66_s3", {"batch": 1, **MINI}, {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3}))
-    v.append(("mini_b3_bulk_c66_s3", {"batch": 3, **MINI}, {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3}))
-    v.append(("mini_b1_bulk_p0_c66_s3", {"batch": 1, **MINI},
-              {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3, "pdl": 0}))
-    # chunks from the work counter: one row each (the most atomics), two rows at batch 3, no pdl
-    for T, ch, pdl in ((1, 1, 1), (3, 2, 1), (1, 2, 0)):
-        v.append((f"mini_b{T}_bulk_ch{ch}_p{pdl}", {"batch": T, **MINI},
-                  {**mini_bulk, "bulk_ctas": 66, "bulk_stages": 3, "bulk_chunk": ch, "pdl": pdl}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
@@ -224,83 +185,11 @@ def _check(op, b, h, w_gate, bias, w_down, scale: float) -> dict:
     grp = check_grouping(b, op.n_experts)
     logits_err = _rel(b["logits"], R.linear(h, w_gate, compute_dtype=F64))
     z = judge("z", b["z"], R.linear(h, w_down, compute_dtype=F64), R.linear(h, w_down))
-    counter_zero = _counter_zero(op, b["counter"])
+    counter_zero = int(b["counter"][0].item()) == 0
     finite = bool(torch.isfinite(b["logits"]).all() and torch.isfinite(b["weights"]).all())
     ok = sel["passed"] and grp["passed"] and logits_err < 1e-5 and z["passed"] and counter_zero and finite
     return {"passed": ok, "selection": sel, "grouping": grp, "logits_rel_err_vs_f64": logits_err, "z": z,
             "counter_zero": counter_zero, "finite": finite}
-
-
-def _counter_zero(op, counter) -> bool:
-    """Every synchronisation word the launch must leave zero: the arrival counter, and with
-    the bulk engine's chunks its work and done counters (the timeline's stamps aside)."""
-    from kernels.ops.router import BULK_DONE_WORD, BULK_WORK_WORD
-
-    words = [0] + ([BULK_WORK_WORD, BULK_DONE_WORD] if op.bulk_dynamic else [])
-    return all(int(counter[w].item()) == 0 for w in words)
-
-
-def _bulk_timeline(op, k, hs, wg, wd, bias, rounds: int = 5, launches: int = 8) -> dict:
-    """`timeline` variants of the bulk engine: `launches` launches captured in one CUDA graph
-    (the per-op condition), weights rotated; per launch, from each CTA's stamps
-    (kernels/ops/router.py BULK_CTA_STAMPS), in ns from the launch's first CTA start: the
-    streaming CTAs' ends (min, median, max), the selector's end, the rows per CTA (min, max),
-    how many SMs host more than one streaming CTA; medians over rounds of launches
-    1 .. launches-2, and one launch's raw stamps."""
-    import statistics
-
-    import torch
-
-    from block_explore import _launch_router, _router_buffers
-    from kernels.ops.router import BULK_COUNTER_WORDS, BULK_CTA_STAMPS
-
-    bufs = [_router_buffers(op, op.batch, "cuda") for _ in range(launches)]
-    sel = 1 if op.arrive == 2 else 0
-    grid = op.launch_config().grid[0]
-    nf = len(BULK_CTA_STAMPS)
-
-    def launch_all():
-        for i, b in enumerate(bufs):
-            _launch_router(k, op, hs[i % len(hs)], wg[i % len(wg)], bias, wd[i % len(wd)], b)
-
-    def wrap(x):
-        return ((x + (1 << 31)) % (1 << 32)) - (1 << 31)
-
-    launch_all()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        launch_all()
-    rows, raw = [], None
-    for _ in range(rounds):
-        for b in bufs:
-            b["counter"].zero_()
-        torch.cuda.synchronize()
-        graph.replay()
-        torch.cuda.synchronize()
-        for i in range(1, launches - 1):
-            w = [int(x) & 0xFFFFFFFF for x in bufs[i]["counter"][BULK_COUNTER_WORDS:].tolist()]
-            cta = [dict(zip(BULK_CTA_STAMPS, w[j * nf:(j + 1) * nf])) for j in range(grid)]
-            t0 = min(c["start"] for c in cta)
-            ends = sorted(wrap(c["end"] - t0) for c in cta[sel:])
-            per_sm = {}
-            for c in cta[sel:]:
-                per_sm[c["smid"]] = per_sm.get(c["smid"], 0) + 1
-            rows.append({"end_min": ends[0], "end_median": statistics.median(ends), "end_max": ends[-1],
-                         "end_spread": ends[-1] - ends[0],
-                         "selector_end": wrap(cta[0]["end"] - t0) if sel else None,
-                         "start_max": max(wrap(c["start"] - t0) for c in cta),
-                         "rows_min": min(c["rows"] for c in cta[sel:]), "rows_max": max(c["rows"] for c in cta[sel:]),
-                         "sms": len(per_sm), "sms_with_two_or_more": sum(1 for v in per_sm.values() if v > 1),
-                         "selector_sm_streams": (per_sm.get(cta[0]["smid"], 0) if sel else None)})
-            if raw is None:
-                raw = [{**c, "start": wrap(c["start"] - t0), "end": wrap(c["end"] - t0)} for c in cta]
-    del graph
-    keys = [n for n in rows[0] if rows[0][n] is not None]
-    return {"launches": launches, "rounds": rounds, "unit": "ns from the launch's first CTA start",
-            "median": {n: statistics.median(r[n] for r in rows) for n in keys},
-            "min": {n: min(r[n] for r in rows) for n in keys}, "max": {n: max(r[n] for r in rows) for n in keys},
-            "raw_one_launch": raw}
 
 
 def _tied(w_gate, bias, how: str):
@@ -364,7 +253,7 @@ def _stress(op, k, h, w, runs: int = 16) -> dict:
         torch.cuda.synchronize()
         cur = [b[n].clone() for n in ("logits", "ids", "weights", "n_groups", "group_expert", "group_start",
                                       "sorted_slots", "z")]
-        nonzero += int(not _counter_zero(op, b["counter"]))
+        nonzero += int(b["counter"][0].item() != 0)
         if first is None:
             first = cur
         elif not all(_same_bits(a, c) for a, c in zip(cur, first)):
@@ -548,10 +437,7 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
         row["stress"] = _stress(op, k, hs[0], w)
         row["ties"] = _check_ties(op, k, hs[0], w.w_gate, w.bias, w.w_down, cfg.routed_scale)
         row["passed"] = bool(row["passed"] and row["ties"]["passed"])
-        if op.timeline and op.engine == 1:
-            row["timeline"] = tl = _bulk_timeline(op, k, hs, wg, wd, w.bias)
-            print(f"{ident} per-CTA timeline (graph, median): {json.dumps(tl['median'])}", flush=True)
-        elif op.timeline:
+        if op.timeline:
             row["timeline"] = tl = _timeline(op, k, hs, wg, wd, w.bias)
             for how in ("stream", "graph"):
                 print(f"{ident} timeline {how} (median, ns from the first CTA start): {json.dumps(tl[how]['median'])}",
