@@ -80,9 +80,9 @@ Grouping by expert, a counting sort, deterministic: warp 0 scans the experts' to
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops import bulk, stream
+from kernels.ops import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass, warp_allreduce_sum
+from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
@@ -97,7 +97,6 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
-from kernels.ops.bulk import BulkPlan
 from kernels.ops.stream import StreamPlan
 
 MAX_BATCH = 64
@@ -109,8 +108,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
-                    "stream_engine": 0, "bulk_ctas": 132, "bulk_stages": 7, "bulk_warps": 7, "bulk_chunk": 0}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -136,15 +134,6 @@ TIMELINE_SLOTS = {
     "last_down_end": 64,  # max over the down CTAs
     "last_router_arrival": 96,  # max over the router CTAs
 }
-# `stream_engine` 1 with `bulk_chunk` > 0: the work counter (chunks handed out) and the done
-# counter (CTAs past their last grab) in 128-byte lines of their own; the counter buffer holds
-# BULK_COUNTER_WORDS words. With `timeline` 1 each CTA b (the selector included) stamps
-# BULK_CTA_STAMPS words from BULK_COUNTER_WORDS + 4 * b: its SM, start, end (%globaltimer_lo)
-# and the rows it streamed.
-BULK_WORK_WORD = 160
-BULK_DONE_WORD = 192
-BULK_COUNTER_WORDS = 256
-BULK_CTA_STAMPS = ("smid", "start", "end", "rows")
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -188,8 +177,6 @@ class RouterOp(OpBase):
     timeline = 0
     _tl = None
     arrive = 2
-    engine = 0
-    bulk_dynamic = False
 
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
@@ -205,12 +192,10 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2),
-                          ("stream_engine", 1)):
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
-        self.engine = int(self.tunables["stream_engine"]) if self.stream else 0
         # the selection of phase 2 (TOPK_DESIGNS), each design its own default
         self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
         if self.stream:
@@ -288,8 +273,6 @@ class RouterOp(OpBase):
         rows and h, or, in the CTA that runs phase 2 (the selector CTA; with `arrive` 1 the last
         router CTA, after its own rows), phase 2's arrays."""
         t = self.tunables
-        if self.engine == 1:
-            return self._plan_bulk()
         threads, cta_bytes = int(t["stream_threads"]), int(t["stream_cta_kib"]) * 1024
         self.plan = StreamPlan(n=self.n_experts, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
         self.down_plan = StreamPlan(n=self.latent, k=self.hidden, threads=threads, cta_bytes=cta_bytes)
@@ -301,55 +284,20 @@ class RouterOp(OpBase):
         self.rows_per_cta = self.plan.rows
         self.down_rows_per_cta = self.down_plan.rows
         self.ctas = self.plan.ctas
-        self.arrivals = self.ctas
         self.down_ctas = self.down_plan.ctas
         # bf16 elements of the union: (weight rows + h rows) of either plan, or phase 2's arrays
         B, k = self.batch, self.hidden
-        off = self._phase2_layout()
-        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
-        self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
-
-    def _phase2_layout(self) -> int:
-        """Phase 2's shared arrays (`phase2_offsets`, int32 words from the union's start);
-        returns the words they take."""
         self.phase2_offsets = {}
         off = 0
         if self.n_experts % 4:
             raise ValueError(f"router: n_experts {self.n_experts} is not a multiple of 4 (16-byte logit copies)")
-        for name, words in (("logits", self.batch * self.n_experts), ("bias", self.n_experts),
+        for name, words in (("logits", B * self.n_experts), ("bias", self.n_experts),
                             ("mask", self.mask_words * self.n_experts), ("start", self.n_experts),
                             ("ids", self.slots), ("sel", self.slots)) + self._radix_words():
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
-        return off
-
-    def _plan_bulk(self) -> None:
-        """`stream_engine` 1 (kernels/ops/bulk.py): `bulk_ctas` persistent CTAs over the rows of
-        W_g then W_down, dealt round robin, `bulk_stages` row slots each, `bulk_warps`
-        consumer warps and a producer warp; with `arrive` 2 an extra CTA 0 runs phase 2 over
-        its ring. Every CTA that owns a router row (the first min(ctas, n_experts)) adds one
-        release `red` to the counter once its router logits are stored."""
-        t = self.tunables
-        if self.arrive == 1:
-            raise ValueError("router: stream_engine 1 has no last-arrival scheme (arrive 1): its "
-                             "CTAs stream to the end of the launch; use arrive 2")
-        self.bulk = BulkPlan(rows=self.n_experts + self.latent, k=self.hidden, ctas=int(t["bulk_ctas"]),
-                             stages=int(t["bulk_stages"]), warps=int(t["bulk_warps"]), batch=self.batch)
-        self.bulk_chunk = int(t["bulk_chunk"])
-        if self.bulk_chunk < 0:
-            raise ValueError("router: bulk_chunk must be 0 (rows dealt round robin) or positive")
-        static_rows = self.bulk.stages * self.bulk.ctas
-        self.bulk_dynamic = self.bulk_chunk > 0 and self.bulk.rows > static_rows
-        if self.bulk_dynamic and static_rows < self.n_experts:
-            raise ValueError(f"router: bulk_chunk > 0 needs every router row in the CTAs' first slots "
-                             f"(bulk_stages * bulk_ctas = {static_rows} < n_experts {self.n_experts})")
-        self.threads = self.bulk.threads
-        self.warps = self.threads // WARP
-        self.ctas = self.bulk.ctas
-        self.arrivals = min(self.ctas, self.n_experts)  # CTAs owning a router row
-        self.down_ctas = 0
-        self.union_elems = max(self.bulk.ring_elems(), 2 * self._phase2_layout())
-        self.smem_bytes = self.bulk.smem_bytes(self.union_elems)
+        self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
+        self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -365,17 +313,10 @@ class RouterOp(OpBase):
             "group_expert": TensorSpec((self.groups,), "int32"),
             "group_start": TensorSpec((self.groups + 1,), "int32"),
             "sorted_slots": TensorSpec((self.slots,), "int32"),
-            "counter": TensorSpec((self.counter_words(),), "int32"),
+            "counter": TensorSpec((TIMELINE_WORDS if self.timeline else 1,), "int32"),
             "w_down": TensorSpec((self.latent, H), "bfloat16"),
             "z": TensorSpec((T, self.latent), "bfloat16"),
         }
-
-    def counter_words(self) -> int:
-        """int32 words of the counter buffer (the host zeroes it once; each launch leaves it
-        zero, except for the timeline's stamps)."""
-        if self.engine == 1 and (self.bulk_dynamic or self.timeline):
-            return BULK_COUNTER_WORDS + (len(BULK_CTA_STAMPS) * self.launch_config().grid[0] if self.timeline else 0)
-        return TIMELINE_WORDS if self.timeline else 1
 
     def launch_config(self) -> LaunchConfig:
         selector = 1 if self.stream and self.arrive == 2 else 0
@@ -485,14 +426,6 @@ class RouterOp(OpBase):
     @cute.jit
     def _stream_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
         """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/stream.py)."""
-        if cutlass.const_expr(self.engine == 1):
-            self._bulk_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
-        else:
-            self._cpasync_body(mH, mW, mBias, outs, mCounter, mWd, mZ)
-
-    @cute.jit
-    def _cpasync_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
-        """`stream_engine` 0: the short whole-row CTAs of kernels/ops/stream.py."""
         B = self.batch
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
@@ -519,182 +452,6 @@ class RouterOp(OpBase):
                 self._stream_cta(bidx - 1, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
         else:
             self._stream_cta(bidx, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
-
-    @cute.jit
-    def _bulk_body(self, mH, mW, mBias, outs, mCounter, mWd, mZ):
-        """`stream_engine` 1 (kernels/ops/bulk.py, `_plan_bulk`): CTA 0 selects (`arrive` 2),
-        the others stream."""
-        P = self.bulk
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        sU = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout((self.union_elems,)),
-                                  byte_alignment=bulk.RING_ALIGN)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((P.stages, P.batch, P.warps)),
-                                  byte_alignment=16)
-        sRow = smem.allocate_tensor(cutlass.Int32, cute.make_layout((P.stages,)), byte_alignment=16)
-        bars = smem.allocate_array(cutlass.Int64, 2 * P.stages)
-        self._bulk_stamp(mCounter, bidx, tidx == 0, 0, cute.arch.smid())
-        self._bulk_stamp(mCounter, bidx, tidx == 0, 1, cute.arch.globaltimer_lo())
-        if cutlass.const_expr(self.arrive == 2):
-            if bidx == 0:
-                self._select_when_arrived(mCounter, tidx)
-                self._phase2_stream(sU, outs, mBias, tidx)
-                self._bulk_stamp(mCounter, bidx, tidx == 0, 2, cute.arch.globaltimer_lo())
-            else:
-                self._bulk_cta(bidx - 1, mH, mW, outs[0], mCounter, mWd, mZ, sU, sP, sRow, bars, tidx, bidx)
-        else:
-            self._bulk_cta(bidx, mH, mW, outs[0], mCounter, mWd, mZ, sU, sP, sRow, bars, tidx, bidx)
-
-    @cute.jit
-    def _bulk_stamp(self, mCounter, bidx, cond, field, value):
-        """`timeline` 1 only: word `field` of BULK_CTA_STAMPS of CTA `bidx` (a relaxed store)."""
-        if cutlass.const_expr(self.timeline):
-            if cond:
-                cute.arch.store(mCounter.iterator + BULK_COUNTER_WORDS + bidx * len(BULK_CTA_STAMPS) + field,
-                                cutlass.Int32(value), sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def _bulk_cta(self, c, mH, mW, mLogits, mCounter, mWd, mZ, sU, sP, sRow, bars, tidx, bidx):
-        """Streaming CTA c of `stream_engine` 1: its rows of [W_g; W_down] through the ring
-        (kernels/ops/bulk.py). Its first `bulk_stages` rows are c, c + ctas, ...; with
-        `bulk_chunk` 0 all of them are, else the rows past the first stages * ctas are handed
-        out in chunks of `bulk_chunk` by a gpu-scope work counter (one relaxed atomic per chunk,
-        issued a chunk ahead), so an SM the memory system serves faster streams more rows.
-        The producer writes each slot's row index (-1: no more rows) before the slot's full
-        barrier; the consumers stop at -1. It stores each row's outputs (fp32 logits, bf16 z)
-        and, with `arrive` 2, adds its release `red` to the counter right after the store of its
-        CTA's last router logit (its own stores: the release orders them; every router row is
-        among the first stages * ctas). The CTA whose done-count (acq_rel) comes last, every CTA
-        past its last grab, resets the work and done counters for the next launch. With pdl the
-        prologue's copies (static weights) come before `griddepcontrol.wait`, the work counter,
-        x's loads and every store after it; the producer triggers the next launch once it has
-        issued its CTA's last copy (the first trigger of a CTA is the CTA's)."""
-        P = self.bulk
-        S = P.stages
-        G = P.ctas
-        R = P.rows
-        E = self.n_experts
-        CH = self.bulk_chunk
-        i32 = cutlass.Int32
-        lane = tidx % WARP
-        warp = cute.arch.make_warp_uniform(tidx // WARP)
-        full = bars
-        empty = bars + S
-        n_static = (R - c + G - 1) // G  # rows c, c + G, ... (c < G <= R)
-        if n_static > S:
-            n_static = i32(S)
-        n_router = (E - c + G - 1) // G  # of them router rows (c < G <= E)
-        vR = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
-        work = mCounter.iterator + BULK_WORK_WORD
-        done = mCounter.iterator + BULK_DONE_WORD
-
-        if tidx == 0:
-            bulk.init_barriers(P, full, empty)
-        cute.arch.sync_threads()
-        if warp == P.warps:
-            if lane == 0:
-                for st in cutlass.range_constexpr(S):
-                    if st < n_static:
-                        sRow[st] = c + st * G
-                        self._bulk_issue(c + st * G, mW, mWd, sU, st, full)
-                if n_static < S:  # every row of the CTA is in flight: the consumers stop after them
-                    sRow[n_static] = i32(-1)
-                    cute.arch.mbarrier_arrive(full + n_static)
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # only static weights are read before it
-        if warp < P.warps:
-            xs = bulk.load_x(P, mH, warp, lane)
-            i = i32(0)
-            u = i32(0)
-            while u >= 0:
-                slot = i % S
-                cute.arch.mbarrier_wait(full + slot, (i // S) % 2)
-                u = sRow[slot]
-                if u >= 0:
-                    acc = bulk.dot_slot(P, vR, slot, xs, warp, lane)
-                    totals = [warp_allreduce_sum(a) for a in acc]
-                    if lane == 0:
-                        for b in cutlass.range_constexpr(P.batch):
-                            sP[slot, b, warp] = totals[b]
-                        cute.arch.mbarrier_arrive(empty + slot)
-                i = i + 1
-        elif lane == 0:
-            # the next rows to issue: cur, cur + step, ... below end; with bulk_chunk > 0 then the
-            # chunk `ahead` (its atomic already in flight)
-            cur = c + S * G
-            end = i32(R)
-            step = G
-            ahead = i32(0)
-            if cutlass.const_expr(self.bulk_dynamic):
-                step = 1
-                cur = S * G + CH * cute.arch.atomic_add(work, i32(1), sem="relaxed", scope="gpu")
-                end = cutlass.min(cur + CH, i32(R))
-                ahead = cute.arch.atomic_add(work, i32(1), sem="relaxed", scope="gpu")
-            issued = n_static
-            stopped = i32(1) if n_static < S else i32(0)
-            if cur >= end:  # nothing left to hand out: the last copy is issued
-                self._bulk_last_grab(work, done)
-            i = i32(0)
-            while i < issued:
-                slot = i % S
-                cute.arch.mbarrier_wait(empty + slot, (i // S) % 2)
-                u = sRow[slot]
-                for b in cutlass.range_constexpr(P.batch):
-                    tot = sP[slot, b, 0]
-                    for w in cutlass.range_constexpr(1, P.warps):
-                        tot = tot + sP[slot, b, w]
-                    if u < E:
-                        mLogits[b, u] = tot
-                    else:
-                        mZ[b, u - E] = tot.to(cutlass.BFloat16)
-                if cutlass.const_expr(self.arrive == 2):
-                    if i == n_router - 1:
-                        cute.arch.red(mCounter.iterator, i32(1), op="add", dtype=i32, sem="release", scope="gpu")
-                if cur < end:
-                    sRow[slot] = cur
-                    self._bulk_issue(cur, mW, mWd, sU, slot, full)
-                    issued = issued + 1
-                    cur = cur + step
-                    if cutlass.const_expr(self.bulk_dynamic):
-                        if cur >= end:  # on to the chunk fetched ahead
-                            cur = S * G + CH * ahead
-                            end = cutlass.min(cur + CH, i32(R))
-                            if cur < end:
-                                ahead = cute.arch.atomic_add(work, i32(1), sem="relaxed", scope="gpu")
-                    if cur >= end:
-                        self._bulk_last_grab(work, done)
-                elif stopped == 0:
-                    sRow[slot] = i32(-1)
-                    cute.arch.mbarrier_arrive(full + slot)
-                    stopped = i32(1)
-                i = i + 1
-            self._bulk_stamp(mCounter, bidx, True, 2, cute.arch.globaltimer_lo())
-            self._bulk_stamp(mCounter, bidx, True, 3, issued)
-
-    @cute.jit
-    def _bulk_last_grab(self, work, done):
-        """The producer, once its CTA has its last row (`bulk_chunk` > 0): trigger the next
-        launch (pdl), and count this CTA past its last grab (acq_rel); the last CTA counted
-        resets both counters (every other CTA's grabs happen before its count)."""
-        i32 = cutlass.Int32
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.bulk_dynamic):
-            old = cute.arch.atomic_add(done, i32(1), sem="acq_rel", scope="gpu")
-            if old == self.bulk.ctas - 1:
-                cute.arch.store(work, i32(0), sem="relaxed", scope="gpu")
-                cute.arch.store(done, i32(0), sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def _bulk_issue(self, u, mW, mWd, sU, slot, full):
-        """One thread: row u of [W_g; W_down] into ring slot `slot` (kernels/ops/bulk.py)."""
-        E = self.n_experts
-        k = self.hidden
-        if u < E:
-            bulk.issue_row(self.bulk, mW.iterator + u * k, sU, slot, full)
-        else:
-            bulk.issue_row(self.bulk, mWd.iterator + (u - E) * k, sU, slot, full)
 
     @cute.jit
     def _stream_cta(self, c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start):
@@ -738,7 +495,7 @@ class RouterOp(OpBase):
             cute.arch.griddepcontrol_wait()
         if tidx == 0:
             seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
-            while seen < self.arrivals:
+            while seen < self.ctas:
                 seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
             cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
         cute.arch.sync_threads()
