@@ -104,17 +104,6 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
-    # round 9: independent accumulator chains (stream_chains) and a register bound for five CTAs
-    # per SM (stream_min_ctas; 64 registers x 256 threads allow four)
-    for name, tun in (("min5", {"stream_min_ctas": 5}), ("chains2", {"stream_chains": 2}),
-                      ("chains4", {"stream_chains": 4}), ("min5_chains2", {"stream_min_ctas": 5, "stream_chains": 2})):
-        v.append((f"b1_{name}", b1, tun))
-    v.append(("b2_min5", {"batch": 2, **K3}, {"stream_min_ctas": 5}))
-    # fewer CTAs per SM (four by registers; 60 KiB of shared memory each: three, 76: two), and
-    # round 7's one-row CTAs of 128 threads with the radix select (up to seven per SM)
-    for kib in (60, 76):
-        v.append((f"b1_smem{kib}", b1, {"stream_smem_kib": kib}))
-    v.append(("b1_s128_k8_smem60", b1, {"stream_threads": 128, "stream_cta_kib": 8, "stream_smem_kib": 60}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))

@@ -108,8 +108,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2, "stream_chains": 1,
-                    "stream_min_ctas": 0, "stream_smem_kib": 0}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -299,9 +298,6 @@ class RouterOp(OpBase):
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
         self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
-        # `stream_smem_kib` > 0: at least that much dynamic shared memory per CTA, so that fewer
-        # CTAs fit an SM (fewer weight bytes in flight per SM)
-        self.smem_bytes = max(self.smem_bytes, int(self.tunables["stream_smem_kib"]) * 1024)
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -327,13 +323,6 @@ class RouterOp(OpBase):
         return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
-    def _occupancy(self) -> dict:
-        """`stream_min_ctas` n > 0 (stream design): ptxas keeps the registers low enough for n
-        CTAs per SM (`.minnctapersm`); the carveout hint (100: all shared) spares the DSL a
-        device query at build time. 0: no launch bound (the kernel as before)."""
-        n = int(self.tunables["stream_min_ctas"]) if self.stream else 0
-        return {"min_blocks_per_mp": n, "preferred_smem_carveout": 100} if n else {}
-
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
         """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
         kwargs = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
@@ -349,8 +338,7 @@ class RouterOp(OpBase):
                  mZ: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mH, mW, mBias, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
-                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes,
-                                              **self._occupancy())
+                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mLogits: cute.Tensor,
@@ -598,8 +586,7 @@ class RouterOp(OpBase):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # x was copied by row 0's threads
 
-        acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0,
-                         chains=int(self.tunables["stream_chains"]))
+        acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
         if tidx < P.rows * B:  # one thread per (row, token), indices computed: no switch over them

@@ -85,19 +85,15 @@ def copy_row(plan: StreamPlan, atom, gV, row, vS, s_base, kv0):
         cute.copy(atom, cute.make_tensor(src.iterator, flat), vS[(None, s_base + kv)])
 
 
-def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0, chains: int = 1):
+def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0):
     """This thread's fp32 partial dot products of its weight vectors (shared, from vector
     `w_base`) with each activation row (shared, from vector `x_bases[b]`), summed in a fixed
-    order: vector by vector, element by element, term t into accumulator t % `chains` (each a
-    chain of dependent FMAs), the accumulators then summed in order. Returns one Float32 per
-    activation row. `chains` 1 is one chain (the code every op but the router's `stream_chains`
-    builds)."""
+    order: vector by vector, element by element. Returns one Float32 per activation row."""
     f32 = cutlass.Float32
     bf16 = cutlass.BFloat16
     flat = cute.make_layout((BF16_PER_VECTOR,))
     atom = coherent_copy_atom(bf16)
-    acc = [[f32(0.0) for _ in range(chains)] for _ in x_bases]
-    t = 0
+    acc = [f32(0.0) for _ in x_bases]
     for j in range(plan.vectors):
         kv = kv0 + j * plan.row_threads
         wt = cute.make_rmem_tensor(flat, bf16)
@@ -108,16 +104,8 @@ def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0, chains: int = 1):
             cute.copy(atom, vX[(None, xb + kv)], xt)
             xf = xt.load().to(f32)
             for e in range(BF16_PER_VECTOR):
-                m = (t + e) % chains
-                acc[b][m] = acc[b][m] + wf[e] * xf[e]
-        t += BF16_PER_VECTOR
-    out = []
-    for a in acc:
-        s = a[0]
-        for m in range(1, chains):
-            s = s + a[m]
-        out.append(s)
-    return out
+                acc[b] = acc[b] + wf[e] * xf[e]
+    return acc
 
 
 @cute.jit
