@@ -108,8 +108,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
-                    "stream_bulk_w": 0}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -177,7 +176,6 @@ class RouterOp(OpBase):
     topk = 0  # the selection (TOPK_DESIGNS); router_select keeps the shuffles
     timeline = 0
     _tl = None
-    _wbar = None  # trace time: the stream design's weight-row mbarrier (`stream_bulk_w` 1)
     arrive = 2
 
     def __init__(self, shape: dict, **tunables):
@@ -300,9 +298,6 @@ class RouterOp(OpBase):
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
         self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
-        self.bulk_w = int(self.tunables["stream_bulk_w"])
-        if self.bulk_w:  # the weight rows' mbarrier
-            self.smem_bytes += 16
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -444,7 +439,6 @@ class RouterOp(OpBase):
         sP = smem.allocate_tensor(f32, cute.make_layout((B, self.warps)), byte_alignment=16)
         sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
-        self._wbar = smem.allocate_array(cutlass.Int64, 1) if self.bulk_w else None
 
         t_start = self._stamp_start(tidx, bidx)
         if cutlass.const_expr(self.arrive == 2):
@@ -578,11 +572,8 @@ class RouterOp(OpBase):
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
         x_base = P.rows * P.kv
-        if cutlass.const_expr(self.bulk_w):
-            self._bulk_weight_rows(P, mW, blk, vU, tidx)
-        else:
-            gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
+        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # only static weights are read before it
         if r == 0:  # row 0's threads copy x for every row of the CTA
@@ -594,8 +585,6 @@ class RouterOp(OpBase):
             cute.arch.griddepcontrol_launch_dependents()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # x was copied by row 0's threads
-        if cutlass.const_expr(self.bulk_w):
-            cute.arch.mbarrier_wait(self._wbar, 0)  # the weight rows landed
 
         acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
@@ -604,22 +593,6 @@ class RouterOp(OpBase):
             rr = tidx // B
             bb = tidx % B
             mY[bb, blk * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
-
-    @cute.jit
-    def _bulk_weight_rows(self, P, mW, blk, vU, tidx):
-        """`stream_bulk_w` 1: thread 0 copies the CTA's weight rows by one bulk copy each
-        (`cp.async.bulk`, the copy engine) into vU from vector 0, completing on the CTA's
-        mbarrier (initialised here, expecting every row's bytes); every thread waits on it
-        after the CTA barrier that follows x's copies (which also orders the initialisation)."""
-        from cutlass.experimental import primitives as prims
-
-        if tidx == 0:
-            cute.arch.mbarrier_init(self._wbar, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(self._wbar, P.rows * P.k * 2)
-            for r in cutlass.range_constexpr(P.rows):
-                prims.cp_async_bulk_shared_cluster_global(
-                    vU[(None, r * P.kv)].iterator, mW.iterator + (blk * P.rows + r) * P.k, self._wbar, P.k * 2)
 
     @cute.jit
     def _arrive(self, mCounter, sLast, tidx):
