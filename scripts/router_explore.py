@@ -104,30 +104,6 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
-    # round 9: the weights by read-only loads into registers (stream_w_regs), h alone in shared memory
-    wr = {"stream_w_regs": 1}
-    for name, extra in (("", {}), ("_s128_k16", {"stream_threads": 128, "stream_cta_kib": 16}),
-                        ("_k64", {"stream_cta_kib": 64}), ("_s64_k16", {"stream_threads": 64, "stream_cta_kib": 16}),
-                        ("_arrive0", {"arrive": 0})):
-        v.append((f"b1_wregs{name}", b1, {**wr, **extra}))
-    # ... with the registers bounded for more CTAs per SM (phase 2 shares the kernel's count)
-    for m in (5, 6, 7):
-        v.append((f"b1_wregs_min{m}", b1, {**wr, "stream_min_ctas": m}))
-    v.append(("b1_wregs_min6_arrive0", b1, {**wr, "stream_min_ctas": 6, "arrive": 0}))
-    # where the time goes with registers for weights: does phase 2 now end after the streaming?
-    v.append(("b1_wregs_timeline", b1, {**wr, "timeline": 1}))
-    v.append(("b1_wregs_min5_timeline", b1, {**wr, "stream_min_ctas": 5, "timeline": 1}))
-    # which part of the selection costs: the last router CTA selects (arrive 1), and no pdl
-    for name, extra in (("a1", {"arrive": 1}), ("min6_a1", {"stream_min_ctas": 6, "arrive": 1}),
-                        ("min6_p0", {"stream_min_ctas": 6, "pdl": 0}),
-                        ("min6_a1_p0", {"stream_min_ctas": 6, "arrive": 1, "pdl": 0}),
-                        ("min6_arrive0_p0", {"stream_min_ctas": 6, "arrive": 0, "pdl": 0})):
-        v.append((f"b1_wregs_{name}", b1, {**wr, **extra}))
-    for m in (10, 12):
-        v.append((f"b1_wregs_s128_k16_min{m}", b1, {**wr, "stream_threads": 128, "stream_cta_kib": 16,
-                                                     "stream_min_ctas": m}))
-    v.append(("b2_wregs_min5", {"batch": 2, **K3}, {**wr, "stream_min_ctas": 5}))
-    v.append(("b2_wregs", {"batch": 2, **K3}, wr))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))

@@ -108,8 +108,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
-                    "stream_w_regs": 0, "stream_min_ctas": 0}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -135,56 +134,6 @@ TIMELINE_SLOTS = {
     "last_down_end": 64,  # max over the down CTAs
     "last_router_arrival": 96,  # max over the router CTAs
 }
-
-
-def _load_row_regs(P, gW, row, kv0):
-    """`stream_w_regs` 1: this thread's weight vectors of `row` into registers by read-only
-    16-byte loads, all issued here (an empty volatile asm ties each to this point: ptxas would
-    otherwise sink each load to its first use)."""
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
-
-    from kernels.ops.common import weight_load_atom
-
-    bf16 = cutlass.BFloat16
-    flat = cute.make_layout((BF16_PER_VECTOR,))
-    atom = weight_load_atom(bf16)
-    wv = []
-    for j in range(P.vectors):
-        t = cute.make_rmem_tensor(flat, bf16)
-        src = gW[(None, (row, kv0 + j * P.row_threads))]
-        cute.copy(atom, cute.make_tensor(src.iterator, flat), t)
-        wv.append(t)
-    u32 = cutlass.Uint32
-    for t in wv:
-        words = cute.recast_tensor(t, u32)
-        n = cute.size(words)
-        res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * n), [words[i].ir_value() for i in range(n)],
-                              "", ",".join(["=r"] * n + [str(i) for i in range(n)]), has_side_effects=True)
-        for i in range(n):
-            words[i] = u32(llvm.extractvalue(T.i32(), res, [i]))
-    return wv
-
-
-def _dot_regs(P, wv, vX, x_bases, kv0):
-    """stream.dot with the weight vectors in registers (`wv`), the same order of terms."""
-    f32 = cutlass.Float32
-    bf16 = cutlass.BFloat16
-    flat = cute.make_layout((BF16_PER_VECTOR,))
-    from kernels.ops.common import coherent_copy_atom
-
-    atom = coherent_copy_atom(bf16)
-    acc = [f32(0.0) for _ in x_bases]
-    for j in range(P.vectors):
-        kv = kv0 + j * P.row_threads
-        wf = wv[j].load().to(f32)
-        for b, xb in enumerate(x_bases):
-            xt = cute.make_rmem_tensor(flat, bf16)
-            cute.copy(atom, vX[(None, xb + kv)], xt)
-            xf = xt.load().to(f32)
-            for e in range(BF16_PER_VECTOR):
-                acc[b] = acc[b] + wf[e] * xf[e]
-    return acc
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -348,9 +297,6 @@ class RouterOp(OpBase):
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
         self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
-        self.w_regs = int(self.tunables["stream_w_regs"])
-        if self.w_regs:  # shared memory holds only h (and phase 2's arrays)
-            self.union_elems = max(B * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
 
     # -- contract ---------------------------------------------------------------------------
@@ -377,13 +323,6 @@ class RouterOp(OpBase):
         return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
 
-    def _occupancy(self) -> dict:
-        """`stream_min_ctas` n > 0 (stream design): ptxas keeps the registers low enough for n
-        CTAs per SM (`.minnctapersm`); the carveout hint (100: all shared) spares the DSL a
-        device query at build time. 0: no launch bound (the kernel as before)."""
-        n = int(self.tunables["stream_min_ctas"]) if self.stream else 0
-        return {"min_blocks_per_mp": n, "preferred_smem_carveout": 100} if n else {}
-
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
         """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
         kwargs = {} if compute_dtype is None else {"compute_dtype": compute_dtype}
@@ -399,8 +338,7 @@ class RouterOp(OpBase):
                  mZ: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mH, mW, mBias, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
-                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes,
-                                              **self._occupancy())
+                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mLogits: cute.Tensor,
@@ -633,12 +571,9 @@ class RouterOp(OpBase):
         bf16 = cutlass.BFloat16
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
-        x_base = 0 if self.w_regs else P.rows * P.kv
+        x_base = P.rows * P.kv
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-        if cutlass.const_expr(self.w_regs):
-            wv = _load_row_regs(P, gW, blk * P.rows + r, kv0)
-        else:
-            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
+        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # only static weights are read before it
         if r == 0:  # row 0's threads copy x for every row of the CTA
@@ -651,10 +586,7 @@ class RouterOp(OpBase):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # x was copied by row 0's threads
 
-        if cutlass.const_expr(self.w_regs):
-            acc = _dot_regs(P, wv, vU, [x_base + b * P.kv for b in range(B)], kv0)
-        else:
-            acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
+        acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
         if tidx < P.rows * B:  # one thread per (row, token), indices computed: no switch over them
