@@ -137,11 +137,16 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
 MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
 
 
-def _mini_ids() -> list[str]:
-    """The mini variants the sanitizers and the mini stress launch: every one, or with
-    ROUTER_EXPLORE_ONLY set only the mini ids it lists (the child inherits the variable)."""
+def _selected(ids) -> list[str]:
+    """`ids`, or with ROUTER_EXPLORE_ONLY set (comma-separated ids: a shorter call) only those it
+    lists. The sanitizers' child inherits the variable."""
     only = os.environ.get("ROUTER_EXPLORE_ONLY")
-    return [i for i in MINI_IDS if not only or i in only.split(",")]
+    return [i for i in ids if not only or i in only.split(",")]
+
+
+def _mini_ids() -> list[str]:
+    """The mini variants the sanitizers and the mini stress launch (`_selected`)."""
+    return _selected(MINI_IDS)
 
 
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
@@ -211,14 +216,14 @@ def _check_ties(op, k, h, w_gate, bias, w_down, scale: float) -> dict:
     from block_explore import _launch_router, _router_buffers
     from block_proof import check_selection
 
+    import torch
+
     out = {}
     for how in ("triples", "all"):
         wg, bs = _tied(w_gate, bias, how)
         b = _router_buffers(op, op.batch, "cuda")
         _poison(b)
         _launch_router(k, op, h, wg, bs, w_down, b)
-        import torch
-
         torch.cuda.synchronize()
         r = _check(op, b, h, wg, bs, w_down, scale)
         sel = check_selection(b["logits"], bs, b["ids"], b["weights"], op.top_k, scale)
@@ -392,9 +397,8 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     from kernels.config import get_config
 
     cfg = get_config("k3")
-    only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call (minis too)
-    ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")
-            and (not only or i in only.split(","))}
+    all_ents = _entries()
+    ents = {i: all_ents[i] for i in _selected(all_ents) if not i.startswith("mini_")}
     w, wbytes, nr, wg, wd = _rotated_weights(cfg)
     res["read_same_bytes"] = r = _read_same_bytes(wbytes)
     r["fraction_of_read"] = wbytes / r["us"] / 1e6 / read_tbps

@@ -37,13 +37,14 @@ def main(argv=None) -> int:
     from kernels.config import get_config
     from router_explore import _entries, _load, _rotated_weights, _tokens
 
+    ents = _entries()
+    missing = [i for i in args.ids if i not in ents]
+    if missing:  # before any GPU work
+        print(f"router_ncu: no carried variant {', '.join(map(repr, missing))}", file=sys.stderr)
+        return 2
     cfg = get_config("k3")
     w, wbytes, _nr, wg, wd = _rotated_weights(cfg)
-    ents = _entries()
     for ident in args.ids:
-        if ident not in ents:
-            print(f"router_ncu: no carried variant {ident!r}", file=sys.stderr)
-            return 2
         op, k = _load(ents[ident])
         hs = _tokens(cfg, w, op.batch, args.launches)
         b = _router_buffers(op, op.batch, "cuda")
