@@ -481,6 +481,15 @@ class CubinKernel:
                     ),
                     "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
                 )
+            carveout = self.launch.get("smem_carveout")
+            if carveout is not None:
+                _check(
+                    driver.cuFuncSetAttribute(
+                        fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        int(carveout)
+                    ),
+                    "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)",
+                )
             self._functions[dev] = fn
         return dev, fn
 

@@ -104,6 +104,84 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
+    # round 9: the weights by read-only loads into registers (stream_w_regs), h alone in shared memory
+    wr = {"stream_w_regs": 1}
+    for name, extra in (("", {}), ("_s128_k16", {"stream_threads": 128, "stream_cta_kib": 16}),
+                        ("_k64", {"stream_cta_kib": 64}), ("_s64_k16", {"stream_threads": 64, "stream_cta_kib": 16}),
+                        ("_arrive0", {"arrive": 0})):
+        v.append((f"b1_wregs{name}", b1, {**wr, **extra}))
+    # ... with the registers bounded for more CTAs per SM (phase 2 shares the kernel's count)
+    for m in (5, 6, 7):
+        v.append((f"b1_wregs_min{m}", b1, {**wr, "stream_min_ctas": m}))
+    v.append(("b1_wregs_min6_arrive0", b1, {**wr, "stream_min_ctas": 6, "arrive": 0}))
+    # where the time goes with registers for weights: does phase 2 now end after the streaming?
+    v.append(("b1_wregs_timeline", b1, {**wr, "timeline": 1}))
+    v.append(("b1_wregs_min5_timeline", b1, {**wr, "stream_min_ctas": 5, "timeline": 1}))
+    # which part of the selection costs: the last router CTA selects (arrive 1), and no pdl
+    for name, extra in (("a1", {"arrive": 1}), ("min6_a1", {"stream_min_ctas": 6, "arrive": 1}),
+                        ("min6_p0", {"stream_min_ctas": 6, "pdl": 0}),
+                        ("min6_a1_p0", {"stream_min_ctas": 6, "arrive": 1, "pdl": 0}),
+                        ("min6_arrive0_p0", {"stream_min_ctas": 6, "arrive": 0, "pdl": 0})):
+        v.append((f"b1_wregs_{name}", b1, {**wr, **extra}))
+    for m in (10, 12):
+        v.append((f"b1_wregs_s128_k16_min{m}", b1, {**wr, "stream_threads": 128, "stream_cta_kib": 16,
+                                                     "stream_min_ctas": m}))
+    # round 10: the weights by plain loads (stream_w_regs 2: .cg, 3: default caching), which ptxas
+    # keeps ahead of griddepcontrol.wait, so a launch fetches its weights while the previous drains
+    for w in (2, 3):
+        for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_a0", {"arrive": 0}),
+                            ("_min5", {"stream_min_ctas": 5}), ("_timeline", {"timeline": 1})):
+            v.append((f"b1_wregs{w}{name}", b1, {"stream_w_regs": w, **extra}))
+    # ... with batch 1's grouping by a rank per selection (group_one), which frees phase 2's registers
+    for w in (2, 3):
+        for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_min6", {"stream_min_ctas": 6}),
+                            ("_timeline", {"timeline": 1}), ("_min6_timeline", {"stream_min_ctas": 6, "timeline": 1})):
+            v.append((f"b1_wregs{w}_g1{name}", b1, {"stream_w_regs": w, "group_one": 1, **extra}))
+    v.append(("b1_default_g1", b1, {"group_one": 1}))
+    # ... phase 2 shorter: relaxed polls and one acquire fence (spin 1), the threshold selection
+    # (stream_topk 3)
+    for w in (0, 2, 3):
+        for name, extra in (("_s1", {"spin": 1}), ("_s1_t3", {"spin": 1, "stream_topk": 3}),
+                            ("_t3", {"stream_topk": 3}), ("_t3_a1", {"stream_topk": 3, "arrive": 1}),
+                            ("_s1_t3_min6", {"spin": 1, "stream_topk": 3, "stream_min_ctas": 6}),
+                            ("_s1_t3_timeline", {"spin": 1, "stream_topk": 3, "timeline": 1})):
+            v.append((f"b1_w{w}_g1{name}", b1, {"stream_w_regs": w, "group_one": 1, **extra}))
+    # ... with fewer CTAs per SM (stream_smem_kib 48: four, 72: three): shorter memory queues
+    # for phase 2's chain of dependent round trips
+    for w in (0, 2, 3):
+        for kib in (48, 72):
+            for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_timeline", {"timeline": 1})):
+                v.append((f"b1_w{w}_g1_t3_m{kib}{name}", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3,
+                                                            "stream_smem_kib": kib, **extra}))
+        v.append((f"b1_w{w}_m48_a0", b1, {"stream_w_regs": w, "stream_smem_kib": 48, "arrive": 0}))
+    # ... the selector's polls paced by a nanosleep (spin 2: acquire, 3: relaxed), five CTAs per SM;
+    # and the threshold selection with four CTAs per SM by registers (the generic grouping)
+    for w in (2, 3):
+        for sp in (2, 3):
+            v.append((f"b1_w{w}_g1_t3_s{sp}", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3, "spin": sp}))
+        v.append((f"b1_w{w}_t3", b1, {"stream_w_regs": w, "stream_topk": 3}))
+        v.append((f"b1_w{w}_t3_s2", b1, {"stream_w_regs": w, "stream_topk": 3, "spin": 2}))
+    v.append(("b1_w3_g1_t3_s2_timeline", b1, {"stream_w_regs": 3, "group_one": 1, "stream_topk": 3, "spin": 2,
+                                              "timeline": 1}))
+    # ... four (carveout 44%: 100 KB) or three (31%: 70 KB... ) CTAs per SM by the preferred carveout,
+    # L1 keeping the rest
+    for w in (0, 2, 3):
+        for c in (31, 44, 58):
+            base = {"stream_w_regs": w, "group_one": 1, "stream_topk": 3, "stream_carveout": c}
+            v.append((f"b1_w{w}_g1_t3_c{c}", b1, base))
+            v.append((f"b1_w{w}_c{c}_a0", b1, {**base, "arrive": 0}))
+        v.append((f"b1_w{w}_g1_t3_c44_timeline", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3,
+                                                     "stream_carveout": 44, "timeline": 1}))
+    # ... the paced spin with four CTAs per SM by the carveout (the grouping by ranks) or by
+    # registers (the generic grouping: 64)
+    r = {"stream_w_regs": 3, "stream_topk": 3, "spin": 2}
+    v.append(("b1_w3_g1_t3_s2_c31", b1, {**r, "group_one": 1, "stream_carveout": 31}))
+    v.append(("b1_w3_t3_s2_c31", b1, {**r, "stream_carveout": 31}))
+    v.append(("b1_w3_g1_t3_s2_c31_timeline", b1, {**r, "group_one": 1, "stream_carveout": 31, "timeline": 1}))
+    v.append(("b1_w3_t3_s2_timeline", b1, {**r, "timeline": 1}))
+    v.append(("b1_w2_t3_s2_c31", b1, {**r, "stream_w_regs": 2, "stream_carveout": 31}))
+    v.append(("b2_wregs_min5", {"batch": 2, **K3}, {**wr, "stream_min_ctas": 5}))
+    v.append(("b2_wregs", {"batch": 2, **K3}, wr))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
@@ -120,6 +198,12 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b1_p1_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1}))
     v.append(("mini_b1_p0_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1, "pdl": 0}))
     v.append(("mini_b3_p1_a1", {"batch": 3, **MINI}, {**mini_stream, "arrive": 1, "stream_topk": 0}))
+    # the threshold selection (stream_topk 3), with the other round-10 tunables
+    r10 = {"stream_topk": 3, "spin": 1, "group_one": 1, "stream_w_regs": 3}
+    v.append(("mini_b1_r10", {"batch": 1, **MINI}, {"stream_max_batch": 4, **r10}))
+    v.append(("mini_b3_r10", {"batch": 3, **MINI}, {"stream_max_batch": 4, **r10}))
+    v.append(("mini_b1_p1_r10", {"batch": 1, **MINI}, {**mini_stream, **r10}))
+    v.append(("mini_b1_p1_t3_a1", {"batch": 1, **MINI}, {**mini_stream, "stream_topk": 3, "arrive": 1}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
@@ -137,16 +221,11 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
 MINI_IDS = [i for i, _, _ in _variants() if i.startswith("mini_")]
 
 
-def _selected(ids) -> list[str]:
-    """`ids`, or with ROUTER_EXPLORE_ONLY set (comma-separated ids: a shorter call) only those it
-    lists. The sanitizers' child inherits the variable."""
-    only = os.environ.get("ROUTER_EXPLORE_ONLY")
-    return [i for i in ids if not only or i in only.split(",")]
-
-
 def _mini_ids() -> list[str]:
-    """The mini variants the sanitizers and the mini stress launch (`_selected`)."""
-    return _selected(MINI_IDS)
+    """The mini variants the sanitizers and the mini stress launch: every one, or with
+    ROUTER_EXPLORE_ONLY set only the mini ids it lists (the child inherits the variable)."""
+    only = os.environ.get("ROUTER_EXPLORE_ONLY")
+    return [i for i in MINI_IDS if not only or i in only.split(",")]
 
 
 # -- CPU: build, audit, copy ----------------------------------------------------------------------
@@ -216,14 +295,14 @@ def _check_ties(op, k, h, w_gate, bias, w_down, scale: float) -> dict:
     from block_explore import _launch_router, _router_buffers
     from block_proof import check_selection
 
-    import torch
-
     out = {}
     for how in ("triples", "all"):
         wg, bs = _tied(w_gate, bias, how)
         b = _router_buffers(op, op.batch, "cuda")
         _poison(b)
         _launch_router(k, op, h, wg, bs, w_down, b)
+        import torch
+
         torch.cuda.synchronize()
         r = _check(op, b, h, wg, bs, w_down, scale)
         sel = check_selection(b["logits"], bs, b["ids"], b["weights"], op.top_k, scale)
@@ -397,8 +476,9 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
     from kernels.config import get_config
 
     cfg = get_config("k3")
-    all_ents = _entries()
-    ents = {i: all_ents[i] for i in _selected(all_ents) if not i.startswith("mini_")}
+    only = os.environ.get("ROUTER_EXPLORE_ONLY")  # comma-separated ids: a shorter call (minis too)
+    ents = {i: e for i, e in _entries().items() if not i.startswith("mini_")
+            and (not only or i in only.split(","))}
     w, wbytes, nr, wg, wd = _rotated_weights(cfg)
     res["read_same_bytes"] = r = _read_same_bytes(wbytes)
     r["fraction_of_read"] = wbytes / r["us"] / 1e6 / read_tbps

@@ -68,9 +68,13 @@ class LaunchConfig:
     # Thread block clusters of this many CTAs (x, y, z), co-scheduled and sharing their shared
     # memory (distributed shared memory); None: no cluster.
     cluster: tuple[int, int, int] | None = None
+    # Preferred shared-memory carveout, percent of the SM's maximum (the launcher sets
+    # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT): fewer CTAs per SM by shared memory while
+    # L1 keeps the rest; None: the driver's choice.
+    smem_carveout: int | None = None
 
     def to_dict(self) -> dict:
-        """The launch as meta.json records it; `pdl` and `cluster` only when set, so the
+        """The launch as meta.json records it; `pdl`, `cluster` and `smem_carveout` only when set, so the
         metadata of every plain launch keeps its earlier form (the launcher reads a missing
         `pdl` as false and a missing `cluster` as none)."""
         d = asdict(self)
@@ -80,6 +84,8 @@ class LaunchConfig:
             del d["cluster"]
         else:
             d["cluster"] = list(self.cluster)
+        if self.smem_carveout is None:
+            del d["smem_carveout"]
         return d
 
 

@@ -108,7 +108,9 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2}
+                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
+                    "stream_w_regs": 0, "stream_min_ctas": 0, "group_one": 0,
+                    "spin": 0, "stream_smem_kib": 0, "stream_carveout": 0}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -134,6 +136,72 @@ TIMELINE_SLOTS = {
     "last_down_end": 64,  # max over the down CTAs
     "last_router_arrival": 96,  # max over the router CTAs
 }
+
+
+SPIN_SLEEP_NS = 256  # `spin` 2 and 3: the selector's pause between polls
+
+
+def _nanosleep(ns: int) -> None:
+    """Trace-time: `nanosleep.u32 ns` (the warp sleeps about that long; sm_70+)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True)
+
+
+def _load_row_regs(P, gW, row, kv0, weak=0):
+    """`stream_w_regs` 1: this thread's weight vectors of `row` into registers by read-only
+    16-byte loads, all issued here (an empty volatile asm ties each to this point: ptxas would
+    otherwise sink each load to its first use)."""
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    from kernels.ops.common import weight_load_atom
+
+    bf16 = cutlass.BFloat16
+    flat = cute.make_layout((BF16_PER_VECTOR,))
+    # weak (`stream_w_regs` 2: .cg, 3: default caching): plain loads, which ptxas keeps ahead of
+    # griddepcontrol.wait (it sinks the read-only ones below it)
+    if weak:
+        mode = cute.nvgpu.LoadCacheMode.GLOBAL if weak == 2 else cute.nvgpu.LoadCacheMode.ALWAYS
+        atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), bf16, num_bits_per_copy=128, load_cache_mode=mode)
+    else:
+        atom = weight_load_atom(bf16)
+    wv = []
+    for j in range(P.vectors):
+        t = cute.make_rmem_tensor(flat, bf16)
+        src = gW[(None, (row, kv0 + j * P.row_threads))]
+        cute.copy(atom, cute.make_tensor(src.iterator, flat), t)
+        wv.append(t)
+    u32 = cutlass.Uint32
+    for t in wv:
+        words = cute.recast_tensor(t, u32)
+        n = cute.size(words)
+        res = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * n), [words[i].ir_value() for i in range(n)],
+                              "", ",".join(["=r"] * n + [str(i) for i in range(n)]), has_side_effects=True)
+        for i in range(n):
+            words[i] = u32(llvm.extractvalue(T.i32(), res, [i]))
+    return wv
+
+
+def _dot_regs(P, wv, vX, x_bases, kv0):
+    """stream.dot with the weight vectors in registers (`wv`), the same order of terms."""
+    f32 = cutlass.Float32
+    bf16 = cutlass.BFloat16
+    flat = cute.make_layout((BF16_PER_VECTOR,))
+    from kernels.ops.common import coherent_copy_atom
+
+    atom = coherent_copy_atom(bf16)
+    acc = [f32(0.0) for _ in x_bases]
+    for j in range(P.vectors):
+        kv = kv0 + j * P.row_threads
+        wf = wv[j].load().to(f32)
+        for b, xb in enumerate(x_bases):
+            xt = cute.make_rmem_tensor(flat, bf16)
+            cute.copy(atom, vX[(None, xb + kv)], xt)
+            xf = xt.load().to(f32)
+            for e in range(BF16_PER_VECTOR):
+                acc[b] = acc[b] + wf[e] * xf[e]
+    return acc
 
 
 def routing_groups_ref(ids, n_experts: int):
@@ -192,12 +260,14 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 2), ("timeline", 1), ("arrive", 2)):
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 2)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         # the selection of phase 2 (TOPK_DESIGNS), each design its own default
         self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
+        if self.topk == 3 and not self.stream:
+            raise ValueError("router: stream_topk 3 (the threshold selection) is the stream design's only")
         if self.stream:
             self._plan_stream()
         else:
@@ -262,6 +332,9 @@ class RouterOp(OpBase):
     def _radix_words(self) -> tuple:
         """(name, int32 words) of the radix selection's shared scratch (`topk` 2, else none):
         two histograms, control words, the candidates' keys and ids, every expert's key."""
+        if self.topk == 3:  # `_topk_thresh`: control words, the warps' m-th bests, every candidate
+            return (("ctl", 4), ("wb_key", self.warps), ("wb_id", self.warps), ("cand_key", self.n_experts),
+                    ("cand_id", self.n_experts))
         if self.topk != 2:
             return ()
         return (("hist", 2 << RADIX_BITS), ("ctl", 4), ("cand_key", self.top_k), ("cand_id", self.top_k),
@@ -297,7 +370,12 @@ class RouterOp(OpBase):
             self.phase2_offsets[name] = off
             off += ceil_div(words, 4) * 4  # 16-byte aligned int32 / fp32 arrays
         self.union_elems = max((self.plan.rows + B) * k, (self.down_plan.rows + B) * k, 2 * off)
+        self.w_regs = int(self.tunables["stream_w_regs"])
+        if self.w_regs:  # shared memory holds only h (and phase 2's arrays)
+            self.union_elems = max(B * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
+        # stream_smem_kib n > 0: at least n KiB of shared memory per CTA, so fewer CTAs share an SM
+        self.smem_bytes = max(self.smem_bytes, int(self.tunables["stream_smem_kib"]) * 1024)
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -320,8 +398,17 @@ class RouterOp(OpBase):
 
     def launch_config(self) -> LaunchConfig:
         selector = 1 if self.stream and self.arrive == 2 else 0
+        carveout = int(self.tunables["stream_carveout"]) if self.stream else 0
         return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
-                            smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl))
+                            smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl),
+                            smem_carveout=carveout or None)
+
+    def _occupancy(self) -> dict:
+        """`stream_min_ctas` n > 0 (stream design): ptxas keeps the registers low enough for n
+        CTAs per SM (`.minnctapersm`); the carveout hint (100: all shared) spares the DSL a
+        device query at build time. 0: no launch bound (the kernel as before)."""
+        n = int(self.tunables["stream_min_ctas"]) if self.stream else 0
+        return {"min_blocks_per_mp": n, "preferred_smem_carveout": 100} if n else {}
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
         """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
@@ -338,7 +425,8 @@ class RouterOp(OpBase):
                  mZ: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mH, mW, mBias, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
-                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes,
+                                              **self._occupancy())
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mLogits: cute.Tensor,
@@ -493,10 +581,23 @@ class RouterOp(OpBase):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
+        spin = int(self.tunables["spin"])
         if tidx == 0:
-            seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
-            while seen < self.ctas:
+            if cutlass.const_expr(spin in (1, 3)):
+                # relaxed polls, then one acquire fence: an acquire load invalidates the SM's L1 at
+                # every poll (CCTL.IVALL), under the CTAs that share the SM with the selector
+                seen = cute.arch.load(mCounter.iterator, i32, sem="relaxed", scope="gpu")
+                while seen < self.ctas:
+                    if cutlass.const_expr(spin == 3):
+                        _nanosleep(SPIN_SLEEP_NS)
+                    seen = cute.arch.load(mCounter.iterator, i32, sem="relaxed", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+            else:
                 seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
+                while seen < self.ctas:
+                    if cutlass.const_expr(spin == 2):
+                        _nanosleep(SPIN_SLEEP_NS)
+                    seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
             cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
         cute.arch.sync_threads()
 
@@ -519,7 +620,7 @@ class RouterOp(OpBase):
         sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
         self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
         self._stamp("p2_staged", tidx)
-        radix = self._radix_views(base, o) if self.topk == 2 else None
+        radix = self._radix_views(base, o) if self.topk in (2, 3) else None
         self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
         self._stamp("p2_grouped", tidx, sync=True)
 
@@ -571,9 +672,12 @@ class RouterOp(OpBase):
         bf16 = cutlass.BFloat16
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
-        x_base = P.rows * P.kv
+        x_base = 0 if self.w_regs else P.rows * P.kv
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-        stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
+        if cutlass.const_expr(self.w_regs):
+            wv = _load_row_regs(P, gW, blk * P.rows + r, kv0, weak=self.w_regs if self.w_regs > 1 else 0)
+        else:
+            stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()  # only static weights are read before it
         if r == 0:  # row 0's threads copy x for every row of the CTA
@@ -586,7 +690,10 @@ class RouterOp(OpBase):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # x was copied by row 0's threads
 
-        acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
+        if cutlass.const_expr(self.w_regs):
+            acc = _dot_regs(P, wv, vU, [x_base + b * P.kv for b in range(B)], kv0)
+        else:
+            acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
         if tidx < P.rows * B:  # one thread per (row, token), indices computed: no switch over them
@@ -646,6 +753,15 @@ class RouterOp(OpBase):
         u32 = cutlass.Uint32
         K, E = self.top_k, self.n_experts
         H = 1 << RADIX_BITS
+        if self.topk == 3:
+            W = self.warps
+            return {"ctl": cute.make_tensor(base + offsets["ctl"], cute.make_layout(4)),
+                    "wb_key": cute.make_tensor(cute.recast_ptr(base + offsets["wb_key"], dtype=u32),
+                                               cute.make_layout(W)),
+                    "wb_id": cute.make_tensor(base + offsets["wb_id"], cute.make_layout(W)),
+                    "cand_key": cute.make_tensor(cute.recast_ptr(base + offsets["cand_key"], dtype=u32),
+                                                 cute.make_layout(E)),
+                    "cand_id": cute.make_tensor(base + offsets["cand_id"], cute.make_layout(E))}
         return {"hist": cute.make_tensor(base + offsets["hist"], cute.make_layout((H, 2), stride=(1, H))),
                 "ctl": cute.make_tensor(base + offsets["ctl"], cute.make_layout(4)),
                 "ctl_u": cute.make_tensor(cute.recast_ptr(base + offsets["ctl"], dtype=u32), cute.make_layout(4)),
@@ -673,7 +789,11 @@ class RouterOp(OpBase):
         for i in cutlass.range(tidx, MW * E, NTH, unroll=1):
             sMask[i] = i32(0)
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.topk == 2):
+        if cutlass.const_expr(self.topk == 3):
+            # --- top-k: the whole CTA per token, a threshold and ranks -----------------------------
+            for t in cutlass.range(0, T, unroll=1):
+                self._topk_thresh(lg, bias, t, mIds, mWeights, sIds, sSel, sMask, radix, tidx)
+        elif cutlass.const_expr(self.topk == 2):
             # --- top-k: the whole CTA per token ---------------------------------------------------
             for t in cutlass.range(0, T, unroll=1):
                 self._topk_cta(lg, bias, t, mIds, mWeights, sIds, sSel, sMask, radix, tidx)
@@ -683,7 +803,10 @@ class RouterOp(OpBase):
                 self._topk_one(lg, bias, t, t, mIds, mWeights, sIds, sSel, sMask, lane)
         cute.arch.sync_threads()
         self._stamp("p2_selected", tidx)
-        self._group(outs, sMask, sStart, sIds, tidx)
+        if cutlass.const_expr(self.batch == 1 and self.top_k <= WARP and self.tunables["group_one"] == 1):
+            self._group_one(outs, sIds, tidx)
+        else:
+            self._group(outs, sMask, sStart, sIds, tidx)
 
     @cute.jit
     def _topk_one(self, lg, bias, lt, t, mIds, mWeights, sIds, sSel, sMask, lane):
@@ -942,6 +1065,119 @@ class RouterOp(OpBase):
             mWeights[t, p] = sSel[t * K + p] / total * f32(self.scale)
         cute.arch.sync_threads()
 
+    @cute.jit
+    def _topk_thresh(self, lg, bias, t, mIds, mWeights, sIds, sSel, sMask, sc, tidx):
+        """Trace-time, the whole CTA (after a CTA barrier; ends with one), `stream_topk` 3: token
+        t's top-k, the same selection, ids order and weights as `_topk_one`, by a threshold and
+        ranks instead of radix passes (few barriers, no shared histogram).
+
+        Order: expert a precedes b when its key (`_topk_cta`'s order-preserving uint32 of
+        sigmoid(logit) + bias) is greater, or equal with a lower index. Each warp finds its m
+        first experts in that order (m = ceil(top_k / warps); per round two redux.sync, the
+        greatest key, then the lowest index holding it; the winner's lane retires it). The
+        warps' m-th experts and everything before them are warps * m >= top_k distinct experts,
+        so the last of the m-th experts, P, precedes or is the top_k-th expert: every expert of
+        the top k is P or precedes it. Those candidates (P and every expert before it) claim
+        slots by a shared atomic counter, and each candidate's rank is the number of candidates
+        before it; ranks below top_k are the selection. The candidates number at least top_k and
+        at most every expert, typically a few dozen (the ranking loop is linear in them)."""
+        E = self.n_experts
+        K = self.top_k
+        NTH = self.threads
+        W = self.warps
+        J = ceil_div(E, NTH)
+        M = ceil_div(K, W)
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        u32 = cutlass.Uint32
+        warp = tidx // WARP
+        lane = tidx % WARP
+        ctl, wb_key, wb_id, cand_key, cand_id = sc["ctl"], sc["wb_key"], sc["wb_id"], sc["cand_key"], sc["cand_id"]
+        if tidx == 0:
+            ctl[3] = i32(0)  # candidate slots claimed
+        vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
+        keys = cute.recast_tensor(vals, u32)
+        for j in cutlass.range_constexpr(J):
+            e = tidx + j * NTH
+            if cutlass.const_expr((j + 1) * NTH <= E):
+                vals[j] = sigmoid(lg[t, e]) + bias[e]
+            else:
+                vals[j] = f32(0.0)
+                if e < E:
+                    vals[j] = sigmoid(lg[t, e]) + bias[e]
+            vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
+            keys[j] = keys[j] ^ cutlass.select_((keys[j] >> 31) == u32(1), u32(0xFFFFFFFF), u32(0x80000000))
+        self._stamp("p2_vals", tidx)
+        # this warp's M first experts: per round the lane's first unretired expert (its values are
+        # experts tidx + j * NTH, ascending), the warp's greatest key, the lowest index holding it
+        retired = u32(0)  # bit j: value j retired
+        wk = u32(0)
+        wi = i32(0)
+        for _ in cutlass.range_constexpr(M):
+            bk = u32(0)
+            bi = i32(E)
+            for j in cutlass.range_constexpr(J):
+                e = tidx + j * NTH
+                live = ((retired >> u32(j)) & u32(1)) == u32(0)
+                if cutlass.const_expr((j + 1) * NTH > E):
+                    live = cutlass.and_(live, e < E)
+                better = cutlass.and_(live, cutlass.or_(keys[j] > bk, bi == i32(E)))
+                bk = cutlass.select_(better, keys[j], bk)
+                bi = cutlass.select_(better, e, bi)
+            wk = u32(cute.arch.warp_redux_sync(bk, "umax"))
+            wi = i32(cute.arch.warp_redux_sync(cutlass.select_(cutlass.and_(bk == wk, bi < i32(E)), bi, i32(E)),
+                                               "min"))
+            for j in cutlass.range_constexpr(J):
+                if tidx + j * NTH == wi:
+                    retired = retired | (u32(1) << u32(j))
+        if lane == 0:
+            wb_key[warp] = wk
+            wb_id[warp] = wi
+        cute.arch.sync_threads()
+        # P: the last, in the order, of the warps' M-th experts
+        pk = wb_key[0]
+        pi = wb_id[0]
+        for w in cutlass.range_constexpr(1, W):
+            k2 = wb_key[w]
+            i2 = wb_id[w]
+            later = cutlass.or_(k2 < pk, cutlass.and_(k2 == pk, i2 > pi))
+            pk = cutlass.select_(later, k2, pk)
+            pi = cutlass.select_(later, i2, pi)
+        for j in cutlass.range_constexpr(J):
+            e = tidx + j * NTH
+            take = cutlass.or_(keys[j] > pk, cutlass.and_(keys[j] == pk, e <= pi))
+            if cutlass.const_expr((j + 1) * NTH > E):
+                take = cutlass.and_(take, e < E)
+            if take:
+                slot = cute.arch.atomic_add(ctl.iterator + 3, i32(1))
+                cand_key[slot] = keys[j]
+                cand_id[slot] = e
+        cute.arch.sync_threads()
+        self._stamp("p2_radix", tidx)
+        n = ctl[3]
+        for p in cutlass.range(tidx, n, NTH, unroll=1):
+            kp = cand_key[p]
+            ip = cand_id[p]
+            rank = i32(0)
+            for q in cutlass.range(0, n, unroll=4):
+                kq = cand_key[q]
+                rank = rank + cutlass.select_(cutlass.or_(kq > kp, cutlass.and_(kq == kp, cand_id[q] < ip)),
+                                              i32(1), i32(0))
+            if rank < K:
+                mIds[t, rank] = ip
+                sIds[t * K + rank] = ip
+                sSel[t * K + rank] = sigmoid(lg[t, ip])
+                cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
+        cute.arch.sync_threads()
+        self._stamp("p2_rounds", tidx)
+        for p in cutlass.range(tidx, K, NTH, unroll=1):
+            total = sSel[t * K]
+            for j in cutlass.range_constexpr(1, K):
+                total = total + sSel[t * K + j]
+            total = total + f32(WEIGHT_EPS)
+            mWeights[t, p] = sSel[t * K + p] / total * f32(self.scale)
+        cute.arch.sync_threads()
+
     def _lane_best(self, keys, lane):
         """Trace-time: this lane's greatest int32 key and the lowest expert index holding it
         (value i is expert lane + 32 i), as TOPK_CHAINS independent chains merged after."""
@@ -962,6 +1198,27 @@ class RouterOp(OpBase):
             bv = cutlass.select_(take, cv[c], bv)
             bi = cutlass.select_(take, ci[c], bi)
         return bv, bi
+
+    @cute.jit
+    def _group_one(self, outs, sIds, tidx):
+        """Trace-time, batch 1 (`group_one` 1), after a CTA barrier that follows sIds: the same
+        grouping as `_group` for one token, whose top_k experts are distinct: one group per
+        expert in ascending id, group u holding sorted position u. Lane j of warp 0 takes
+        selection j (slot j): its position is the number of selected experts below it."""
+        mNGroups, mGroupExpert, mGroupStart, mSorted = outs[3:]
+        K = self.top_k
+        i32 = cutlass.Int32
+        if tidx < K:
+            e = sIds[tidx]
+            pos = i32(0)
+            for j in cutlass.range_constexpr(K):
+                pos = pos + cutlass.select_(sIds[j] < e, i32(1), i32(0))
+            mGroupExpert[pos] = e
+            mGroupStart[pos] = pos
+            mSorted[pos] = tidx
+            if tidx == 0:
+                mNGroups[0] = i32(K)
+                mGroupStart[K] = i32(K)
 
     @cute.jit
     def _group(self, outs, sMask, sStart, sIds, tidx):
