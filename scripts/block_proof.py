@@ -169,6 +169,10 @@ def check_selection(logits, bias, ids, weights, top_k, scale, tie_tol=1e-6) -> d
     s = torch.sigmoid(logits.float())
     biased = s + bias.float()
     ref_ids = select_experts(s, bias, top_k)
+    if not bool(((ids >= 0) & (ids < logits.shape[1])).all().item()):  # a failed kernel, not a crash here
+        return {"distinct": False, "ids_in_range": False, "top_k_by_biased_score": False,
+                "tokens_exactly_reference": 0, "tokens": ids.shape[0], "weights_max_abs_err": float("inf"),
+                "passed": False}
     chosen = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, ids.long(), True)
     distinct = bool((chosen.sum(1) == top_k).all().item())
     lo_chosen = torch.where(chosen, biased, torch.full_like(biased, float("inf"))).min(1).values

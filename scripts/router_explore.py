@@ -54,6 +54,8 @@ BUILD = ROOT / "build" / "router_explore"
 CARRY = ROOT / ".devcarry" / "router_x"
 K3 = {"n_experts": 896, "hidden": 7168, "top_k": 16, "latent": 3584}
 MINI = {"n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512}
+# round 9's stream-design defaults (round 10 changed them: kernels/manifest.toml [kernels.router])
+R9 = {"stream_w_regs": 0, "stream_topk": 2, "group_one": 0, "stream_ctas_per_sm": 0}
 
 
 # The mma design's CTA widths swept past batch 4 (`plan --sweep`): (warps, row_tiles, down_row_tiles)
@@ -104,84 +106,20 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_default_timeline", b1, {"timeline": 1}))
     v.append(("b1_round7_timeline", b1, {**round7, "timeline": 1}))
     v.append(("b1_arrive1_timeline", b1, {"arrive": 1, "timeline": 1}))
-    # round 9: the weights by read-only loads into registers (stream_w_regs), h alone in shared memory
-    wr = {"stream_w_regs": 1}
-    for name, extra in (("", {}), ("_s128_k16", {"stream_threads": 128, "stream_cta_kib": 16}),
-                        ("_k64", {"stream_cta_kib": 64}), ("_s64_k16", {"stream_threads": 64, "stream_cta_kib": 16}),
-                        ("_arrive0", {"arrive": 0})):
-        v.append((f"b1_wregs{name}", b1, {**wr, **extra}))
-    # ... with the registers bounded for more CTAs per SM (phase 2 shares the kernel's count)
-    for m in (5, 6, 7):
-        v.append((f"b1_wregs_min{m}", b1, {**wr, "stream_min_ctas": m}))
-    v.append(("b1_wregs_min6_arrive0", b1, {**wr, "stream_min_ctas": 6, "arrive": 0}))
-    # where the time goes with registers for weights: does phase 2 now end after the streaming?
-    v.append(("b1_wregs_timeline", b1, {**wr, "timeline": 1}))
-    v.append(("b1_wregs_min5_timeline", b1, {**wr, "stream_min_ctas": 5, "timeline": 1}))
-    # which part of the selection costs: the last router CTA selects (arrive 1), and no pdl
-    for name, extra in (("a1", {"arrive": 1}), ("min6_a1", {"stream_min_ctas": 6, "arrive": 1}),
-                        ("min6_p0", {"stream_min_ctas": 6, "pdl": 0}),
-                        ("min6_a1_p0", {"stream_min_ctas": 6, "arrive": 1, "pdl": 0}),
-                        ("min6_arrive0_p0", {"stream_min_ctas": 6, "arrive": 0, "pdl": 0})):
-        v.append((f"b1_wregs_{name}", b1, {**wr, **extra}))
-    for m in (10, 12):
-        v.append((f"b1_wregs_s128_k16_min{m}", b1, {**wr, "stream_threads": 128, "stream_cta_kib": 16,
-                                                     "stream_min_ctas": m}))
-    # round 10: the weights by plain loads (stream_w_regs 2: .cg, 3: default caching), which ptxas
-    # keeps ahead of griddepcontrol.wait, so a launch fetches its weights while the previous drains
-    for w in (2, 3):
-        for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_a0", {"arrive": 0}),
-                            ("_min5", {"stream_min_ctas": 5}), ("_timeline", {"timeline": 1})):
-            v.append((f"b1_wregs{w}{name}", b1, {"stream_w_regs": w, **extra}))
-    # ... with batch 1's grouping by a rank per selection (group_one), which frees phase 2's registers
-    for w in (2, 3):
-        for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_min6", {"stream_min_ctas": 6}),
-                            ("_timeline", {"timeline": 1}), ("_min6_timeline", {"stream_min_ctas": 6, "timeline": 1})):
-            v.append((f"b1_wregs{w}_g1{name}", b1, {"stream_w_regs": w, "group_one": 1, **extra}))
-    v.append(("b1_default_g1", b1, {"group_one": 1}))
-    # ... phase 2 shorter: relaxed polls and one acquire fence (spin 1), the threshold selection
-    # (stream_topk 3)
-    for w in (0, 2, 3):
-        for name, extra in (("_s1", {"spin": 1}), ("_s1_t3", {"spin": 1, "stream_topk": 3}),
-                            ("_t3", {"stream_topk": 3}), ("_t3_a1", {"stream_topk": 3, "arrive": 1}),
-                            ("_s1_t3_min6", {"spin": 1, "stream_topk": 3, "stream_min_ctas": 6}),
-                            ("_s1_t3_timeline", {"spin": 1, "stream_topk": 3, "timeline": 1})):
-            v.append((f"b1_w{w}_g1{name}", b1, {"stream_w_regs": w, "group_one": 1, **extra}))
-    # ... with fewer CTAs per SM (stream_smem_kib 48: four, 72: three): shorter memory queues
-    # for phase 2's chain of dependent round trips
-    for w in (0, 2, 3):
-        for kib in (48, 72):
-            for name, extra in (("", {}), ("_a1", {"arrive": 1}), ("_timeline", {"timeline": 1})):
-                v.append((f"b1_w{w}_g1_t3_m{kib}{name}", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3,
-                                                            "stream_smem_kib": kib, **extra}))
-        v.append((f"b1_w{w}_m48_a0", b1, {"stream_w_regs": w, "stream_smem_kib": 48, "arrive": 0}))
-    # ... the selector's polls paced by a nanosleep (spin 2: acquire, 3: relaxed), five CTAs per SM;
-    # and the threshold selection with four CTAs per SM by registers (the generic grouping)
-    for w in (2, 3):
-        for sp in (2, 3):
-            v.append((f"b1_w{w}_g1_t3_s{sp}", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3, "spin": sp}))
-        v.append((f"b1_w{w}_t3", b1, {"stream_w_regs": w, "stream_topk": 3}))
-        v.append((f"b1_w{w}_t3_s2", b1, {"stream_w_regs": w, "stream_topk": 3, "spin": 2}))
-    v.append(("b1_w3_g1_t3_s2_timeline", b1, {"stream_w_regs": 3, "group_one": 1, "stream_topk": 3, "spin": 2,
-                                              "timeline": 1}))
-    # ... four (carveout 44%: 100 KB) or three (31%: 70 KB... ) CTAs per SM by the preferred carveout,
-    # L1 keeping the rest
-    for w in (0, 2, 3):
-        for c in (31, 44, 58):
-            base = {"stream_w_regs": w, "group_one": 1, "stream_topk": 3, "stream_carveout": c}
-            v.append((f"b1_w{w}_g1_t3_c{c}", b1, base))
-            v.append((f"b1_w{w}_c{c}_a0", b1, {**base, "arrive": 0}))
-        v.append((f"b1_w{w}_g1_t3_c44_timeline", b1, {"stream_w_regs": w, "group_one": 1, "stream_topk": 3,
-                                                     "stream_carveout": 44, "timeline": 1}))
-    # ... the paced spin with four CTAs per SM by the carveout (the grouping by ranks) or by
-    # registers (the generic grouping: 64)
-    r = {"stream_w_regs": 3, "stream_topk": 3, "spin": 2}
-    v.append(("b1_w3_g1_t3_s2_c31", b1, {**r, "group_one": 1, "stream_carveout": 31}))
-    v.append(("b1_w3_t3_s2_c31", b1, {**r, "stream_carveout": 31}))
-    v.append(("b1_w3_g1_t3_s2_c31_timeline", b1, {**r, "group_one": 1, "stream_carveout": 31, "timeline": 1}))
-    v.append(("b1_w3_t3_s2_timeline", b1, {**r, "timeline": 1}))
-    v.append(("b1_w2_t3_s2_c31", b1, {**r, "stream_w_regs": 2, "stream_carveout": 31}))
-    v.append(("b2_wregs_min5", {"batch": 2, **K3}, {**wr, "stream_min_ctas": 5}))
-    v.append(("b2_wregs", {"batch": 2, **K3}, wr))
+    # round 10 (its README: the variants each call measured, under the names they had then): the
+    # weights by plain loads into registers (stream_w_regs 1), the threshold selection
+    # (stream_topk 3), batch 1's grouping by ranks (group_one 1), n CTAs per SM by the carveout
+    # (stream_ctas_per_sm); each alone on round 9's defaults, and the timing bounds
+    w = {"stream_w_regs": 1}
+    v.append(("b1_wregs", b1, w))
+    v.append(("b1_wregs_arrive0", b1, {**w, "arrive": 0}))
+    v.append(("b1_t3", b1, {"stream_topk": 3}))
+    v.append(("b1_wregs_t3", b1, {**w, "stream_topk": 3}))
+    v.append(("b1_wregs_g1_t3", b1, {**w, "stream_topk": 3, "group_one": 1}))  # five CTAs per SM
+    v.append(("b1_wregs_g1_t3_timeline", b1, {**w, "stream_topk": 3, "group_one": 1, "timeline": 1}))
+    v.append(("b1_cp_g1_t3_n4", b1, {"stream_topk": 3, "group_one": 1, "stream_ctas_per_sm": 4}))
+    v.append(("b1_default_n5", b1, {"stream_ctas_per_sm": 5}))
+    v.append(("b2_wregs_t3", {"batch": 2, **K3}, {**w, "stream_topk": 3}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
     v.append(("b2_mma", {"batch": 2, **K3}, {"stream_max_batch": 1}))
@@ -192,18 +130,21 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     for T, pdl in ((1, 0), (1, 1), (3, 1)):
         v.append((f"mini_b{T}_p{pdl}", {"batch": T, **MINI}, {**mini_stream, "pdl": pdl}))
     v.append(("mini_b1_default", {"batch": 1, **MINI}, {"stream_max_batch": 4}))  # 8 rows per CTA
+    v.append(("mini_b1_round9", {"batch": 1, **MINI}, {"stream_max_batch": 4}))  # R9 beneath (below)
     v.append(("mini_b3_default", {"batch": 3, **MINI}, {"stream_max_batch": 4}))
     v.append(("mini_b3_p1_shuffle", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 0}))
     v.append(("mini_b3_p1_redux", {"batch": 3, **MINI}, {**mini_stream, "stream_topk": 1}))
     v.append(("mini_b1_p1_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1}))
     v.append(("mini_b1_p0_a1", {"batch": 1, **MINI}, {**mini_stream, "arrive": 1, "pdl": 0}))
     v.append(("mini_b3_p1_a1", {"batch": 3, **MINI}, {**mini_stream, "arrive": 1, "stream_topk": 0}))
-    # the threshold selection (stream_topk 3), with the other round-10 tunables
-    r10 = {"stream_topk": 3, "spin": 1, "group_one": 1, "stream_w_regs": 3}
-    v.append(("mini_b1_r10", {"batch": 1, **MINI}, {"stream_max_batch": 4, **r10}))
-    v.append(("mini_b3_r10", {"batch": 3, **MINI}, {"stream_max_batch": 4, **r10}))
-    v.append(("mini_b1_p1_r10", {"batch": 1, **MINI}, {**mini_stream, **r10}))
-    v.append(("mini_b1_p1_t3_a1", {"batch": 1, **MINI}, {**mini_stream, "stream_topk": 3, "arrive": 1}))
+    # round 10: its defaults on 128-thread CTAs (mini_stream) with pdl and with the last-arrival
+    # scheme; each new tunable alone on round 9's defaults
+    new_mini = {"stream_w_regs": 1, "stream_topk": 3, "group_one": 1, "stream_ctas_per_sm": 4}
+    v.append(("mini_b1_p1_new", {"batch": 1, **MINI}, {**mini_stream, **new_mini}))
+    v.append(("mini_b3_p1_new_a1", {"batch": 3, **MINI}, {**mini_stream, **new_mini, "arrive": 1}))
+    for name, extra in (("wregs", {"stream_w_regs": 1}), ("t3", {"stream_topk": 3}), ("g1", {"group_one": 1})):
+        v.append((f"mini_b1_{name}", {"batch": 1, **MINI}, {"stream_max_batch": 4, **extra}))
+    v.append(("mini_b3_t3", {"batch": 3, **MINI}, {"stream_max_batch": 4, "stream_topk": 3}))
     v.append(("mini_b3_mma", {"batch": 3, **MINI}, {"stream_max_batch": 0, "warps_per_cta": 4}))
     v.append(("mini_b40_mma_redux", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 1}))
     v.append(("mini_b40_mma_radix", {"batch": 40, **MINI}, {"stream_max_batch": 0, "topk": 2}))
@@ -215,6 +156,15 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b40_mma_w16_rt2_d4", {"batch": 40, **MINI}, wide))
     v.append(("mini_b8_mma_rt4_d8", {"batch": 8, **MINI},
               {"stream_max_batch": 0, "warps_per_cta": 8, "row_tiles": 4, "down_row_tiles": 8}))
+    v.append(("b1_round9", b1, {}))  # round 9's shipped defaults (R9 below)
+    v.append(("b2_round9", {"batch": 2, **K3}, {}))
+    # Round 10 changed the stream design's defaults (weights in registers by plain loads, the
+    # threshold selection, batch 1's grouping by ranks, four CTAs per SM by the carveout). Every
+    # variant but the defaults' own keeps round 9's defaults beneath its tunables, so that its
+    # name still says what it measures.
+    new_based = {"b1_default", "b2_default", "b1_default_arrive0", "b1_default_arrive1", "b1_default_timeline",
+                 "b1_default_top1", "b1_default_n5", "b1_default_a1", "mini_b1_default", "mini_b3_default"}
+    v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])
 
 
@@ -276,28 +226,36 @@ def _check(op, b, h, w_gate, bias, w_down, scale: float) -> dict:
             "counter_zero": counter_zero, "finite": finite}
 
 
-def _tied(w_gate, bias, how: str):
+def _tied(w_gate, bias, how: str, h=None, top_k: int = 0):
     """Router weights whose scores tie: "triples" (rows and bias repeated in threes, so the
     k-th place falls inside a tie whenever 3 does not divide top_k) or "all" (every row and
-    bias equal: the selection must be experts 0 .. top_k-1)."""
+    bias equal: the selection must be experts 0 .. top_k-1); or "mixed": the bias shifted so
+    that token 0's biased scores change sign inside its top k (half of them negative), which a
+    selection comparing order-preserving keys with the wrong signedness gets wrong."""
     import torch
 
     E = w_gate.shape[0]
     if how == "all":
         return w_gate[:1].expand(E, -1).contiguous(), torch.zeros_like(bias)
+    if how == "mixed":
+        s = torch.sigmoid(h[0].float() @ w_gate.float().T) + bias
+        top = s.sort(descending=True).values
+        half = max(top_k // 2, 1)
+        return w_gate, (bias - (top[half - 1] + top[half]) / 2).contiguous()
     idx = (torch.arange(E, device=w_gate.device) // 3) * 3
     return w_gate[idx].contiguous(), bias[idx].contiguous()
 
 
 def _check_ties(op, k, h, w_gate, bias, w_down, scale: float) -> dict:
-    """Tied scores (`_tied`): the ids must be exactly the reference rule's (ties to the lower
-    expert) on the kernel's own logits, besides every check of `_check`."""
+    """Tied scores and scores of both signs (`_tied`): the ids must be exactly the reference
+    rule's (ties to the lower expert) on the kernel's own logits, besides every check of
+    `_check`."""
     from block_explore import _launch_router, _router_buffers
     from block_proof import check_selection
 
     out = {}
-    for how in ("triples", "all"):
-        wg, bs = _tied(w_gate, bias, how)
+    for how in ("triples", "all", "mixed"):
+        wg, bs = _tied(w_gate, bias, how, h, op.top_k)
         b = _router_buffers(op, op.batch, "cuda")
         _poison(b)
         _launch_router(k, op, h, wg, bs, w_down, b)

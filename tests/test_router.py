@@ -16,6 +16,8 @@ from validation.numerics import ROUTINGS, routing_ids
 
 SPEC = load_manifest().kernel("router")
 K3 = {"batch": 1, "n_experts": 896, "hidden": 7168, "top_k": 16, "latent": 3584}
+# the stream design with weights and h by cp.async and the radix select (round 9's defaults)
+CP_ASYNC = {"stream_w_regs": 0, "stream_topk": 2, "group_one": 0, "stream_ctas_per_sm": 0}
 
 
 def _ids(pattern, T=5, E=16, K=4, seed=0):
@@ -118,15 +120,26 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     op = RT.RouterOp(K3)
     assert op.stream and (op.ctas, op.down_ctas, op.threads) == (448, 1792, 256)
     assert op.plan.vectors == op.down_plan.vectors == 7 and op.plan.rows == 2 and op.plan.row_threads == 128
-    assert op.union_elems == 3 * 7168 and op.smem_bytes == 3 * 7168 * 2 + 32 + 16 + 64
-    o = op.phase2_offsets  # 16-byte aligned int32 arrays inside the union, the radix scratch last
-    assert all(v % 4 == 0 for v in o.values()) and 2 * (o["key"] + op.n_experts) <= op.union_elems
+    # the default holds its weights in registers: shared memory is h or phase 2's arrays, the
+    # threshold selection's candidates last
+    o = op.phase2_offsets
+    assert op.w_regs == 1 and op.union_elems == 2 * (o["cand_id"] + op.n_experts) > 7168
+    assert op.smem_bytes == op.union_elems * 2 + 32 + 16 + 64 and all(v % 4 == 0 for v in o.values())
+    # four CTAs per SM by the carveout: 4 fit in its share of 228 KB, 5 do not
+    per = op.smem_bytes + RT.SMEM_RESERVED_PER_CTA
+    assert op.carveout == 40 and 4 * per <= 0.40 * RT.SM90_SMEM_PER_SM < 5 * per
+    assert op.launch_config().smem_carveout == 40 and RT.RouterOp(K3, stream_ctas_per_sm=0).launch_config().smem_carveout is None
+    assert "smem_carveout" not in RT.RouterOp({**K3, "batch": 8}).launch_config().to_dict()  # mma: none
+    cp = RT.RouterOp(K3, **CP_ASYNC)  # weights and h by cp.async: two weight rows + h
+    assert cp.union_elems == 3 * 7168 and cp.smem_bytes == 3 * 7168 * 2 + 32 + 16 + 64
+    o = cp.phase2_offsets  # 16-byte aligned int32 arrays inside the union, the radix scratch last
+    assert all(v % 4 == 0 for v in o.values()) and 2 * (o["key"] + op.n_experts) <= cp.union_elems
     assert op.launch_config().pdl is True and RT.RouterOp(K3, pdl=0).launch_config().pdl is False
     assert RT.RouterOp({**K3, "batch": 4}, pdl=1).launch_config().pdl is False  # mma: plain launch
     assert not RT.RouterOp(K3, stream_max_batch=0).stream
     assert RT.RouterOp({**K3, "batch": 4}, stream_max_batch=4).stream
     # round 7's shape: one row of 128 threads per CTA
-    one = RT.RouterOp(K3, stream_threads=128, stream_cta_kib=8)
+    one = RT.RouterOp(K3, stream_threads=128, stream_cta_kib=8, **CP_ASYNC)
     assert (one.rows_per_cta, one.ctas, one.down_ctas, one.plan.row_threads) == (1, 896, 3584, 128)
     assert one.union_elems == 2 * 7168
     wide = RT.RouterOp(K3, stream_threads=128, stream_cta_kib=32)  # two rows per CTA: 64 threads each
@@ -134,7 +147,7 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     # the union also holds phase 2 where rows are tiny (mini-like shapes)
     small = RT.RouterOp({"batch": 3, "n_experts": 64, "hidden": 1024, "top_k": 8, "latent": 512},
                         stream_max_batch=4)
-    assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["key"] + small.n_experts)
+    assert small.stream and small.union_elems >= 2 * (small.phase2_offsets["cand_id"] + small.n_experts)
 
 
 def test_selection_designs_arrival_and_timeline():
@@ -143,11 +156,13 @@ def test_selection_designs_arrival_and_timeline():
     explorer-only choices (timeline 1, arrive 0) are never a tuner's candidates; the
     timeline (explorer only) widens the counter, every stamp in its own word, the two maxima
     over CTAs each alone in a 128-byte line away from the arrival counter (word 0)."""
-    assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix")
-    assert RT.RouterOp(K3).topk == 2 and RT.RouterOp({**K3, "batch": 8}).topk == 0
+    assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix", "thresh")
+    assert RT.RouterOp(K3).topk == 3 and RT.RouterOp({**K3, "batch": 8}).topk == 0
+    assert dict(RT.RouterOp(K3)._radix_words()) == {"ctl": 4, "wb_key": 8, "wb_id": 8, "cand_key": 896,
+                                                     "cand_id": 896}
     assert RT.RouterOp(K3, stream_topk=1).topk == 1 and RT.RouterOp({**K3, "batch": 8}, topk=1).topk == 1
     assert RT.RouterOp(K3, stream_topk=0)._radix_words() == ()
-    words = dict(RT.RouterOp(K3)._radix_words())
+    words = dict(RT.RouterOp(K3, stream_topk=2)._radix_words())
     assert words == {"hist": 512, "ctl": 4, "cand_key": 16, "cand_id": 16, "key": 896}
     mma = RT.RouterOp({**K3, "batch": 8})
     assert RT.RouterOp({**K3, "batch": 8}, topk=2).smem_bytes == mma.smem_bytes + 4 * (512 + 4 + 16 + 16 + 896)
@@ -155,13 +170,14 @@ def test_selection_designs_arrival_and_timeline():
     assert RT.RouterOp(K3, arrive=1).launch_config().grid[0] == RT.RouterOp(K3, arrive=0).launch_config().grid[0]
     assert RT.RouterOp(K3, arrive=0).launch_config().grid[0] == 448 + 1792
     assert RT.RouterOp({**K3, "batch": 8}, arrive=2).launch_config().grid == mma.launch_config().grid  # stream only
-    for bad in ({"stream_topk": 3}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}):
+    for bad in ({"stream_topk": 4}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}, {"stream_w_regs": 2},
+                {"group_one": 2}):
         with pytest.raises(ValueError, match="must be one of"):
             RT.RouterOp(K3, **bad)
     from agent.proposers.tuner import tunable_grid
 
     tuned = {t.name: t.tuned_choices for t in SPEC.tunables}
-    assert tuned["timeline"] == (0,) and tuned["arrive"] == (1, 2) and tuned["stream_topk"] == (0, 1, 2)
+    assert tuned["timeline"] == (0,) and tuned["arrive"] == (1, 2) and tuned["stream_topk"] == (0, 1, 2, 3)
     grid = tunable_grid(SPEC)
     assert grid[0] == SPEC.tunable_defaults() and not any(c["timeline"] or not c["arrive"] for c in grid)
     assert RT.RouterOp(K3).tensor_specs()["counter"].shape == (1,)
@@ -191,9 +207,9 @@ def test_mma_design_cta_widths():
     for T in (8, 16, 32, 64):
         op = RT.RouterOp({**K3, "batch": T}, **block_tunables("router", T))
         assert not op.stream and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA, (T, op.smem_bytes)
-    for T in (1, 2):  # the block runs the router's stream design (radix select) at batches 1 and 2
+    for T in (1, 2):  # the block runs the router's stream design (threshold select) at batches 1 and 2
         op = RT.RouterOp({**K3, "batch": T}, **block_tunables("router", T))
-        assert op.stream and op.topk == 2 and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA
+        assert op.stream and op.topk == 3 and op.smem_bytes + 1024 <= SM90_SMEM_PER_CTA
     with pytest.raises(ValueError, match="not a multiple of 24 rows"):
         RT.RouterOp({**b64, "n_experts": 64 * 14}, row_tiles=3)
     for bad in ({"down_row_tiles": 0}, {"row_tiles": 0}):
@@ -241,7 +257,7 @@ def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
     from kernels.build import build_variant
 
     for pdl in (0, 1):
-        art = build_variant("router", K3, {"pdl": pdl, "arrive": 1}, root=tmp_path)
+        art = build_variant("router", K3, {**CP_ASYNC, "pdl": pdl, "arrive": 1}, root=tmp_path)
         ops = _sass_ops(art)
         arrive = next(i for i, o in enumerate(ops) if "ATOMG.E.ADD.STRONG.GPU" in o)
         assert any("STG.E.STRONG.GPU" in o for o in ops[arrive:arrive + 20])  # the reset
@@ -271,7 +287,8 @@ def test_stream_sass_issues_every_copy_before_one_wait(tmp_path):
 
 @pytest.mark.slow
 def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_path):
-    """The default arrival (arrive 2), batch 1, pdl 0 and 1: the selector CTA lets the next
+    """The default arrival (arrive 2), batch 1, pdl 0 and 1, the cp.async design
+    (`stream_w_regs` 0; the default's weights in registers: the next test): the selector CTA lets the next
     launch start and waits for the previous one (PREEXIT, ACQBULK) before its spin, whose
     counter loads are gpu-scope strong loads each followed by an L1 invalidation (acquire);
     the counter's reset is a strong store behind a gpu-scope fence (release), before phase 2's
@@ -281,7 +298,7 @@ def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_p
     from kernels.build import build_variant
 
     for pdl in (0, 1):
-        ops = _sass_ops(build_variant("router", K3, {"pdl": pdl}, root=tmp_path))
+        ops = _sass_ops(build_variant("router", K3, {**CP_ASYNC, "pdl": pdl}, root=tmp_path))
         spin = [i for i, o in enumerate(ops) if o.startswith("LDG.E.STRONG.GPU")]
         assert spin and all(ops[i + 1] == "CCTL.IVALL" for i in spin)
         reset = next(i for i, o in enumerate(ops) if o.startswith("STG.E.STRONG.GPU"))
@@ -304,6 +321,39 @@ def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_p
                 assert len([i for i in wts if i < a]) == 7 and len([i for i in xs if a < i < w]) == 7
         else:
             assert not acq and not pre
+
+
+@pytest.mark.slow
+def test_stream_sass_default_loads_weights_into_registers_before_the_wait(tmp_path):
+    """The default stream design (`stream_w_regs` 1), batch 1, pdl 1: each streaming body loads its
+    7 weight vectors by plain 16-byte loads (LDG.E.128: not the read-only path, which ptxas
+    moved below the wait in round 9) before its ACQBULK, and copies h's 7 vectors into shared
+    memory after it, before its one wait; no read-only load anywhere; the selector spins
+    (acquire) after its own ACQBULK and resets the counter (release) before phase 2's staging;
+    each router CTA's add is a fenced reduction after its wait. Launch: the carveout for four
+    CTAs per SM (`stream_ctas_per_sm` 4)."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+
+    art = build_variant("router", K3, {}, root=tmp_path)
+    assert art.meta["launch"]["smem_carveout"] == RT.RouterOp(K3).carveout == 40
+    ops = _sass_ops(art)
+    assert not any(".CONSTANT" in o for o in ops)
+    acq = [i for i, o in enumerate(ops) if "ACQBULK" in o]
+    waits = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
+    assert len(acq) == 3 and len(waits) == 3  # selector, router rows, down rows; staging, rows, rows
+    spin = [i for i, o in enumerate(ops) if o.startswith("LDG.E.STRONG.GPU")]
+    assert spin and all(ops[i + 1] == "CCTL.IVALL" for i in spin) and acq[0] < min(spin)
+    reset = next(i for i, o in enumerate(ops) if o.startswith("STG.E.STRONG.GPU"))
+    assert reset > max(spin) and "MEMBAR.ALL.GPU" in ops[reset - 3:reset] and reset < waits[0]
+    red = [i for i, o in enumerate(ops) if o.startswith("REDG.E.ADD.S32.STRONG.GPU")]
+    assert len(red) == 1 and waits[1] < red[0] < acq[2] and ops[red[0] - 3:red[0]].count("MEMBAR.ALL.GPU") == 1
+    for a, w in zip(acq[1:], waits[1:]):  # the two streaming bodies
+        lo = max(i for i in [0] + waits + [ops.index("EXIT")] if i < a)
+        loads = [i for i in range(lo, w) if ops[i].startswith("LDG.E.128 ")]
+        h = [i for i in range(lo, w) if ops[i].startswith("LDGSTS") and "BYPASS" not in ops[i]]
+        assert len(loads) == 7 and max(loads) < a, (lo, a, w)
+        assert len(h) == 7 and a < min(h) and max(h) < w
 
 
 # -- router_select: the router's phase 2 from a GEMM's logits ------------------------------------

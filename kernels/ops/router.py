@@ -108,16 +108,15 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 # design (batch <= stream_max_batch); timeline: explorer instrumentation (both designs).
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
-                    "topk": 0, "stream_topk": 2, "timeline": 0, "arrive": 2,
-                    "stream_w_regs": 0, "stream_min_ctas": 0, "group_one": 0,
-                    "spin": 0, "stream_smem_kib": 0, "stream_carveout": 0}
+                    "topk": 0, "stream_topk": 3, "timeline": 0, "arrive": 2,
+                    "stream_w_regs": 1, "group_one": 1, "stream_ctas_per_sm": 4}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
 # reductions (the greatest key, then the lowest index holding it), only the winner's lane
 # rescans; 2 "radix": the whole CTA per token (`_topk_cta`), a 4-pass 8-bit radix select of the
 # k-th greatest key, then the selected experts ranked. Same selection and weights in all three.
-TOPK_DESIGNS = ("shuffle", "redux", "radix")
+TOPK_DESIGNS = ("shuffle", "redux", "radix", "thresh")  # "thresh": `stream_topk` 3, the stream design only
 RADIX_BITS = 8  # `_topk_cta` assumes 8: 4 passes, 256 bins scanned as 8 per lane of warp 0
 assert RADIX_BITS == 8
 INT32_MIN = -(1 << 31)  # the redux selection's key of a retired (or absent) expert
@@ -138,34 +137,22 @@ TIMELINE_SLOTS = {
 }
 
 
-SPIN_SLEEP_NS = 256  # `spin` 2 and 3: the selector's pause between polls
-
-
-def _nanosleep(ns: int) -> None:
-    """Trace-time: `nanosleep.u32 ns` (the warp sleeps about that long; sm_70+)."""
-    from cutlass._mlir.dialects import llvm
-
-    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True)
-
-
-def _load_row_regs(P, gW, row, kv0, weak=0):
-    """`stream_w_regs` 1: this thread's weight vectors of `row` into registers by read-only
-    16-byte loads, all issued here (an empty volatile asm ties each to this point: ptxas would
-    otherwise sink each load to its first use)."""
+SMEM_RESERVED_PER_CTA = 1024  # sm_90 reserves 1 KB of shared memory per CTA
+SM90_SMEM_PER_SM = 228 * 1024  # the largest shared-memory carveout of an H100/H200 SM
+def _load_row_regs(P, gW, row, kv0):
+    """`stream_w_regs` 1: this thread's weight vectors of `row` into registers by plain 16-byte
+    loads (weak, default caching), all issued here (an empty volatile asm ties each to this
+    point: the compiler would otherwise sink each load to its first use). Plain loads, not the
+    read-only path, although the weights are static: ptxas moved read-only (`ld.global.nc`)
+    weight loads below `griddepcontrol.wait` (round 9), so no weight was fetched while the
+    previous launch drained; plain loads stay ahead of it (tests/test_router.py pins the SASS)."""
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T
 
-    from kernels.ops.common import weight_load_atom
-
     bf16 = cutlass.BFloat16
     flat = cute.make_layout((BF16_PER_VECTOR,))
-    # weak (`stream_w_regs` 2: .cg, 3: default caching): plain loads, which ptxas keeps ahead of
-    # griddepcontrol.wait (it sinks the read-only ones below it)
-    if weak:
-        mode = cute.nvgpu.LoadCacheMode.GLOBAL if weak == 2 else cute.nvgpu.LoadCacheMode.ALWAYS
-        atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), bf16, num_bits_per_copy=128, load_cache_mode=mode)
-    else:
-        atom = weight_load_atom(bf16)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), bf16, num_bits_per_copy=128,
+                               load_cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS)
     wv = []
     for j in range(P.vectors):
         t = cute.make_rmem_tensor(flat, bf16)
@@ -260,14 +247,13 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 2)):
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 2),
+                          ("stream_w_regs", 1), ("group_one", 1)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         # the selection of phase 2 (TOPK_DESIGNS), each design its own default
         self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
-        if self.topk == 3 and not self.stream:
-            raise ValueError("router: stream_topk 3 (the threshold selection) is the stream design's only")
         if self.stream:
             self._plan_stream()
         else:
@@ -374,8 +360,15 @@ class RouterOp(OpBase):
         if self.w_regs:  # shared memory holds only h (and phase 2's arrays)
             self.union_elems = max(B * k, 2 * off)
         self.smem_bytes = self.union_elems * 2 + ceil_div(B * self.warps, 4) * 16 + 16 + 64
-        # stream_smem_kib n > 0: at least n KiB of shared memory per CTA, so fewer CTAs share an SM
-        self.smem_bytes = max(self.smem_bytes, int(self.tunables["stream_smem_kib"]) * 1024)
+        # stream_ctas_per_sm n > 0: the preferred shared-memory carveout that holds n CTAs (and
+        # not n + 1) per SM; L1 keeps the rest of the SM's 256 KB (a carveout of shared memory
+        # padding to the same occupancy leaves L1 a quarter of it, and the weights of
+        # `stream_w_regs` 1 and h's copies go through L1)
+        n = int(self.tunables["stream_ctas_per_sm"])
+        self.carveout = 0
+        if n:
+            per_cta = self.smem_bytes + SMEM_RESERVED_PER_CTA
+            self.carveout = min(100, -(-100 * n * per_cta // SM90_SMEM_PER_SM))
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
@@ -398,17 +391,9 @@ class RouterOp(OpBase):
 
     def launch_config(self) -> LaunchConfig:
         selector = 1 if self.stream and self.arrive == 2 else 0
-        carveout = int(self.tunables["stream_carveout"]) if self.stream else 0
         return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl),
-                            smem_carveout=carveout or None)
-
-    def _occupancy(self) -> dict:
-        """`stream_min_ctas` n > 0 (stream design): ptxas keeps the registers low enough for n
-        CTAs per SM (`.minnctapersm`); the carveout hint (100: all shared) spares the DSL a
-        device query at build time. 0: no launch bound (the kernel as before)."""
-        n = int(self.tunables["stream_min_ctas"]) if self.stream else 0
-        return {"min_blocks_per_mp": n, "preferred_smem_carveout": 100} if n else {}
+                            smem_carveout=getattr(self, "carveout", 0) or None)  # the stream design's
 
     def reference(self, *, h, w_gate, bias, w_down, compute_dtype=None, **_outputs):
         """Expected logits/ids/weights (kernels.reference.router), the grouping of those ids, and z."""
@@ -425,8 +410,7 @@ class RouterOp(OpBase):
                  mZ: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mH, mW, mBias, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
-                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes,
-                                              **self._occupancy())
+                    mCounter, mWd, mZ).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor, mLogits: cute.Tensor,
@@ -581,23 +565,10 @@ class RouterOp(OpBase):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
-        spin = int(self.tunables["spin"])
         if tidx == 0:
-            if cutlass.const_expr(spin in (1, 3)):
-                # relaxed polls, then one acquire fence: an acquire load invalidates the SM's L1 at
-                # every poll (CCTL.IVALL), under the CTAs that share the SM with the selector
-                seen = cute.arch.load(mCounter.iterator, i32, sem="relaxed", scope="gpu")
-                while seen < self.ctas:
-                    if cutlass.const_expr(spin == 3):
-                        _nanosleep(SPIN_SLEEP_NS)
-                    seen = cute.arch.load(mCounter.iterator, i32, sem="relaxed", scope="gpu")
-                cute.arch.fence_acq_rel_gpu()
-            else:
+            seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
+            while seen < self.ctas:
                 seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
-                while seen < self.ctas:
-                    if cutlass.const_expr(spin == 2):
-                        _nanosleep(SPIN_SLEEP_NS)
-                    seen = cute.arch.load(mCounter.iterator, i32, sem="acquire", scope="gpu")
             cute.arch.store(mCounter.iterator, i32(0), sem="release", scope="gpu")
         cute.arch.sync_threads()
 
@@ -675,7 +646,7 @@ class RouterOp(OpBase):
         x_base = 0 if self.w_regs else P.rows * P.kv
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
         if cutlass.const_expr(self.w_regs):
-            wv = _load_row_regs(P, gW, blk * P.rows + r, kv0, weak=self.w_regs if self.w_regs > 1 else 0)
+            wv = _load_row_regs(P, gW, blk * P.rows + r, kv0)
         else:
             stream.copy_row(P, stream.weight_copy_atom(bf16), gW, blk * P.rows + r, vU, r * P.kv, kv0)
         if cutlass.const_expr(self.pdl):
@@ -756,11 +727,9 @@ class RouterOp(OpBase):
         if self.topk == 3:
             W = self.warps
             return {"ctl": cute.make_tensor(base + offsets["ctl"], cute.make_layout(4)),
-                    "wb_key": cute.make_tensor(cute.recast_ptr(base + offsets["wb_key"], dtype=u32),
-                                               cute.make_layout(W)),
+                    "wb_key": cute.make_tensor(base + offsets["wb_key"], cute.make_layout(W)),
                     "wb_id": cute.make_tensor(base + offsets["wb_id"], cute.make_layout(W)),
-                    "cand_key": cute.make_tensor(cute.recast_ptr(base + offsets["cand_key"], dtype=u32),
-                                                 cute.make_layout(E)),
+                    "cand_key": cute.make_tensor(base + offsets["cand_key"], cute.make_layout(E)),
                     "cand_id": cute.make_tensor(base + offsets["cand_id"], cute.make_layout(E))}
         return {"hist": cute.make_tensor(base + offsets["hist"], cute.make_layout((H, 2), stride=(1, H))),
                 "ctl": cute.make_tensor(base + offsets["ctl"], cute.make_layout(4)),
@@ -1044,11 +1013,14 @@ class RouterOp(OpBase):
                     taken = taken + i32(cute.arch.popc(m))
             cute.arch.sync_threads()
         for p in cutlass.range(tidx, K, NTH, unroll=1):
-            kp = cand_key[p]
+            # the uint32 keys as int32 with the top bit flipped (signed order = the keys' order):
+            # compared as loaded, the generated code compared them signed, which misordered
+            # scores of opposite signs (round 10's "mixed" check)
+            kp = i32(cand_key[p]) ^ i32(INT32_MIN)
             ip = cand_id[p]
             rank = i32(0)
             for q in cutlass.range_constexpr(K):
-                kq = cand_key[q]
+                kq = i32(cand_key[q]) ^ i32(INT32_MIN)
                 rank = rank + cutlass.select_(cutlass.or_(kq > kp, cutlass.and_(kq == kp, cand_id[q] < ip)),
                                               i32(1), i32(0))
             mIds[t, rank] = ip
@@ -1071,8 +1043,11 @@ class RouterOp(OpBase):
         t's top-k, the same selection, ids order and weights as `_topk_one`, by a threshold and
         ranks instead of radix passes (few barriers, no shared histogram).
 
-        Order: expert a precedes b when its key (`_topk_cta`'s order-preserving uint32 of
-        sigmoid(logit) + bias) is greater, or equal with a lower index. Each warp finds its m
+        Order: expert a precedes b when its key is greater, or equal with a lower index. Keys are
+        signed int32 here (the float's bits b, negative ones as b ^ 0x7fffffff: signed order is
+        the scores' order), and every comparison is signed: a uint32 key loaded back from shared
+        memory or passed through a select compared as signed in the generated code, which put
+        the scores of opposite signs in the wrong order. Each warp finds its m
         first experts in that order (m = ceil(top_k / warps); per round two redux.sync, the
         greatest key, then the lowest index holding it; the winner's lane retires it). The
         warps' m-th experts and everything before them are warps * m >= top_k distinct experts,
@@ -1096,7 +1071,7 @@ class RouterOp(OpBase):
         if tidx == 0:
             ctl[3] = i32(0)  # candidate slots claimed
         vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
-        keys = cute.recast_tensor(vals, u32)
+        keys = cute.recast_tensor(vals, i32)
         for j in cutlass.range_constexpr(J):
             e = tidx + j * NTH
             if cutlass.const_expr((j + 1) * NTH <= E):
@@ -1106,15 +1081,15 @@ class RouterOp(OpBase):
                 if e < E:
                     vals[j] = sigmoid(lg[t, e]) + bias[e]
             vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
-            keys[j] = keys[j] ^ cutlass.select_((keys[j] >> 31) == u32(1), u32(0xFFFFFFFF), u32(0x80000000))
+            keys[j] = keys[j] ^ cutlass.select_(keys[j] < i32(0), i32(0x7FFFFFFF), i32(0))
         self._stamp("p2_vals", tidx)
         # this warp's M first experts: per round the lane's first unretired expert (its values are
         # experts tidx + j * NTH, ascending), the warp's greatest key, the lowest index holding it
         retired = u32(0)  # bit j: value j retired
-        wk = u32(0)
+        wk = i32(INT32_MIN)
         wi = i32(0)
         for _ in cutlass.range_constexpr(M):
-            bk = u32(0)
+            bk = i32(INT32_MIN)
             bi = i32(E)
             for j in cutlass.range_constexpr(J):
                 e = tidx + j * NTH
@@ -1124,7 +1099,7 @@ class RouterOp(OpBase):
                 better = cutlass.and_(live, cutlass.or_(keys[j] > bk, bi == i32(E)))
                 bk = cutlass.select_(better, keys[j], bk)
                 bi = cutlass.select_(better, e, bi)
-            wk = u32(cute.arch.warp_redux_sync(bk, "umax"))
+            wk = i32(cute.arch.warp_redux_sync(bk, "max"))
             wi = i32(cute.arch.warp_redux_sync(cutlass.select_(cutlass.and_(bk == wk, bi < i32(E)), bi, i32(E)),
                                                "min"))
             for j in cutlass.range_constexpr(J):
