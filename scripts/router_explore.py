@@ -118,7 +118,9 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_wregs_g1_t3", b1, {**w, "stream_topk": 3, "group_one": 1}))  # five CTAs per SM
     v.append(("b1_wregs_g1_t3_timeline", b1, {**w, "stream_topk": 3, "group_one": 1, "timeline": 1}))
     v.append(("b1_cp_g1_t3_n4", b1, {"stream_topk": 3, "group_one": 1, "stream_ctas_per_sm": 4}))
-    v.append(("b1_default_n5", b1, {"stream_ctas_per_sm": 5}))
+    v.append(("b1_default_n5", b1, {"group_one": 1, "stream_ctas_per_sm": 5}))
+    v.append(("b1_default_g1_n4", b1, {"group_one": 1, "stream_ctas_per_sm": 4}))  # four per SM by the carveout
+    v.append(("b1_default_g1", b1, {"group_one": 1}))  # 44 registers: five CTAs per SM
     v.append(("b2_wregs_t3", {"batch": 2, **K3}, {**w, "stream_topk": 3}))
     v.append(("b2_default", {"batch": 2, **K3}, {}))
     v.append(("b2_round7", {"batch": 2, **K3}, round7))
@@ -163,7 +165,8 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     # variant but the defaults' own keeps round 9's defaults beneath its tunables, so that its
     # name still says what it measures.
     new_based = {"b1_default", "b2_default", "b1_default_arrive0", "b1_default_arrive1", "b1_default_timeline",
-                 "b1_default_top1", "b1_default_n5", "b1_default_a1", "mini_b1_default", "mini_b3_default"}
+                 "b1_default_top1", "b1_default_n5", "b1_default_g1_n4", "b1_default_g1", "mini_b1_default",
+                 "mini_b3_default"}
     v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])
 

@@ -125,10 +125,11 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
     o = op.phase2_offsets
     assert op.w_regs == 1 and op.union_elems == 2 * (o["cand_id"] + op.n_experts) > 7168
     assert op.smem_bytes == op.union_elems * 2 + 32 + 16 + 64 and all(v % 4 == 0 for v in o.values())
-    # four CTAs per SM by the carveout: 4 fit in its share of 228 KB, 5 do not
-    per = op.smem_bytes + RT.SMEM_RESERVED_PER_CTA
-    assert op.carveout == 40 and 4 * per <= 0.40 * RT.SM90_SMEM_PER_SM < 5 * per
-    assert op.launch_config().smem_carveout == 40 and RT.RouterOp(K3, stream_ctas_per_sm=0).launch_config().smem_carveout is None
+    # stream_ctas_per_sm 4 (not the default): the carveout that holds 4 CTAs per SM and not 5
+    n4 = RT.RouterOp(K3, stream_ctas_per_sm=4)
+    per = n4.smem_bytes + RT.SMEM_RESERVED_PER_CTA
+    assert n4.carveout == 40 and 4 * per <= 0.40 * RT.SM90_SMEM_PER_SM < 5 * per
+    assert n4.launch_config().smem_carveout == 40 and op.launch_config().smem_carveout is None
     assert "smem_carveout" not in RT.RouterOp({**K3, "batch": 8}).launch_config().to_dict()  # mma: none
     cp = RT.RouterOp(K3, **CP_ASYNC)  # weights and h by cp.async: two weight rows + h
     assert cp.union_elems == 3 * 7168 and cp.smem_bytes == 3 * 7168 * 2 + 32 + 16 + 64
@@ -330,13 +331,15 @@ def test_stream_sass_default_loads_weights_into_registers_before_the_wait(tmp_pa
     moved below the wait in round 9) before its ACQBULK, and copies h's 7 vectors into shared
     memory after it, before its one wait; no read-only load anywhere; the selector spins
     (acquire) after its own ACQBULK and resets the counter (release) before phase 2's staging;
-    each router CTA's add is a fenced reduction after its wait. Launch: the carveout for four
-    CTAs per SM (`stream_ctas_per_sm` 4)."""
+    each router CTA's add is a fenced reduction after its wait. 64 registers: four CTAs per SM.""" 
     pytest.importorskip("cutlass")
     from kernels.build import build_variant
 
     art = build_variant("router", K3, {}, root=tmp_path)
-    assert art.meta["launch"]["smem_carveout"] == RT.RouterOp(K3).carveout == 40
+    # four CTAs per SM by registers (256 threads x 64): with five, phase 2 became the critical path
+    res = art.meta["resources"]
+    assert res["registers"] == 64 and res["spill_store_bytes"] == 0 and "smem_carveout" not in art.meta["launch"]
+    assert 4 * (res["dynamic_smem_bytes"] + res["static_smem_bytes"] + 1024) <= RT.SM90_SMEM_PER_SM
     ops = _sass_ops(art)
     assert not any(".CONSTANT" in o for o in ops)
     acq = [i for i, o in enumerate(ops) if "ACQBULK" in o]

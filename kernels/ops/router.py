@@ -109,7 +109,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
                     "topk": 0, "stream_topk": 3, "timeline": 0, "arrive": 2,
-                    "stream_w_regs": 1, "group_one": 1, "stream_ctas_per_sm": 4}
+                    "stream_w_regs": 1, "group_one": 0, "stream_ctas_per_sm": 0}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
