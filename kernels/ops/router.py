@@ -10,18 +10,22 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
     gemv): one grid of short CTAs over the rows of W_g then of W_down (the router CTAs first, so
     they are dispatched first), each owning whole rows (`stream_cta_kib` KiB of weights, at
     least one row, `stream_threads` threads; by default, at k3's hidden 7168, 2 rows of 128
-    threads each). Every
-    thread issues all of its 16-byte `cp.async` copies of its weight rows (`.cg`) and of h
-    (`.ca`) into shared memory before it waits once, then fp32 FMAs from shared memory and the
-    warp-order reduction of stream.py. Router CTAs store fp32 logits and arrive (below); down
+    threads each). By default (`stream_w_regs` 1, round 10) every thread loads its weight
+    vectors into registers by plain 16-byte loads, all issued before `griddepcontrol.wait`
+    (read-only loads were moved below it by ptxas), and copies h (`cp.async`, `.ca`) into
+    shared memory after it; with `stream_w_regs` 0 it copies its weight rows (`.cg`) and h
+    into shared memory, every copy before one wait. Then fp32 FMAs and the warp-order
+    reduction of stream.py. The default's 64 registers (with the generic grouping) hold four
+    CTAs per SM: with five, the deeper memory queues put phase 2's chain of dependent round
+    trips past the streaming (evidence_reports/moe_block/round10/). Router CTAs store fp32 logits and arrive (below); down
     CTAs store bf16 z. Phase 2 reuses the streaming buffers of the CTA that runs it, so a CTA
     costs only what it streams and more fit per SM. Why it is fast: the memory system sees one
     stream of 64 MB with every byte of a CTA in flight at once, and the router's 896 rows are
     the first CTAs of the grid, so phase 2 selects and groups while the down CTAs still stream.
     That hides it only if phase 2 is short: one warp's 16 selection rounds on an SM shared
     with streaming CTAs took ~6 us at batch 1 (plus ~3 us for the scores), past the down
-    CTAs' end, so the stream design selects with the whole CTA (`stream_topk` 2, the radix
-    select below; evidence_reports/moe_block/round8/). With `pdl` 1
+    CTAs' end, so the stream design selects with the whole CTA: the threshold selection by
+    default (`stream_topk` 3, round 10), or the radix select (2, round 8); see below. With `pdl` 1
     (the default; stream design only) the launcher sets programmatic stream serialization: each CTA copies
     its weights (static) before `griddepcontrol.wait`, h and every store after it, and lets the
     next launch start (`launch_dependents`) once its copies are issued; the counter's atomic
@@ -58,6 +62,9 @@ Phase 2, in the last router CTA (or the stream design's CTA 0), the selection as
   * 1 "redux", one warp per token: the scores as order-preserving int32 keys; each lane keeps
     its best (key, lowest index); a round is two redux.sync reductions (the greatest key, then
     the lowest index holding it) and the winner's lane alone retires it and rescans.
+  * 3 "thresh" (stream design), the whole CTA per token (`_topk_thresh`): each warp's first
+    ceil(top_k / warps) experts by redux.sync rounds, the last of the warps' last firsts bounds
+    the candidates (P and every expert before it), each candidate ranked by a count.
   * 2 "radix", the whole CTA per token (`_topk_cta`): every thread scores n_experts/threads
     experts (uint32 keys), a 4-pass 8-bit radix select over shared histograms finds the k-th
     greatest key T, the experts above T (and those at T, the lowest indices first when a tie
