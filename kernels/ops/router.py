@@ -1036,13 +1036,7 @@ class RouterOp(OpBase):
             cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
         cute.arch.sync_threads()
         self._stamp("p2_rounds", tidx)
-        for p in cutlass.range(tidx, K, NTH, unroll=1):
-            total = sSel[t * K]
-            for j in cutlass.range_constexpr(1, K):
-                total = total + sSel[t * K + j]
-            total = total + f32(WEIGHT_EPS)
-            mWeights[t, p] = sSel[t * K + p] / total * f32(self.scale)
-        cute.arch.sync_threads()
+        self._weights_cta(t, mWeights, sSel, tidx)
 
     @cute.jit
     def _topk_thresh(self, lg, bias, t, mIds, mWeights, sIds, sSel, sMask, sc, tidx):
@@ -1152,7 +1146,16 @@ class RouterOp(OpBase):
                 cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
         cute.arch.sync_threads()
         self._stamp("p2_rounds", tidx)
-        for p in cutlass.range(tidx, K, NTH, unroll=1):
+        self._weights_cta(t, mWeights, sSel, tidx)
+
+    @cute.jit
+    def _weights_cta(self, t, mWeights, sSel, tidx):
+        """Trace-time, the whole CTA selections (after a CTA barrier that follows sSel; ends with
+        one): token t's weights, each selection's unbiased score over their sum (in selection
+        order) + 1e-20, times the scale, one thread per selection."""
+        K = self.top_k
+        f32 = cutlass.Float32
+        for p in cutlass.range(tidx, K, self.threads, unroll=1):
             total = sSel[t * K]
             for j in cutlass.range_constexpr(1, K):
                 total = total + sSel[t * K + j]
