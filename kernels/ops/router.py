@@ -177,27 +177,6 @@ def _load_row_regs(P, gW, row, kv0):
     return wv
 
 
-def _dot_regs(P, wv, vX, x_bases, kv0):
-    """stream.dot with the weight vectors in registers (`wv`), the same order of terms."""
-    f32 = cutlass.Float32
-    bf16 = cutlass.BFloat16
-    flat = cute.make_layout((BF16_PER_VECTOR,))
-    from kernels.ops.common import coherent_copy_atom
-
-    atom = coherent_copy_atom(bf16)
-    acc = [f32(0.0) for _ in x_bases]
-    for j in range(P.vectors):
-        kv = kv0 + j * P.row_threads
-        wf = wv[j].load().to(f32)
-        for b, xb in enumerate(x_bases):
-            xt = cute.make_rmem_tensor(flat, bf16)
-            cute.copy(atom, vX[(None, xb + kv)], xt)
-            xf = xt.load().to(f32)
-            for e in range(BF16_PER_VECTOR):
-                acc[b] = acc[b] + wf[e] * xf[e]
-    return acc
-
-
 def routing_groups_ref(ids, n_experts: int):
     """The grouping phase 2 computes, in torch: {n_groups [1], group_expert [G], group_start [G+1],
     sorted_slots [T*k]} (int32; G = min(T*k, n_experts); entries past n_groups are -1 / T*k)."""
@@ -669,7 +648,7 @@ class RouterOp(OpBase):
         cute.arch.sync_threads()  # x was copied by row 0's threads
 
         if cutlass.const_expr(self.w_regs):
-            acc = _dot_regs(P, wv, vU, [x_base + b * P.kv for b in range(B)], kv0)
+            acc = stream.dot(P, None, None, vU, [x_base + b * P.kv for b in range(B)], kv0, w_regs=wv)
         else:
             acc = stream.dot(P, vU, r * P.kv, vU, [x_base + b * P.kv for b in range(B)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
@@ -909,7 +888,6 @@ class RouterOp(OpBase):
         J = ceil_div(E, NTH)
         H = 1 << RADIX_BITS
         D = H // WARP  # digits per lane in the scan
-        f32 = cutlass.Float32
         i32 = cutlass.Int32
         u32 = cutlass.Uint32
         warp = tidx // WARP
@@ -924,23 +902,7 @@ class RouterOp(OpBase):
             ctl_u[0] = u32(0)  # the digits chosen so far
             ctl[1] = i32(K)  # keys still to take at or below them
             ctl[3] = i32(0)  # candidate slots claimed
-        vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
-        keys = cute.recast_tensor(vals, u32)
-        for j in cutlass.range_constexpr(J):
-            e = tidx + j * NTH
-            if cutlass.const_expr((j + 1) * NTH <= E):
-                vals[j] = sigmoid(lg[t, e]) + bias[e]
-            else:
-                vals[j] = f32(0.0)
-                if e < E:
-                    vals[j] = sigmoid(lg[t, e]) + bias[e]
-            vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
-            keys[j] = keys[j] ^ cutlass.select_((keys[j] >> 31) == u32(1), u32(0xFFFFFFFF), u32(0x80000000))
-            if cutlass.const_expr((j + 1) * NTH <= E):
-                skey[e] = keys[j]
-            else:
-                if e < E:
-                    skey[e] = keys[j]
+        keys = self._score_keys(lg, bias, t, tidx, signed=False, skey=skey)
         cute.arch.sync_threads()
         self._stamp("p2_vals", tidx)
         for p in cutlass.range_constexpr(32 // RADIX_BITS):
@@ -1039,6 +1001,43 @@ class RouterOp(OpBase):
         self._weights_cta(t, mWeights, sSel, tidx)
 
     @cute.jit
+    def _score_keys(self, lg, bias, t, tidx, signed: bool, skey=None):
+        """Trace-time, the CTA-wide selections: this thread's experts tidx, tidx + threads, ...
+        scored s = sigmoid(logit) + bias (-0 made +0; absent experts 0) as order-preserving
+        keys in a register tensor: uint32 (negative scores' bits inverted, the others' top bit
+        set), or with `signed` int32 (negative scores' bits ^ 0x7fffffff): either way the keys'
+        order is the scores' order. With `skey` (shared, one per expert) each key is also
+        stored there as it is made."""
+        E = self.n_experts
+        NTH = self.threads
+        J = ceil_div(E, NTH)
+        f32 = cutlass.Float32
+        i32 = cutlass.Int32
+        u32 = cutlass.Uint32
+        vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
+        keys = cute.recast_tensor(vals, i32 if signed else u32)
+        for j in cutlass.range_constexpr(J):
+            e = tidx + j * NTH
+            if cutlass.const_expr((j + 1) * NTH <= E):
+                vals[j] = sigmoid(lg[t, e]) + bias[e]
+            else:
+                vals[j] = f32(0.0)
+                if e < E:
+                    vals[j] = sigmoid(lg[t, e]) + bias[e]
+            vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
+            if cutlass.const_expr(signed):
+                keys[j] = keys[j] ^ cutlass.select_(keys[j] < i32(0), i32(0x7FFFFFFF), i32(0))
+            else:
+                keys[j] = keys[j] ^ cutlass.select_((keys[j] >> 31) == u32(1), u32(0xFFFFFFFF), u32(0x80000000))
+            if cutlass.const_expr(skey is not None):
+                if cutlass.const_expr((j + 1) * NTH <= E):
+                    skey[e] = keys[j]
+                else:
+                    if e < E:
+                        skey[e] = keys[j]
+        return keys
+
+    @cute.jit
     def _topk_thresh(self, lg, bias, t, mIds, mWeights, sIds, sSel, sMask, sc, tidx):
         """Trace-time, the whole CTA (after a CTA barrier; ends with one), `stream_topk` 3: token
         t's top-k, the same selection, ids order and weights as `_topk_one`, by a threshold and
@@ -1063,7 +1062,6 @@ class RouterOp(OpBase):
         W = self.warps
         J = ceil_div(E, NTH)
         M = ceil_div(K, W)
-        f32 = cutlass.Float32
         i32 = cutlass.Int32
         u32 = cutlass.Uint32
         warp = tidx // WARP
@@ -1071,18 +1069,7 @@ class RouterOp(OpBase):
         ctl, wb_key, wb_id, cand_key, cand_id = sc["ctl"], sc["wb_key"], sc["wb_id"], sc["cand_key"], sc["cand_id"]
         if tidx == 0:
             ctl[3] = i32(0)  # candidate slots claimed
-        vals = cute.make_rmem_tensor(cute.make_layout(J), f32)
-        keys = cute.recast_tensor(vals, i32)
-        for j in cutlass.range_constexpr(J):
-            e = tidx + j * NTH
-            if cutlass.const_expr((j + 1) * NTH <= E):
-                vals[j] = sigmoid(lg[t, e]) + bias[e]
-            else:
-                vals[j] = f32(0.0)
-                if e < E:
-                    vals[j] = sigmoid(lg[t, e]) + bias[e]
-            vals[j] = cutlass.select_(vals[j] == f32(0.0), f32(0.0), vals[j])
-            keys[j] = keys[j] ^ cutlass.select_(keys[j] < i32(0), i32(0x7FFFFFFF), i32(0))
+        keys = self._score_keys(lg, bias, t, tidx, signed=True)
         self._stamp("p2_vals", tidx)
         # this warp's M first experts: per round the lane's first unretired expert (its values are
         # experts tidx + j * NTH, ascending), the warp's greatest key, the lowest index holding it

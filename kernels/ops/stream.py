@@ -85,9 +85,10 @@ def copy_row(plan: StreamPlan, atom, gV, row, vS, s_base, kv0):
         cute.copy(atom, cute.make_tensor(src.iterator, flat), vS[(None, s_base + kv)])
 
 
-def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0):
+def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0, w_regs=None):
     """This thread's fp32 partial dot products of its weight vectors (shared, from vector
-    `w_base`) with each activation row (shared, from vector `x_bases[b]`), summed in a fixed
+    `w_base`; or, given `w_regs`, those register tensors, one per vector, `vW` and `w_base`
+    unused) with each activation row (shared, from vector `x_bases[b]`), summed in a fixed
     order: vector by vector, element by element. Returns one Float32 per activation row."""
     f32 = cutlass.Float32
     bf16 = cutlass.BFloat16
@@ -96,8 +97,11 @@ def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0):
     acc = [f32(0.0) for _ in x_bases]
     for j in range(plan.vectors):
         kv = kv0 + j * plan.row_threads
-        wt = cute.make_rmem_tensor(flat, bf16)
-        cute.copy(atom, vW[(None, w_base + kv)], wt)
+        if w_regs is None:
+            wt = cute.make_rmem_tensor(flat, bf16)
+            cute.copy(atom, vW[(None, w_base + kv)], wt)
+        else:
+            wt = w_regs[j]
         wf = wt.load().to(f32)
         for b, xb in enumerate(x_bases):
             xt = cute.make_rmem_tensor(flat, bf16)
