@@ -268,7 +268,7 @@ class MoEBlock:
         self.buf = {
             "h": e((T, H), bf16), "logits": e((T, E), f32), "ids": e((T, K), i32), "weights": e((T, K), f32),
             "n_groups": e((1,), i32), "group_expert": e((G,), i32), "group_start": e((G + 1,), i32),
-            "sorted_slots": e((TK,), i32), "router_counter": torch.zeros((1,), dtype=i32, device=dev),
+            "sorted_slots": e((TK,), i32), "router_counter": param_buffer(self.k.router, "counter"),
             "z": e((T, L), bf16), "act": e((TK, I), bf16), "o": e((TK, L), f32),
             "w2_counters": param_buffer(self.k.w2, "counters"), "c": e((T, L), bf16),
             "n": e((T, L), bf16), "a_shared": e((T, S), bf16),

@@ -17,7 +17,8 @@ batches 8-64, `MMA_SWEEP`) into build/router_explore, audits each statically
     bytes in one launch can reach, ramp and drain included;
   * k3, per variant: outputs on one h against the float64 oracle (logits; selection re-derived
     from the kernel's logits by the reference rule; weights; grouping exactly; z beside the bf16
-    torch path's error), counter left zero; time per launch in a CUDA graph of launches on
+    torch path's error), sync words left zero (the arrival counter, or with `arrive` 3 every
+    tagged logit word); time per launch in a CUDA graph of launches on
     distinct h, weights rotated past the L2 (the per-op condition of scripts/block_proof.py);
     stress: 16 launches on the same inputs, half beside bf16 matmuls on another stream, bitwise
     identical, counter zero after each; tied scores (`_tied`: W_g rows and bias repeated in
@@ -158,6 +159,22 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("mini_b40_mma_w16_rt2_d4", {"batch": 40, **MINI}, wide))
     v.append(("mini_b8_mma_rt4_d8", {"batch": 8, **MINI},
               {"stream_max_batch": 0, "warps_per_cta": 8, "row_tiles": 4, "down_row_tiles": 8}))
+    # round 11: the tagged logits (arrive 3): router CTAs store each logit as its own flag, no
+    # release; the selector polls the logits themselves (one round trip, no staging)
+    tag = {"arrive": 3}
+    v.append(("b1_tag", b1, tag))
+    v.append(("b1_tag_timeline", b1, {**tag, "timeline": 1}))
+    v.append(("b2_tag", {"batch": 2, **K3}, tag))
+    v.append(("b1_tag_top1", {**b1, "top_k": 1}, tag))  # equal times: phase 2 is hidden
+    v.append(("b1_tag_g1", b1, {**tag, "group_one": 1}))  # 44 registers: five CTAs per SM
+    v.append(("b1_tag_g1_timeline", b1, {**tag, "group_one": 1, "timeline": 1}))
+    v.append(("b1_arrive0_timeline", b1, {"arrive": 0, "timeline": 1}))
+    v.append(("b1_arrive2", b1, {"arrive": 2}))  # round 10's default (tagged logits are the default now)
+    v.append(("b2_arrive2", {"batch": 2, **K3}, {"arrive": 2}))
+    v.append(("mini_b1_tag", {"batch": 1, **MINI}, {"stream_max_batch": 4, **tag}))
+    v.append(("mini_b3_tag", {"batch": 3, **MINI}, {"stream_max_batch": 4, **tag}))
+    v.append(("mini_b3_p0_tag", {"batch": 3, **MINI}, {**mini_stream, "stream_w_regs": 1, "stream_topk": 3, **tag,
+                                                         "pdl": 0}))
     v.append(("b1_round9", b1, {}))  # round 9's shipped defaults (R9 below)
     v.append(("b2_round9", {"batch": 2, **K3}, {}))
     # Round 10 changed the stream design's defaults (weights in registers by plain loads, the
@@ -166,7 +183,9 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     # name still says what it measures.
     new_based = {"b1_default", "b2_default", "b1_default_arrive0", "b1_default_arrive1", "b1_default_timeline",
                  "b1_default_top1", "b1_default_n5", "b1_default_g1_n4", "b1_default_g1", "mini_b1_default",
-                 "mini_b3_default"}
+                 "mini_b3_default", "b1_tag", "b1_tag_timeline", "b2_tag", "b1_tag_top1", "b1_tag_g1",
+                 "b1_tag_g1_timeline", "b1_arrive0_timeline", "b1_arrive2", "b2_arrive2", "mini_b1_tag", "mini_b3_tag",
+                 "mini_b3_p0_tag"}
     v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])
 
@@ -222,11 +241,21 @@ def _check(op, b, h, w_gate, bias, w_down, scale: float) -> dict:
     grp = check_grouping(b, op.n_experts)
     logits_err = _rel(b["logits"], R.linear(h, w_gate, compute_dtype=F64))
     z = judge("z", b["z"], R.linear(h, w_down, compute_dtype=F64), R.linear(h, w_down))
-    counter_zero = int(b["counter"][0].item()) == 0
+    counter_zero = _counter_left(op, b) == 0
     finite = bool(torch.isfinite(b["logits"]).all() and torch.isfinite(b["weights"]).all())
     ok = sel["passed"] and grp["passed"] and logits_err < 1e-5 and z["passed"] and counter_zero and finite
     return {"passed": ok, "selection": sel, "grouping": grp, "logits_rel_err_vs_f64": logits_err, "z": z,
             "counter_zero": counter_zero, "finite": finite}
+
+
+def _counter_left(op, b) -> int:
+    """Sync words a launch left non-zero: the arrival counter (word 0), or with `arrive` 3 every
+    tagged logit word (each must be reset for the next launch)."""
+    import torch
+
+    c = b["counter"]
+    c = c[op.tag_base:] if getattr(op, "tagged", False) else c[:1]
+    return int(torch.count_nonzero(c).item())
 
 
 def _tied(w_gate, bias, how: str, h=None, top_k: int = 0):
@@ -298,7 +327,7 @@ def _stress(op, k, h, w, runs: int = 16) -> dict:
         torch.cuda.synchronize()
         cur = [b[n].clone() for n in ("logits", "ids", "weights", "n_groups", "group_expert", "group_start",
                                       "sorted_slots", "z")]
-        nonzero += int(b["counter"][0].item() != 0)
+        nonzero += int(_counter_left(op, b) != 0)
         if first is None:
             first = cur
         elif not all(_same_bits(a, c) for a, c in zip(cur, first)):
@@ -460,6 +489,11 @@ def k3(res: dict, read_tbps: float, calls: int = 8) -> None:
                                 "stress": {"not_bitwise_identical": 0, "counters_left_nonzero": 0}}
             print(f"{ident:20s} {us:7.2f} us {nb / us / 1e6 / read_tbps:6.1%} of read (timing bound only: "
                   f"no arrival, no selection)", flush=True)
+            if op.timeline:  # the streaming's own stamps (no phase 2 ones)
+                res["k3"][ident]["timeline"] = tl = _timeline(op, k, hs, wg, wd, w.bias)
+                for how in ("stream", "graph"):
+                    print(f"{ident} timeline {how} (median, ns from the first CTA start): "
+                          f"{json.dumps(tl[how]['median'])}", flush=True)
             continue
         _poison(b)
         _launch_router(k, op, hs[0], w.w_gate, w.bias, w.w_down, b)

@@ -83,6 +83,53 @@ def test_relaxed_publish_after_fence_is_a_release():
     assert "relaxed-publish" in audit_ptx(_ptx(late), ["sync", "activation", "scalar"]).rules_hit()
 
 
+# Tagged words (role "tagged": a sync buffer whose every word is its own flag, 0 until written).
+# PUBLISH: a logit stored into word tid of param 0 with no fence; POLL: reload the word until it
+# is non-zero, use it, reset it.
+_TAG_PUBLISH = "\tmul.wide.u32 %rd3, %r1, 4;\n\tadd.s64 %rd4, %rd1, %rd3;\n\t{st}.global.b32 [%rd4], %r9;"
+_TAG_POLL = """
+	mul.wide.u32 %rd3, %r1, 4;
+	add.s64 %rd4, %rd1, %rd3;
+$L_poll:
+	{ld}.global.b32 %r2, [%rd4];
+	setp.eq.s32 %p1, %r2, 0;
+	@%p1 bra $L_poll;
+	add.s64 %rd5, %rd2, %rd3;
+	st.global.b32 [%rd5], %r2;
+	st.relaxed.gpu.global.b32 [%rd4], 0;"""
+
+
+def test_tagged_words_need_strong_gpu_scope_accesses_and_no_fence():
+    """A tagged buffer's words are written and polled by relaxed gpu-scope accesses with no fence
+    or acquire (each word is its own flag): clean. As a plain `sync` buffer the same code is a
+    relaxed publish; a weak, cta-scope or atomic access to a tagged word is tagged-weak-access."""
+    roles = ["tagged", "activation", "scalar"]
+    ok = _TAG_PUBLISH.format(st="st.relaxed.gpu") + _TAG_POLL.format(ld="ld.relaxed.gpu")
+    rep = audit_ptx(_ptx(ok), roles, param_names=["tags", "out", "n"])
+    assert rep.clean and not rep.findings, [str(f) for f in rep.findings]
+    assert "relaxed-publish" in audit_ptx(_ptx(ok), ["sync", "activation", "scalar"]).rules_hit()
+    assert audit_ptx(_ptx(_TAG_PUBLISH.format(st="st.volatile") + _TAG_POLL.format(ld="ld.volatile")), roles).clean
+    for bad, why in ((_TAG_PUBLISH.format(st="st") + _TAG_POLL.format(ld="ld.relaxed.gpu"), "weak"),
+                     (_TAG_PUBLISH.format(st="st.relaxed.gpu") + _TAG_POLL.format(ld="ld"), "weak"),
+                     (_TAG_PUBLISH.format(st="st.relaxed.cta") + _TAG_POLL.format(ld="ld.relaxed.gpu"), "cta-scope"),
+                     (_TAG_PUBLISH.format(st="st.relaxed.gpu") + _TAG_POLL.replace("{ld}.global.b32", "ld.global.nc.b32"),
+                      "non-coherent"),
+                     ("\tatom.global.add.u32 %r3, [%rd1], 1;", "atomic")):
+        rep = audit_ptx(_ptx(bad), roles, param_names=["tags", "out", "n"])
+        f = [x for x in rep.findings if x.rule == "tagged-weak-access"]
+        assert f and all(x.params == ["tags"] for x in f) and why in f[0].message, (why, [str(x) for x in rep.findings])
+
+
+def test_a_tagged_word_orders_no_other_data():
+    """Data written before a tagged word and read by another CTA after polling it is not
+    published by it: the writer side is publish-before-writes (no release follows the data
+    write), the reader side relaxed-spin-no-fence (no acquire between the poll and the read)."""
+    writer = "\tst.global.b32 [%rd2], %r9;\n" + _TAG_PUBLISH.format(st="st.relaxed.gpu")
+    reader = _TAG_POLL.format(ld="ld.relaxed.gpu").replace("st.global.b32 [%rd5], %r2;", "ld.global.b32 %r6, [%rd5];")
+    rep = audit_ptx(_ptx(writer + reader), ["tagged", "activation", "scalar"])
+    assert {"publish-before-writes", "relaxed-spin-no-fence"} <= rep.rules_hit(), [str(f) for f in rep.findings]
+
+
 def test_roles_input_errors():
     text = _ptx("")
     with pytest.raises(AuditInputError, match="3 parameters"):

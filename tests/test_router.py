@@ -17,7 +17,8 @@ from validation.numerics import ROUTINGS, routing_ids
 SPEC = load_manifest().kernel("router")
 K3 = {"batch": 1, "n_experts": 896, "hidden": 7168, "top_k": 16, "latent": 3584}
 # the stream design with weights and h by cp.async and the radix select (round 9's defaults)
-CP_ASYNC = {"stream_w_regs": 0, "stream_topk": 2, "group_one": 0, "stream_ctas_per_sm": 0}
+# round 9's stream design: weights by cp.async, the radix select, the selector's counter (arrive 2)
+CP_ASYNC = {"stream_w_regs": 0, "stream_topk": 2, "group_one": 0, "stream_ctas_per_sm": 0, "arrive": 2}
 
 
 def _ids(pattern, T=5, E=16, K=4, seed=0):
@@ -153,10 +154,12 @@ def test_stream_design_at_batch_1_one_grid_of_whole_row_ctas():
 
 def test_selection_designs_arrival_and_timeline():
     """stream_topk picks the stream design's selection, topk the mma design's (TOPK_DESIGNS);
-    only the radix select (2) takes shared scratch. arrive 2 (default) adds the selector CTA 0; the
-    explorer-only choices (timeline 1, arrive 0) are never a tuner's candidates; the
-    timeline (explorer only) widens the counter, every stamp in its own word, the two maxima
-    over CTAs each alone in a 128-byte line away from the arrival counter (word 0)."""
+    only the radix select (2) takes shared scratch. arrive 3 (default) and 2 add the selector CTA
+    0; with 3 the counter buffer holds the tagged logits (one word per token and expert, its
+    spec says protocol "tagged"), with 2 one counter; the explorer-only choices (timeline 1,
+    arrive 0) are never a tuner's candidates; the timeline (explorer only) widens the counter,
+    every stamp in its own word, the two maxima over CTAs each alone in a 128-byte line away
+    from the arrival counter (word 0), the tagged logits after the stamps."""
     assert RT.TOPK_DESIGNS == ("shuffle", "redux", "radix", "thresh")
     assert RT.RouterOp(K3).topk == 3 and RT.RouterOp({**K3, "batch": 8}).topk == 0
     assert dict(RT.RouterOp(K3)._radix_words()) == {"ctl": 4, "wb_key": 8, "wb_id": 8, "cand_key": 896,
@@ -167,22 +170,29 @@ def test_selection_designs_arrival_and_timeline():
     assert words == {"hist": 512, "ctl": 4, "cand_key": 16, "cand_id": 16, "key": 896}
     mma = RT.RouterOp({**K3, "batch": 8})
     assert RT.RouterOp({**K3, "batch": 8}, topk=2).smem_bytes == mma.smem_bytes + 4 * (512 + 4 + 16 + 16 + 896)
-    assert RT.RouterOp(K3).launch_config().grid[0] == 1 + 448 + 1792  # arrive 2: the selector CTA
+    assert RT.RouterOp(K3).launch_config().grid[0] == 1 + 448 + 1792  # arrive 3: the selector CTA
+    assert RT.RouterOp(K3, arrive=2).launch_config().grid[0] == 1 + 448 + 1792
     assert RT.RouterOp(K3, arrive=1).launch_config().grid[0] == RT.RouterOp(K3, arrive=0).launch_config().grid[0]
     assert RT.RouterOp(K3, arrive=0).launch_config().grid[0] == 448 + 1792
     assert RT.RouterOp({**K3, "batch": 8}, arrive=2).launch_config().grid == mma.launch_config().grid  # stream only
-    for bad in ({"stream_topk": 4}, {"topk": -1}, {"arrive": 3}, {"timeline": 2}, {"stream_w_regs": 2},
+    for bad in ({"stream_topk": 4}, {"topk": -1}, {"arrive": 4}, {"timeline": 2}, {"stream_w_regs": 2},
                 {"group_one": 2}):
         with pytest.raises(ValueError, match="must be one of"):
             RT.RouterOp(K3, **bad)
     from agent.proposers.tuner import tunable_grid
 
     tuned = {t.name: t.tuned_choices for t in SPEC.tunables}
-    assert tuned["timeline"] == (0,) and tuned["arrive"] == (1, 2) and tuned["stream_topk"] == (0, 1, 2, 3)
+    assert tuned["timeline"] == (0,) and tuned["arrive"] == (1, 2, 3) and tuned["stream_topk"] == (0, 1, 2, 3)
     grid = tunable_grid(SPEC)
     assert grid[0] == SPEC.tunable_defaults() and not any(c["timeline"] or not c["arrive"] for c in grid)
-    assert RT.RouterOp(K3).tensor_specs()["counter"].shape == (1,)
-    assert RT.RouterOp(K3, timeline=1).tensor_specs()["counter"].shape == (RT.TIMELINE_WORDS,)
+    tagged = RT.RouterOp(K3).tensor_specs()["counter"]
+    assert tagged.shape == (896,) and tagged.to_dict()["protocol"] == "tagged"
+    assert RT.RouterOp({**K3, "batch": 2}).tensor_specs()["counter"].shape == (2 * 896,)
+    assert RT.RouterOp(K3, timeline=1).tensor_specs()["counter"].shape == (RT.TIMELINE_WORDS + 896,)
+    for counter in (RT.RouterOp(K3, arrive=2), RT.RouterOp({**K3, "batch": 8})):  # a counter, not tagged
+        assert counter.tensor_specs()["counter"].shape == (1,) and "protocol" not in counter.tensor_specs()[
+            "counter"].to_dict()
+    assert RT.RouterOp(K3, arrive=2, timeline=1).tensor_specs()["counter"].shape == (RT.TIMELINE_WORDS,)
     slots = RT.TIMELINE_SLOTS
     assert len(set(slots.values())) == len(slots) and all(0 < w < RT.TIMELINE_WORDS for w in slots.values())
     for contended in ("last_down_end", "last_router_arrival"):
@@ -325,17 +335,60 @@ def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_p
 
 
 @pytest.mark.slow
+def test_stream_sass_default_tagged_logits_no_fence_no_atomic(tmp_path):
+    """The default arrival (arrive 3, tagged logits), batch 1, pdl 1: the selector copies the
+    bias (cp.async) before its ACQBULK; after it, its poll issues every word's strong
+    gpu-scope load (no L1 invalidation: relaxed, the words are their own flags) before the
+    test that loops; the resets are strong stores after the poll, before the bias wait. Each
+    router CTA stores its logit (plain) and its tagged word (strong) and exits: no barrier,
+    fence or atomic after its last partial-sum barrier. Nowhere a fence or an atomic. The
+    static audit sees the counter as tagged and is clean; round 10's arrival (arrive 2) on the
+    same design is audited as a counter."""
+    pytest.importorskip("cutlass")
+    from kernels.build import build_variant
+    from validation.race.artifacts import audit_artifact
+    from kernels.manifest import load_manifest
+
+    art = build_variant("router", K3, {}, root=tmp_path)
+    ops = _sass_ops(art)
+    assert not any(o.startswith(("MEMBAR", "REDG", "ATOMG", "CCTL")) for o in ops)
+    acq = [i for i, o in enumerate(ops) if "ACQBULK" in o]
+    bias = [i for i, o in enumerate(ops) if o.startswith("LDGSTS.E.BYPASS.128")]
+    assert bias and max(bias) < acq[0]
+    first_wait = next(i for i, o in enumerate(ops) if o.startswith("DEPBAR"))
+    poll = [i for i, o in enumerate(ops[:first_wait]) if "LDG.E.STRONG.GPU" in o]
+    resets = [i for i, o in enumerate(ops[:first_wait]) if "STG.E.STRONG.GPU" in o and o.endswith("RZ")]
+    assert len(poll) == len(resets) == 4 and acq[0] < min(poll)  # 896 words over 256 threads
+    loop = next(i for i in range(max(poll), first_wait) if ops[i].startswith("@P0 BRA"))
+    assert max(poll) < loop < min(resets)  # every load issued, then one test
+    tag = [i for i, o in enumerate(ops) if "STG.E.STRONG.GPU" in o and not o.endswith("RZ")]
+    assert len(tag) == 1
+    last_bar = max(i for i in range(tag[0]) if ops[i].startswith("BAR.SYNC"))
+    assert not any(o.startswith(("BAR", "MEMBAR")) for o in ops[last_bar + 1:tag[0]])
+    assert ops[tag[0] + 1] == "EXIT" and any(o.startswith("STG.E ") for o in ops[last_bar + 1:tag[0]])
+    spec = load_manifest().kernel("router")
+    rep = audit_artifact(art, spec)
+    assert rep.clean, [str(f) for f in rep.findings]
+    assert next(p for p in rep.params if p["name"] == "counter")["role"] == "tagged"
+    old = audit_artifact(build_variant("router", K3, {"arrive": 2}, root=tmp_path), spec)
+    assert old.clean and next(p for p in old.params if p["name"] == "counter")["role"] == "sync"
+
+
+@pytest.mark.slow
 def test_stream_sass_default_loads_weights_into_registers_before_the_wait(tmp_path):
-    """The default stream design (`stream_w_regs` 1), batch 1, pdl 1: each streaming body loads its
+    """The default stream design (`stream_w_regs` 1), batch 1, pdl 1, with round 10's arrival
+    (arrive 2; the default's tagged arrival: the test above): each streaming body loads its
     7 weight vectors by plain 16-byte loads (LDG.E.128: not the read-only path, which ptxas
     moved below the wait in round 9) before its ACQBULK, and copies h's 7 vectors into shared
     memory after it, before its one wait; no read-only load anywhere; the selector spins
     (acquire) after its own ACQBULK and resets the counter (release) before phase 2's staging;
-    each router CTA's add is a fenced reduction after its wait. 64 registers: four CTAs per SM.""" 
+    each router CTA's add is a fenced reduction after its wait. 64 registers: four CTAs per SM,
+    with either arrival."""
     pytest.importorskip("cutlass")
     from kernels.build import build_variant
 
-    art = build_variant("router", K3, {}, root=tmp_path)
+    assert build_variant("router", K3, {}, root=tmp_path).meta["resources"]["registers"] == 64
+    art = build_variant("router", K3, {"arrive": 2}, root=tmp_path)
     # four CTAs per SM by registers (256 threads x 64): with five, phase 2 became the critical path
     res = art.meta["resources"]
     assert res["registers"] == 64 and res["spill_store_bytes"] == 0 and "smem_carveout" not in art.meta["launch"]

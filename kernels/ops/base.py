@@ -17,7 +17,7 @@ This module imports no DSL at import time, so the GPU host (no `nvidia-cutlass-d
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DTYPES = ("bfloat16", "float32", "int32", "uint32", "int64", "float16")
@@ -29,9 +29,16 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: str  # one of DTYPES (torch attribute name)
+    # How a `sync` buffer is used, where not as counters and flags guarding other data:
+    # "tagged", every word its own flag (0 until written; the static audit's role "tagged",
+    # validation/race/rules.py). Recorded in meta.json only when set.
+    protocol: str | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict:
-        return {"kind": "tensor", "shape": list(self.shape), "dtype": self.dtype}
+        d = {"kind": "tensor", "shape": list(self.shape), "dtype": self.dtype}
+        if self.protocol is not None:
+            d["protocol"] = self.protocol
+        return d
 
     def numel(self) -> int:
         n = 1

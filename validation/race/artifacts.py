@@ -45,8 +45,12 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     sass = Path(art.paths["sass"]).read_text() if Path(art.paths["sass"]).is_file() else None
     roles = [p.role for p in spec.params]
     names = [p.name for p in spec.params]
+    # a sync buffer this variant uses as tagged words (its tensor spec's protocol, in meta.json)
+    built = {q["name"]: q.get("spec", {}) for q in art.meta.get("params", [])}
+    roles = ["tagged" if r == "sync" and built.get(n, {}).get("protocol") == "tagged" else r
+             for r, n in zip(roles, names)]
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
-                     syncs=spec.syncs_across_ctas or "sync" in roles, source_root=REPO_ROOT)
+                     syncs=spec.syncs_across_ctas or bool({"sync", "tagged"} & set(roles)), source_root=REPO_ROOT)
 
 
 def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,

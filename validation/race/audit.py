@@ -21,7 +21,10 @@ from .rules import ERROR, RULES, RawFinding, Roles, check_function
 from .sass import parse_sass
 
 BUFFER_ROLES = ("static", "activation", "sync", "scratch")
-ALL_ROLES = BUFFER_ROLES + ("scalar",)
+# "tagged": a sync buffer of tagged words (a manifest `sync` parameter whose tensor spec says
+# protocol "tagged"): every word is its own flag (0: not written yet), nothing else is ordered
+# by it (validation/race/rules.py, rule tagged-weak-access)
+ALL_ROLES = BUFFER_ROLES + ("scalar", "tagged")
 
 
 class AuditInputError(ValueError):
@@ -129,7 +132,8 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     """Audit one PTX entry (and its SASS when `sass_text` is given) against parameter roles.
 
     `roles`: a list in parameter order, or a dict keyed by name/index (unnamed: activation).
-    `syncs`: whether the kernel synchronizes across CTAs (default: it has a `sync` parameter).
+    `syncs`: whether the kernel synchronizes across CTAs (default: it has a `sync` or `tagged`
+    parameter).
     Raises AuditInputError when the PTX has no entry (or not `entry`), or roles do not fit.
     """
     t0 = time.perf_counter()
@@ -146,7 +150,7 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     fn = funcs[0]
     by_index, disp = resolve_roles(fn.params, roles, param_names)
     if syncs is None:
-        syncs = "sync" in by_index.values()
+        syncs = bool({"sync", "tagged"} & set(by_index.values()))
 
     cfg = CFG(fn)
     prov = analyze(cfg)

@@ -68,6 +68,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "after a write to another CTA's shared memory, a read of shared memory or the kernel's "
          "exit with no barrier.cluster.arrive (not .relaxed) and wait between: the owner may read "
          "before the write lands, or the write may land in a CTA that has exited"),
+    Rule("tagged-weak-access", ERROR,
+         "access to a tagged sync buffer (each word its own flag) that is not a strong, gpu- or "
+         "sys-scope load or store of whole words: weak, cp.async, cta/cluster-scope or atomic"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -96,7 +99,14 @@ class Roles:
 
     @property
     def sync(self) -> set[int]:
-        return self.of("sync")
+        """Sync buffers, tagged ones included."""
+        return self.of("sync") | self.of("tagged")
+
+    @property
+    def tagged(self) -> set[int]:
+        """Sync buffers of tagged words: each word is its own flag (0 until written), so a write
+        to one publishes that word alone, not other data."""
+        return self.of("tagged")
 
     @property
     def data(self) -> set[int]:
@@ -305,7 +315,34 @@ def _is_acquire(ins: ir.Instr) -> bool:
 
 
 def _is_publish(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
-    return ins.kind in (ir.STORE, ir.RED, ir.ATOM) and bool(prov.params_of_addr(ins.index) & roles.sync)
+    """A write to a sync flag: a release of the data written before it (tagged words excepted:
+    such a word publishes only itself)."""
+    return (ins.kind in (ir.STORE, ir.RED, ir.ATOM)
+            and bool(prov.params_of_addr(ins.index) & (roles.sync - roles.tagged)))
+
+
+def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | None:
+    """A finding when `ins` touches a tagged buffer other than by a strong (relaxed or stronger;
+    SASS .STRONG), gpu- or sys-scope plain load or store: a weak or cp.async access may tear
+    or read a stale line, a cta/cluster scope does not reach the other CTAs, and an atomic
+    means the buffer is used as a counter, which the tagged protocol does not check."""
+    if ins.kind not in ir.MEMORY_KINDS:
+        return None
+    hit = sorted(prov.params_of_addr(ins.index) & roles.tagged)
+    if not hit:
+        return None
+    names = ", ".join(repr(roles.names[p]) for p in hit)
+    if ins.kind in (ir.ATOM, ir.RED):
+        why = "an atomic on it (a tagged buffer is polled and written word by word, never counted)"
+    elif ins.nc:
+        why = "a non-coherent load"
+    elif ins.sem == ir.WEAK:
+        why = "a weak access (plain ld/st or cp.async): it may be split, cached in L1 or merged"
+    elif not ins.cross_cta_scope:
+        why = f"a {ins.scope}-scope access: other CTAs' words are not ordered with it"
+    else:
+        return None
+    return RawFinding("tagged-weak-access", ins, f"access to tagged buffer {names} is {why}", tuple(hit))
 
 
 def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set[str], step):
@@ -407,6 +444,15 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
 
     # -- handshakes through buffers not declared sync (any kernel) -----------------------------
     findings += _undeclared_spins(cfg, prov, roles)
+
+    # -- tagged sync buffers: every access a strong, cross-CTA-scope load or store ------------
+    if roles.tagged:
+        for ins in fn.instrs:
+            if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
+                continue
+            f = _tagged_weak(ins, prov, roles)
+            if f is not None:
+                findings.append(f)
 
     if not syncs:
         return findings
