@@ -124,8 +124,9 @@ def test_block_chain_passes_each_launch_its_producers_outputs(T, router, dense, 
     log = []
     roles = [r for r, _, _ in block_variants(K3, T)]
     kinds = {r: k for r, k, _ in block_variants(K3, T)}
-    ks = BlockKernels(**{r: _Fake(r, log, ("counters", "partials") if kinds[r] in ("gemv", "moe_w2") else (),
-                                  kinds[r]) for r in roles})
+    owned = {"gemv": ("counters", "partials"), "moe_w2": ("counters", "partials"), "router": ("counter",),
+             "router_select": ("counter",)}
+    ks = BlockKernels(**{r: _Fake(r, log, owned.get(kinds[r], ()), kinds[r]) for r in roles})
     blk = MoEBlock(cfg, T, w, concurrent=False, kernels=ks)
     x, out = torch.zeros(T, cfg.hidden, dtype=torch.bfloat16), torch.zeros(T, cfg.hidden, dtype=torch.bfloat16)
     blk.launch(x, out)

@@ -148,11 +148,11 @@ def test_explore_only_choices_are_valid_builds_but_never_defaults():
     real = (REPO_ROOT / "kernels" / "manifest.toml").read_text()
     router = {t.name: t for t in parse_manifest(real).kernel("router").tunables}
     assert router["timeline"].explore_only == (1,) and router["timeline"].tuned_choices == (0,)
-    assert router["arrive"].tuned_choices == (1, 2)
+    assert router["arrive"].tuned_choices == (1, 2, 3)
     for bad in ("explore_only = [0] }", "explore_only = [3] }"):  # the default; not a choice
         with pytest.raises(ManifestError, match="explore_only"):
             parse_manifest(real.replace("explore_only = [1] }", bad, 1))
     base = parse_manifest(real)
-    head = parse_manifest(real.replace("default = 2, explore_only = [0] }", "default = 2 }", 1))
+    head = parse_manifest(real.replace("default = 3, explore_only = [0] }", "default = 3 }", 1))
     violations, _ = manifest_changes(base, head)
     assert [v.rule for v in violations] == ["manifest-tunable-range"]
