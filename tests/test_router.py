@@ -370,6 +370,11 @@ def test_stream_sass_default_tagged_logits_no_fence_no_atomic(tmp_path):
     rep = audit_artifact(art, spec)
     assert rep.clean, [str(f) for f in rep.findings]
     assert next(p for p in rep.params if p["name"] == "counter")["role"] == "tagged"
+    # as the gate and `fasttrack validate` hand it over (paths only): the meta.json beside the PTX
+    from types import SimpleNamespace
+
+    bare = audit_artifact(SimpleNamespace(paths={"ptx": art.paths["ptx"], "sass": art.paths["sass"]}), spec)
+    assert bare.clean and next(p for p in bare.params if p["name"] == "counter")["role"] == "tagged"
     old = audit_artifact(build_variant("router", K3, {"arrive": 2}, root=tmp_path), spec)
     assert old.clean and next(p for p in old.params if p["name"] == "counter")["role"] == "sync"
 

@@ -594,24 +594,31 @@ class RouterOp(OpBase):
     def _phase2_stream(self, sU, outs, mBias, tidx):
         """Trace-time, stream design: phase 2 in the CTA that runs it, over its streaming
         buffers (dead by now): every logit and the bias staged, the selection and the grouping."""
-        B = self.batch
+        v = self._phase2_views(sU)
+        self._stage_scores(outs[0], mBias, v["logits"], v["bias"], tidx)
+        self._stamp("p2_staged", tidx)
+        self._select_and_group(v["logits"], v["bias"], outs, v["mask"], v["start"], v["ids"], v["sel"], tidx,
+                               v["radix"])
+        self._stamp("p2_grouped", tidx, sync=True)
+
+    def _phase2_views(self, sU) -> dict:
+        """Trace-time: phase 2's shared arrays over the streaming buffer sU (`phase2_offsets`):
+        logits [B, E] and bias (fp32), the token masks, starts, ids and selections, `words` (the
+        logits as int32 words), `radix` (the CTA-wide selection's scratch, or None)."""
+        B, E = self.batch, self.n_experts
         f32 = cutlass.Float32
         i32 = cutlass.Int32
         base = cute.recast_ptr(sU.iterator, dtype=i32)
         o = self.phase2_offsets
-        E = self.n_experts
-        sLg = cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
-                               cute.make_layout((B, E), stride=(E, 1)))
-        sBias = cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E))
-        sMask = cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E))
-        sStart = cute.make_tensor(base + o["start"], cute.make_layout(E))
-        sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
-        sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
-        self._stage_scores(outs[0], mBias, sLg, sBias, tidx)
-        self._stamp("p2_staged", tidx)
-        radix = self._radix_views(base, o) if self.topk in (2, 3) else None
-        self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
-        self._stamp("p2_grouped", tidx, sync=True)
+        return {"logits": cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
+                                           cute.make_layout((B, E), stride=(E, 1))),
+                "words": cute.make_tensor(base + o["logits"], cute.make_layout(B * E)),
+                "bias": cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E)),
+                "mask": cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E)),
+                "start": cute.make_tensor(base + o["start"], cute.make_layout(E)),
+                "ids": cute.make_tensor(base + o["ids"], cute.make_layout(self.slots)),
+                "sel": cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots)),
+                "radix": self._radix_views(base, o) if self.topk in (2, 3) else None}
 
     def _stamp_start(self, tidx, bidx):
         """Trace-time, `timeline` 1 only: this CTA's start (%globaltimer_lo, thread 0), stored
@@ -719,24 +726,16 @@ class RouterOp(OpBase):
         B, E, NTH = self.batch, self.n_experts, self.threads
         f32 = cutlass.Float32
         i32 = cutlass.Int32
-        base = cute.recast_ptr(sU.iterator, dtype=i32)
-        o = self.phase2_offsets
-        sLg = cute.make_tensor(cute.recast_ptr(base + o["logits"], dtype=f32),
-                               cute.make_layout((B, E), stride=(E, 1)))
-        sBias = cute.make_tensor(cute.recast_ptr(base + o["bias"], dtype=f32), cute.make_layout(E))
-        sMask = cute.make_tensor(base + o["mask"], cute.make_layout(self.mask_words * E))
-        sStart = cute.make_tensor(base + o["start"], cute.make_layout(E))
-        sIds = cute.make_tensor(base + o["ids"], cute.make_layout(self.slots))
-        sSel = cute.make_tensor(cute.recast_ptr(base + o["sel"], dtype=f32), cute.make_layout(self.slots))
-        sW = cute.make_tensor(base + o["logits"], cute.make_layout(B * E))
+        v = self._phase2_views(sU)
+        sBias, sW = v["bias"], v["words"]
         atom = stream.weight_copy_atom(f32)
         flat = cute.make_layout((4,))
         gv = cute.zipped_divide(cute.make_tensor(mBias.iterator, cute.make_layout(E)), (4,))
         sv = cute.zipped_divide(cute.make_tensor(sBias.iterator, cute.make_layout(E)), (4,))
         for j in cutlass.range_constexpr(ceil_div(E // 4, NTH)):
-            v = tidx + j * NTH
-            if v < E // 4:
-                cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), sv[(None, v)])
+            q = tidx + j * NTH
+            if q < E // 4:
+                cute.copy(atom, cute.make_tensor(gv[(None, q)].iterator, flat), sv[(None, q)])
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
@@ -769,8 +768,8 @@ class RouterOp(OpBase):
         cute.arch.sync_threads()
         self._stamp("p2_arrived", tidx)
         self._stamp("p2_staged", tidx)
-        radix = self._radix_views(base, o) if self.topk in (2, 3) else None
-        self._select_and_group(sLg, sBias, outs, sMask, sStart, sIds, sSel, tidx, radix)
+        self._select_and_group(v["logits"], sBias, outs, v["mask"], v["start"], v["ids"], v["sel"], tidx,
+                               v["radix"])
         self._stamp("p2_grouped", tidx, sync=True)
 
     @cute.jit

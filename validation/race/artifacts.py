@@ -9,6 +9,7 @@ manifest kernel's roles. Nothing here runs on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def build_variant_of(spec: KernelSpec, shape: dict | None = None, tunables: dict
     return build.build_variant(spec.name, dict(shape or spec.shapes[0]), tunables, **kwargs)
 
 
+def _meta(art) -> dict:
+    """The artifact's meta.json: `art.meta` (kernels.build), else the file its paths name or the
+    one beside its PTX (a plan's build folder); {} where there is none."""
+    meta = getattr(art, "meta", None)
+    if isinstance(meta, dict):
+        return meta
+    paths = getattr(art, "paths", {}) or {}
+    path = Path(paths.get("meta") or Path(paths["ptx"]).with_name("meta.json"))
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> AuditReport:
     """Audit a build artifact (its kernel.ptx and kernel.sass) against the roles in `spec`."""
     ptx = Path(art.paths["ptx"]).read_text()
@@ -46,7 +61,7 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     roles = [p.role for p in spec.params]
     names = [p.name for p in spec.params]
     # a sync buffer this variant uses as tagged words (its tensor spec's protocol, in meta.json)
-    built = {q["name"]: q.get("spec", {}) for q in art.meta.get("params", [])}
+    built = {q["name"]: q.get("spec", {}) for q in _meta(art).get("params", [])}
     roles = ["tagged" if r == "sync" and built.get(n, {}).get("protocol") == "tagged" else r
              for r, n in zip(roles, names)]
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
