@@ -171,6 +171,10 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     v.append(("b1_arrive0_timeline", b1, {"arrive": 0, "timeline": 1}))
     v.append(("b1_arrive2", b1, {"arrive": 2}))  # round 10's default (tagged logits are the default now)
     v.append(("b2_arrive2", {"batch": 2, **K3}, {"arrive": 2}))
+    # the three arrivals without programmatic dependent launch: is the default's cost over the
+    # no-phase-2 bound an interaction with the next launch's overlap?
+    for a in (3, 2, 0):
+        v.append((f"b1_arrive{a}_p0", b1, {"arrive": a, "pdl": 0}))
     v.append(("mini_b1_tag", {"batch": 1, **MINI}, {"stream_max_batch": 4, **tag}))
     v.append(("mini_b3_tag", {"batch": 3, **MINI}, {"stream_max_batch": 4, **tag}))
     v.append(("mini_b3_p0_tag", {"batch": 3, **MINI}, {**mini_stream, "stream_w_regs": 1, "stream_topk": 3, **tag,
@@ -184,7 +188,8 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     new_based = {"b1_default", "b2_default", "b1_default_arrive0", "b1_default_arrive1", "b1_default_timeline",
                  "b1_default_top1", "b1_default_n5", "b1_default_g1_n4", "b1_default_g1", "mini_b1_default",
                  "mini_b3_default", "b1_tag", "b1_tag_timeline", "b2_tag", "b1_tag_top1", "b1_tag_g1",
-                 "b1_tag_g1_timeline", "b1_arrive0_timeline", "b1_arrive2", "b2_arrive2", "mini_b1_tag", "mini_b3_tag",
+                 "b1_tag_g1_timeline", "b1_arrive0_timeline", "b1_arrive2", "b2_arrive2",
+                 "b1_arrive3_p0", "b1_arrive2_p0", "b1_arrive0_p0", "mini_b1_tag", "mini_b3_tag",
                  "mini_b3_p0_tag"}
     v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])
