@@ -176,9 +176,8 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     for a in (3, 2, 0):
         v.append((f"b1_arrive{a}_p0", b1, {"arrive": a, "pdl": 0}))
     v.append(("b1_tag_g1_p0", b1, {**tag, "group_one": 1, "pdl": 0}))  # five per SM, no pdl
-    v.append(("b1_sel1", b1, {"selector_cta": 1}))  # the selector after the router CTAs
-    v.append(("b1_sel1_g1", b1, {"selector_cta": 1, "group_one": 1}))
-    v.append(("mini_b3_sel1", {"batch": 3, **MINI}, {"stream_max_batch": 4, "selector_cta": 1}))
+    # round 11 call 7 also measured the selector placed after the router CTAs (`selector_cta` 1,
+    # b1_sel1 / b1_sel1_g1 / mini_b3_sel1, commit e47f655): no faster, removed
     v.append(("mini_b1_tag", {"batch": 1, **MINI}, {"stream_max_batch": 4, **tag}))
     v.append(("mini_b3_tag", {"batch": 3, **MINI}, {"stream_max_batch": 4, **tag}))
     v.append(("mini_b3_p0_tag", {"batch": 3, **MINI}, {**mini_stream, "stream_w_regs": 1, "stream_topk": 3, **tag,
@@ -193,8 +192,7 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
                  "b1_default_top1", "b1_default_n5", "b1_default_g1_n4", "b1_default_g1", "mini_b1_default",
                  "mini_b3_default", "b1_tag", "b1_tag_timeline", "b2_tag", "b1_tag_top1", "b1_tag_g1",
                  "b1_tag_g1_timeline", "b1_arrive0_timeline", "b1_arrive2", "b2_arrive2",
-                 "b1_arrive3_p0", "b1_arrive2_p0", "b1_arrive0_p0", "b1_tag_g1_p0", "b1_sel1", "b1_sel1_g1",
-                 "mini_b3_sel1", "mini_b1_tag", "mini_b3_tag",
+                 "b1_arrive3_p0", "b1_arrive2_p0", "b1_arrive0_p0", "b1_tag_g1_p0", "mini_b1_tag", "mini_b3_tag",
                  "mini_b3_p0_tag"}
     v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])

@@ -129,7 +129,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
                     "topk": 0, "stream_topk": 3, "timeline": 0, "arrive": 3,
-                    "stream_w_regs": 1, "group_one": 0, "stream_ctas_per_sm": 0, "selector_cta": 0}
+                    "stream_w_regs": 1, "group_one": 0, "stream_ctas_per_sm": 0}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -252,9 +252,8 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        self.selector_cta = int(self.tunables["selector_cta"])
         for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 3),
-                          ("stream_w_regs", 1), ("group_one", 1), ("selector_cta", 1)):
+                          ("stream_w_regs", 1), ("group_one", 1)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
@@ -525,14 +524,7 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if cutlass.const_expr(self.arrive == 3 and self.selector_cta == 1):
-            # the selector follows the router CTAs (CTA `ctas`); the down CTAs come after it
-            if bidx == self.ctas:
-                self._phase2_tagged(mCounter, sU, outs, mBias, tidx)
-            else:
-                c = bidx - cutlass.select_(bidx > self.ctas, 1, 0)
-                self._stream_cta(c, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
-        elif cutlass.const_expr(self.arrive == 3):
+        if cutlass.const_expr(self.arrive == 3):
             # CTA 0 selects once every tagged logit is in; the router CTAs are 1 .. ctas
             if bidx == 0:
                 self._phase2_tagged(mCounter, sU, outs, mBias, tidx)
