@@ -176,17 +176,11 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
     for a in (3, 2, 0):
         v.append((f"b1_arrive{a}_p0", b1, {"arrive": a, "pdl": 0}))
     v.append(("b1_tag_g1_p0", b1, {**tag, "group_one": 1, "pdl": 0}))  # five per SM, no pdl
-    # timing probes: the tagged stores with no selector (arrive 4); the selector's poll with no
-    # selection (arrive 5)
-    v.append(("b1_arrive4", b1, {"arrive": 4}))
-    v.append(("b1_arrive5", b1, {"arrive": 5}))
-    v.append(("b1_arrive6", b1, {"arrive": 6}))  # the selector waits and leaves: no poll
-    for sl in (1, 2, 4):  # the selector's poll paced (sleep before each round)
+    # round 11 calls 8-10 (commit dbba415): timing probes (the tagged stores with no selector; the
+    # poll with no selection; no poll) and 16-byte polls, removed. The selector's poll paced:
+    for sl in (0, 1, 4):  # microseconds of sleep before each round (the default: 2)
         v.append((f"b1_sleep{sl}", b1, {"poll_sleep": sl}))
-        v.append((f"b1_sleep{sl}_v4", b1, {"poll_sleep": sl, "poll_vec": 4}))
-    v.append(("b1_v4", b1, {"poll_vec": 4}))  # 16-byte polls
-    v.append(("b2_sleep2_v4", {"batch": 2, **K3}, {"poll_sleep": 2, "poll_vec": 4}))
-    v.append(("mini_b3_sleep2_v4", {"batch": 3, **MINI}, {"stream_max_batch": 4, "poll_sleep": 2, "poll_vec": 4}))
+    v.append(("b2_sleep0", {"batch": 2, **K3}, {"poll_sleep": 0}))
     # round 11 call 7 also measured the selector placed after the router CTAs (`selector_cta` 1,
     # b1_sel1 / b1_sel1_g1 / mini_b3_sel1, commit e47f655): no faster, removed
     v.append(("mini_b1_tag", {"batch": 1, **MINI}, {"stream_max_batch": 4, **tag}))
@@ -203,8 +197,7 @@ def _variants(sweep: bool = False) -> list[tuple[str, dict, dict]]:
                  "b1_default_top1", "b1_default_n5", "b1_default_g1_n4", "b1_default_g1", "mini_b1_default",
                  "mini_b3_default", "b1_tag", "b1_tag_timeline", "b2_tag", "b1_tag_top1", "b1_tag_g1",
                  "b1_tag_g1_timeline", "b1_arrive0_timeline", "b1_arrive2", "b2_arrive2",
-                 "b1_arrive3_p0", "b1_arrive2_p0", "b1_arrive0_p0", "b1_tag_g1_p0", "b1_arrive4", "b1_arrive5", "b1_arrive6", "b1_sleep1", "b1_sleep1_v4", "b1_sleep2",
-                 "b1_sleep2_v4", "b1_sleep4", "b1_sleep4_v4", "b1_v4", "b2_sleep2_v4", "mini_b3_sleep2_v4", "mini_b1_tag", "mini_b3_tag",
+                 "b1_arrive3_p0", "b1_arrive2_p0", "b1_arrive0_p0", "b1_tag_g1_p0", "b1_sleep0", "b1_sleep1", "b1_sleep4", "b2_sleep0", "mini_b1_tag", "mini_b3_tag",
                  "mini_b3_p0_tag"}
     v = [(i, shape, tun if i in new_based else {**R9, **tun}) for i, shape, tun in v]
     return v + (_mma_sweep() if sweep else [])

@@ -129,8 +129,7 @@ LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups l
 DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 1, "k_unroll": 8, "stream_max_batch": 2,
                     "stream_threads": 256, "stream_cta_kib": 32, "pdl": 1, "down_row_tiles": 2,
                     "topk": 0, "stream_topk": 3, "timeline": 0, "arrive": 3,
-                    "stream_w_regs": 1, "group_one": 0, "stream_ctas_per_sm": 0, "poll_sleep": 0,
-                    "poll_vec": 1}
+                    "stream_w_regs": 1, "group_one": 0, "stream_ctas_per_sm": 0, "poll_sleep": 2}
 TOPK_CHAINS = 4  # independent compare chains per lane in each top-k round (instruction-level parallelism)
 # `topk`: how phase 2 selects a token's top_k. 0 "shuffle": a warp per token, top_k rounds of a
 # butterfly argmax over (score, index); 1 "redux": a warp per token, each round two redux.sync
@@ -164,6 +163,13 @@ TAG_NAN_WORD = 0x003FFFFF
 
 SMEM_RESERVED_PER_CTA = 1024  # sm_90 reserves 1 KB of shared memory per CTA
 SM90_SMEM_PER_SM = 228 * 1024  # the largest shared-memory carveout of an H100/H200 SM
+def _nanosleep(ns: int) -> None:
+    """Trace-time: `nanosleep.u32 ns` (the warp sleeps about that long, at most 1 ms; sm_70+)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True)
+
+
 def _load_row_regs(P, gW, row, kv0):
     """`stream_w_regs` 1: this thread's weight vectors of `row` into registers by plain 16-byte
     loads (weak, default caching), all issued here (an empty volatile asm ties each to this
@@ -253,7 +259,7 @@ class RouterOp(OpBase):
         self.pdl = int(self.tunables["pdl"])
         self.timeline = int(self.tunables["timeline"])
         self.arrive = int(self.tunables["arrive"])
-        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 6),
+        for name, top in (("pdl", 1), ("topk", 2), ("stream_topk", 3), ("timeline", 1), ("arrive", 3),
                           ("stream_w_regs", 1), ("group_one", 1)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
@@ -266,7 +272,7 @@ class RouterOp(OpBase):
             self._plan_mma()
         # the counter buffer: the arrival counter (word 0), or with `arrive` 3 (stream design) the
         # tagged logits (B * n_experts words); the timeline's stamps come first when `timeline` 1
-        self.tagged = self.stream and self.arrive in (3, 4, 5, 6)
+        self.tagged = self.stream and self.arrive == 3
         self.tag_base = TIMELINE_WORDS if self.timeline else 0
         self.counter_words = (self.tag_base + ceil_div(self.batch * self.n_experts, 4) * 4 if self.tagged
                               else TIMELINE_WORDS if self.timeline else 1)
@@ -402,7 +408,7 @@ class RouterOp(OpBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        selector = 1 if self.stream and self.arrive in (2, 3, 5, 6) else 0
+        selector = 1 if self.stream and self.arrive in (2, 3) else 0
         return LaunchConfig(grid=(selector + self.ctas + self.down_ctas, 1, 1), block=(self.threads, 1, 1),
                             smem_bytes=self.smem_bytes, pdl=bool(self.stream and self.pdl),
                             smem_carveout=getattr(self, "carveout", 0) or None)  # the stream design's
@@ -525,7 +531,7 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if cutlass.const_expr(self.arrive in (3, 5, 6)):
+        if cutlass.const_expr(self.arrive == 3):
             # CTA 0 selects once every tagged logit is in; the router CTAs are 1 .. ctas
             if bidx == 0:
                 self._phase2_tagged(mCounter, sU, outs, mBias, tidx)
@@ -628,7 +634,7 @@ class RouterOp(OpBase):
             return None
         now = cute.arch.globaltimer_lo()
         self._stamp("first_start", tidx, when=bidx == 0, value=now)
-        first_down = self.ctas + (1 if self.arrive in (2, 3, 5, 6) else 0)
+        first_down = self.ctas + (1 if self.arrive in (2, 3) else 0)
         self._stamp("first_down_start", tidx, when=bidx == first_down, value=now)
         self._stamp("last_cta_start", tidx, when=bidx == first_down + self.down_ctas - 1, value=now)
         return now
@@ -741,24 +747,16 @@ class RouterOp(OpBase):
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(self.arrive == 6):  # timing probe: no poll, no selection
-            cute.arch.cp_async_wait_group(0)
-            return
         tag = mCounter.iterator + self.tag_base
         n = B * E
         J = ceil_div(n, NTH)
         missing = i32(1)
         sleep = int(self.tunables["poll_sleep"])
-        vec = int(self.tunables["poll_vec"])
         while missing != i32(0):
-            if cutlass.const_expr(sleep > 0):  # the warp sleeps between rounds (and before the first)
-                from cutlass._mlir.dialects import llvm
-
-                llvm.inline_asm(None, [], f"nanosleep.u32 {sleep * 1000};", "", has_side_effects=True)
+            if cutlass.const_expr(sleep > 0):  # the warp sleeps before each round (the first too)
+                _nanosleep(sleep * 1000)
             missing = i32(0)
-            if cutlass.const_expr(vec == 4):
-                missing = self._poll_v4(tag, sW, tidx)
-            for j in cutlass.range_constexpr(J if vec == 1 else 0):
+            for j in cutlass.range_constexpr(J):
                 i = tidx + j * NTH
                 if cutlass.const_expr((j + 1) * NTH <= n):
                     w = cute.arch.load(tag + i, i32, sem="relaxed", scope="gpu")
@@ -780,33 +778,9 @@ class RouterOp(OpBase):
         cute.arch.sync_threads()
         self._stamp("p2_arrived", tidx)
         self._stamp("p2_staged", tidx)
-        if cutlass.const_expr(self.arrive == 5):  # timing probe: the poll, no selection
-            return
         self._select_and_group(v["logits"], sBias, outs, v["mask"], v["start"], v["ids"], v["sel"], tidx,
                                v["radix"])
         self._stamp("p2_grouped", tidx, sync=True)
-
-    @cute.jit
-    def _poll_v4(self, tag, sW, tidx):
-        """Trace-time, `poll_vec` 4: one round of the tagged poll by 16-byte relaxed gpu-scope
-        loads (each word still its own flag: a vector load is single-copy atomic per word),
-        decoded into sW; returns 1 if some word is still 0."""
-        from cutlass._mlir import ir
-        from cutlass._mlir.dialects import vector
-
-        i32 = cutlass.Int32
-        nv = self.batch * self.n_experts // 4
-        NTH = self.threads
-        missing = i32(0)
-        for j in cutlass.range_constexpr(ceil_div(nv, NTH)):
-            q = tidx + j * NTH
-            if q < nv:
-                v = cute.arch.load(tag + 4 * q, ir.VectorType.get([4], i32.mlir_type), sem="relaxed", scope="gpu")
-                for e in cutlass.range_constexpr(4):
-                    w = i32(vector.extract(v, [], [e]))
-                    sW[4 * q + e] = w ^ i32(-1)
-                    missing = missing | cutlass.select_(w == i32(0), i32(1), i32(0))
-        return missing
 
     @cute.jit
     def _arrive(self, mCounter, sLast, tidx):
