@@ -337,7 +337,8 @@ def test_stream_sass_selector_spins_after_the_wait_and_router_ctas_release(tmp_p
 @pytest.mark.slow
 def test_stream_sass_default_tagged_logits_no_fence_no_atomic(tmp_path):
     """The default arrival (arrive 3, tagged logits), batch 1, pdl 1: the selector copies the
-    bias (cp.async) before its ACQBULK; after it, its poll issues every word's strong
+    bias (cp.async) before its ACQBULK; after it, each round of its poll (a 2 us sleep first,
+    poll_sleep 2) issues every word's strong
     gpu-scope load (no L1 invalidation: relaxed, the words are their own flags) before the
     test that loops; the resets are strong stores after the poll, before the bias wait. Each
     router CTA stores its logit (plain) and its tagged word (strong) and exits: no barrier,
@@ -359,6 +360,8 @@ def test_stream_sass_default_tagged_logits_no_fence_no_atomic(tmp_path):
     poll = [i for i, o in enumerate(ops[:first_wait]) if "LDG.E.STRONG.GPU" in o]
     resets = [i for i, o in enumerate(ops[:first_wait]) if "STG.E.STRONG.GPU" in o and o.endswith("RZ")]
     assert len(poll) == len(resets) == 4 and acq[0] < min(poll)  # 896 words over 256 threads
+    # poll_sleep 2: the warps sleep before each round (the loop's first instruction that matters)
+    assert any(o.startswith("NANOSLEEP") for o in ops[acq[0]:min(poll)])
     loop = next(i for i in range(max(poll), first_wait) if ops[i].startswith("@P0 BRA"))
     assert max(poll) < loop < min(resets)  # every load issued, then one test
     tag = [i for i, o in enumerate(ops) if "STG.E.STRONG.GPU" in o and not o.endswith("RZ")]

@@ -37,8 +37,11 @@ Two designs, chosen at build time from the batch (both deterministic, same phase
     NaN). No barrier, fence or atomic follows, so a router CTA leaves as soon as its stores are
     issued. An extra CTA 0 runs phase 2: it copies the bias (static) before
     `griddepcontrol.wait`, then every thread polls its words (relaxed gpu-scope loads, a
-    round's loads all issued before any is tested) until none is 0, decodes them into shared
-    memory and resets them to 0 for the next launch. Phase 2 has every logit one round trip
+    round's loads all issued before any is tested; `poll_sleep` 2: a 2 us nanosleep before each
+    round, since back-to-back polls cost the launch ~0.3 us of its overlap with the next launch
+    under pdl) until none is 0, decodes them into shared memory and resets them to 0 for the
+    next launch (each thread the words it polled: a word reset before its poller saw it would
+    never be written again). Phase 2 has every logit one round trip
     after the last one lands, with no release, counter or staging between (round 10's scheme
     had four dependent round trips; evidence_reports/moe_block/round11/). The static audit
     knows the protocol: the counter's tensor spec says "tagged" at these variants, and the
