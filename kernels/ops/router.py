@@ -534,19 +534,17 @@ class RouterOp(OpBase):
         vU = cute.zipped_divide(sU, (BF16_PER_VECTOR,))  # ((8), vectors)
 
         t_start = self._stamp_start(tidx, bidx)
-        if cutlass.const_expr(self.arrive == 3):
-            # CTA 0 selects once every tagged logit is in; the router CTAs are 1 .. ctas
+        if cutlass.const_expr(self.arrive in (2, 3)):
+            # CTA 0 selects (3: once every tagged logit is in; 2: once every router CTA has
+            # released its logits); the router CTAs are 1 .. ctas, the down CTAs follow
             if bidx == 0:
-                self._phase2_tagged(mCounter, sU, outs, mBias, tidx)
-            else:
-                self._stream_cta(bidx - 1, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
-        elif cutlass.const_expr(self.arrive == 2):
-            # CTA 0 selects; the router CTAs are 1 .. ctas, the down CTAs follow
-            if bidx == 0:
-                self._select_when_arrived(mCounter, tidx)
-                self._stamp("p2_arrived", tidx)
-                self._stamp("p2_cta_start", tidx, value=t_start)
-                self._phase2_stream(sU, outs, mBias, tidx)
+                if cutlass.const_expr(self.arrive == 3):
+                    self._phase2_tagged(mCounter, sU, outs, mBias, tidx)
+                else:
+                    self._select_when_arrived(mCounter, tidx)
+                    self._stamp("p2_arrived", tidx)
+                    self._stamp("p2_cta_start", tidx, value=t_start)
+                    self._phase2_stream(sU, outs, mBias, tidx)
             else:
                 self._stream_cta(bidx - 1, mH, mW, mBias, outs, mCounter, mWd, mZ, sU, vU, sP, sLast, tidx, t_start)
         else:
@@ -734,19 +732,10 @@ class RouterOp(OpBase):
         grid completed). One round trip after the last logit lands, phase 2 has every logit:
         no release, no counter, no separate staging."""
         B, E, NTH = self.batch, self.n_experts, self.threads
-        f32 = cutlass.Float32
         i32 = cutlass.Int32
         v = self._phase2_views(sU)
         sBias, sW = v["bias"], v["words"]
-        atom = stream.weight_copy_atom(f32)
-        flat = cute.make_layout((4,))
-        gv = cute.zipped_divide(cute.make_tensor(mBias.iterator, cute.make_layout(E)), (4,))
-        sv = cute.zipped_divide(cute.make_tensor(sBias.iterator, cute.make_layout(E)), (4,))
-        for j in cutlass.range_constexpr(ceil_div(E // 4, NTH)):
-            q = tidx + j * NTH
-            if q < E // 4:
-                cute.copy(atom, cute.make_tensor(gv[(None, q)].iterator, flat), sv[(None, q)])
-        cute.arch.cp_async_commit_group()
+        self._stage_f32(((mBias.iterator, sBias.iterator, E // 4, None),), tidx, wait=False)
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
@@ -813,11 +802,11 @@ class RouterOp(OpBase):
                          (mBias.iterator, sBias.iterator, E // 4, None)), tidx)
 
     @cute.jit
-    def _stage_f32(self, srcs, tidx):
+    def _stage_f32(self, srcs, tidx, wait: bool = True):
         """Trace-time: for each (global pointer, shared pointer, n, bound) of `srcs`, the first
         `bound` (None: all n; else a run-time count up to n) of the n 16-byte fp32 vectors from
         global into shared memory by L2-only cp.async, every copy issued before one wait; then a
-        CTA barrier."""
+        CTA barrier. With `wait` False the copies are only issued and committed: the caller waits."""
         atom = stream.weight_copy_atom(cutlass.Float32)
         flat = cute.make_layout((4,))
         for g_ptr, s_ptr, n, bound in srcs:
@@ -828,8 +817,9 @@ class RouterOp(OpBase):
                 if v < (n if bound is None else bound):
                     cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), sv[(None, v)])
         cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
+        if cutlass.const_expr(wait):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
 
     def _radix_views(self, base, offsets):
         """Trace-time: the radix selection's shared tensors from an int32 pointer and the word
@@ -1119,10 +1109,7 @@ class RouterOp(OpBase):
                 kq = i32(cand_key[q]) ^ i32(INT32_MIN)
                 rank = rank + cutlass.select_(cutlass.or_(kq > kp, cutlass.and_(kq == kp, cand_id[q] < ip)),
                                               i32(1), i32(0))
-            mIds[t, rank] = ip
-            sIds[t * K + rank] = ip
-            sSel[t * K + rank] = sigmoid(lg[t, ip])
-            cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
+            self._place_ranked(lg, t, rank, ip, mIds, sIds, sSel, sMask)
         cute.arch.sync_threads()
         self._stamp("p2_rounds", tidx)
         self._weights_cta(t, mWeights, sSel, tidx)
@@ -1254,13 +1241,21 @@ class RouterOp(OpBase):
                 rank = rank + cutlass.select_(cutlass.or_(kq > kp, cutlass.and_(kq == kp, cand_id[q] < ip)),
                                               i32(1), i32(0))
             if rank < K:
-                mIds[t, rank] = ip
-                sIds[t * K + rank] = ip
-                sSel[t * K + rank] = sigmoid(lg[t, ip])
-                cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
+                self._place_ranked(lg, t, rank, ip, mIds, sIds, sSel, sMask)
         cute.arch.sync_threads()
         self._stamp("p2_rounds", tidx)
         self._weights_cta(t, mWeights, sSel, tidx)
+
+    def _place_ranked(self, lg, t, rank, ip, mIds, sIds, sSel, sMask):
+        """Trace-time, the CTA-wide selections: expert ip as token t's selection `rank`: its id
+        (global and shared), its unbiased score (sigmoid of its logit) and t's bit in its token
+        mask (a shared atomic OR)."""
+        K, E = self.top_k, self.n_experts
+        i32 = cutlass.Int32
+        mIds[t, rank] = ip
+        sIds[t * K + rank] = ip
+        sSel[t * K + rank] = sigmoid(lg[t, ip])
+        cute.arch.atomic_or(sMask.iterator + (t // WARP) * E + ip, i32(1) << (t % WARP))
 
     @cute.jit
     def _weights_cta(self, t, mWeights, sSel, tidx):

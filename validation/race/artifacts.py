@@ -65,7 +65,7 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     roles = ["tagged" if r == "sync" and built.get(n, {}).get("protocol") == "tagged" else r
              for r, n in zip(roles, names)]
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
-                     syncs=spec.syncs_across_ctas or bool({"sync", "tagged"} & set(roles)), source_root=REPO_ROOT)
+                     syncs=spec.syncs_across_ctas or None, source_root=REPO_ROOT)  # None: from the roles
 
 
 def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,

@@ -399,7 +399,7 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
     findings: list[RawFinding] = []
     td = thread_dependent_blocks(cfg, prov)
 
-    # -- nc loads and unknown provenance (any kernel) -----------------------------------------
+    # -- nc loads, unknown provenance and tagged buffers' accesses (any kernel) ---------------
     for ins in fn.instrs:
         if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
             continue
@@ -416,6 +416,10 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
                 findings.append(RawFinding("unknown-provenance", ins,
                                            "address derives from no kernel parameter"))
                 continue
+            if roles.tagged:  # a tagged buffer: only strong, cross-CTA-scope loads and stores
+                f = _tagged_weak(ins, prov, roles)
+                if f is not None:
+                    findings.append(f)
             if ins.kind == ir.LOAD and ins.nc:
                 bad = sorted(p for p in bufs if roles.by_index.get(p) != "static")
                 if bad:
@@ -444,15 +448,6 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
 
     # -- handshakes through buffers not declared sync (any kernel) -----------------------------
     findings += _undeclared_spins(cfg, prov, roles)
-
-    # -- tagged sync buffers: every access a strong, cross-CTA-scope load or store ------------
-    if roles.tagged:
-        for ins in fn.instrs:
-            if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
-                continue
-            f = _tagged_weak(ins, prov, roles)
-            if f is not None:
-                findings.append(f)
 
     if not syncs:
         return findings
