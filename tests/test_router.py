@@ -179,6 +179,9 @@ def test_selection_designs_arrival_and_timeline():
                 {"group_one": 2}):
         with pytest.raises(ValueError, match="must be one of"):
             RT.RouterOp(K3, **bad)
+    for bad in (-1, 1001):
+        with pytest.raises(ValueError, match="poll_sleep must be 0..1000"):
+            RT.RouterOp(K3, poll_sleep=bad)
     from agent.proposers.tuner import tunable_grid
 
     tuned = {t.name: t.tuned_choices for t in SPEC.tunables}

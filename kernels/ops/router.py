@@ -266,6 +266,8 @@ class RouterOp(OpBase):
                           ("stream_w_regs", 1), ("group_one", 1)):
             if not 0 <= int(self.tunables[name]) <= top:
                 raise ValueError(f"router: {name} must be one of 0..{top}")
+        if not 0 <= int(self.tunables["poll_sleep"]) <= 1000:  # nanosleep sleeps at most 1 ms
+            raise ValueError("router: poll_sleep must be 0..1000 (microseconds)")
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         # the selection of phase 2 (TOPK_DESIGNS), each design its own default
         self.topk = int(self.tunables["stream_topk" if self.stream else "topk"])
