@@ -1,0 +1,257 @@
+"""Expert parallelism (kernels/ep.py, validation/ep_stage.py) on CPU.
+
+The bookkeeping in one process (plan_dispatch, an exchange simulated between ranks, the cubins'
+grouping of the received rows), then the block itself in process groups of 2 and 4 gloo
+processes on loopback, against the one-GPU reference block and its float64 oracle: the router's
+own routing, a hot expert, every token on one rank's experts, ranks without tokens, and two
+planted faults (a reversed combine, a dropped slot) that the checks must catch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import ep
+from kernels import reference as R
+from kernels.config import get_config
+from validation import ep_stage
+from validation.ep_stage import GpuConfiguration, Scenario
+
+
+# ---------------------------------------------------------------------------------------------
+# In one process
+# ---------------------------------------------------------------------------------------------
+
+
+def _ids(T, cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(cfg.n_experts, generator=g)[: cfg.top_k] for _ in range(T)]).to(torch.int32)
+
+
+def test_shard_layout_and_refusals():
+    s = ep.ExpertShard(16, 4, 2)
+    assert (s.per_rank, s.first) == (4, 8)
+    assert s.owner(torch.tensor([0, 3, 4, 15])).tolist() == [0, 0, 1, 3]
+    with pytest.raises(ep.EPError, match="divide"):
+        ep.ExpertShard(16, 3, 0)
+    with pytest.raises(ep.EPError, match="rank"):
+        ep.ExpertShard(16, 4, 4)
+
+
+def test_multicast_stays_off_whatever_was_set():
+    env = {"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}
+    ep.multicast_off_env(env)
+    assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                   "OTHER": "x"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_dispatch_accounts_for_every_slot(world):
+    cfg = get_config("mini")
+    T, K = 7, cfg.top_k
+    ids = _ids(T, cfg)
+    shard = ep.ExpertShard(cfg.n_experts, world, 0)
+    p = ep.plan_dispatch(ids, shard)
+    flat = ids.reshape(-1).long()
+    assert sorted(p.order.tolist()) == list(range(T * K))
+    assert p.slot_counts.sum() == T * K
+    dest = shard.owner(flat[p.order])
+    assert torch.equal(dest, torch.sort(dest).values)  # by destination
+    tok_start = torch.cumsum(p.token_counts, 0) - p.token_counts
+    # each slot's row names its own token, its local expert its own expert
+    assert torch.equal(p.token_rows[tok_start[dest] + p.slot_row], p.order // K)
+    assert torch.equal(p.slot_expert + dest * shard.per_rank, flat[p.order])
+    for d in range(world):  # a token goes to a rank once, however many of its experts are there
+        rows = p.token_rows[tok_start[d]: tok_start[d] + p.token_counts[d]]
+        assert rows.tolist() == sorted(set((p.order[dest == d] // K).tolist()))
+
+
+def _simulated_receive(cfg, zs, plans, d):
+    """What rank d receives from every source (the exchange of kernels.ep.dispatch, in memory)."""
+    z, rows, experts, slot_counts, tok_counts, base = [], [], [], [], [], 0
+    for z_src, p in zip(zs, plans):
+        ts = torch.cumsum(p.token_counts, 0) - p.token_counts
+        ss = torch.cumsum(p.slot_counts, 0) - p.slot_counts
+        nt, ns = int(p.token_counts[d]), int(p.slot_counts[d])
+        z.append(z_src[p.token_rows[ts[d]: ts[d] + nt]])
+        rows.append(p.slot_row[ss[d]: ss[d] + ns] + base)
+        experts.append(p.slot_expert[ss[d]: ss[d] + ns])
+        slot_counts.append(ns)
+        tok_counts.append(nt)
+        base += nt
+    return ep.Received(torch.cat(z), torch.cat(rows), torch.cat(experts), slot_counts, tok_counts)
+
+
+def _kernel_contract(rec, g, w13, w2, cfg, max_rows):
+    """What moe_w13 + moe_w2 compute from their routing inputs (kernels/ops/moe_experts.py's
+    references): each group's slots in order, o written at the slot."""
+    K = cfg.top_k
+    z = torch.zeros(max_rows, cfg.latent, dtype=rec.z.dtype)
+    z[: rec.z.shape[0]] = rec.z
+    o = torch.full((max_rows * K, cfg.latent), float("nan"))
+    for u in range(int(g["n_groups"][0])):
+        e = int(g["group_expert"][u])
+        slots = g["sorted_slots"][g["group_start"][u]: g["group_start"][u + 1]].long()
+        o[slots] = R.expert_ffn(z[slots // K], w13[e], w2[e], gate_limit=cfg.situ_gate_limit,
+                                up_limit=cfg.situ_up_limit)
+    return o[g["slot"]]
+
+
+@pytest.mark.parametrize("world,routing", [(2, "uniform"), (4, "uniform"), (4, "hot"), (4, "same")])
+def test_exchange_and_grouping_give_the_one_gpu_expert_outputs(world, routing):
+    """Simulated exchange: every rank's received slots, run by the reference path and by the
+    cubins' contract over `local_grouping`, give the one-GPU expert outputs bit for bit."""
+    from validation.numerics import routing_ids
+
+    cfg = get_config("tiny")
+    w = R.make_weights(cfg)
+    tokens = [3, 0, 5, 2][:world]
+    ids = routing_ids(sum(tokens), cfg.n_experts, cfg.top_k, routing, torch.Generator().manual_seed(3), "cpu")
+    z = R.linear(R.rmsnorm(R.make_hidden(cfg, sum(tokens)), w.gamma_pre), w.w_down)
+    one_gpu = R.expert_outputs(z, ids, w.w13, w.w2).reshape(-1, cfg.latent)
+    bounds = torch.tensor([0] + tokens).cumsum(0).tolist()
+    zs = [z[a:b] for a, b in zip(bounds, bounds[1:])]
+    plans = [ep.plan_dispatch(ids[a:b], ep.ExpertShard(cfg.n_experts, world, r))
+             for r, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    back = [[] for _ in range(world)]
+    for d in range(world):
+        shard = ep.ExpertShard(cfg.n_experts, world, d)
+        sw = ep.shard_weights(w, shard)
+        rec = _simulated_receive(cfg, zs, plans, d)
+        o = ep.TorchLocalExperts(sw.w13, sw.w2, cfg)(rec)
+        g = ep.local_grouping(rec.rows, rec.experts, sum(tokens), cfg.top_k, shard.per_rank)
+        assert sorted(g["sorted_slots"].tolist()) == list(range(sum(tokens) * cfg.top_k))
+        assert torch.equal(_kernel_contract(rec, g, sw.w13, sw.w2, cfg, sum(tokens)), o)
+        at = 0
+        for s, n in enumerate(rec.slot_counts):
+            back[s].append(o[at: at + n])
+            at += n
+    for r, p in enumerate(plans):  # the return: each rank's slots back in slot order
+        o = torch.empty(p.order.numel(), cfg.latent)
+        o[p.order] = torch.cat(back[r])
+        assert torch.equal(o, one_gpu[bounds[r] * cfg.top_k: bounds[r + 1] * cfg.top_k])
+
+
+def test_local_grouping_matches_the_routers_grouping():
+    """One rank holding every expert: the grouping is the router's own (kernels/ops/router.py)."""
+    from kernels.ops.router import routing_groups_ref
+
+    cfg = get_config("tiny")
+    ids = _ids(6, cfg, seed=1)
+    p = ep.plan_dispatch(ids, ep.ExpertShard(cfg.n_experts, 1, 0))
+    g = ep.local_grouping(p.slot_row, p.slot_expert, 6, cfg.top_k, cfg.n_experts)
+    ref = routing_groups_ref(ids, cfg.n_experts)
+    for k in ref:
+        assert torch.equal(g[k], ref[k]), k
+    assert torch.equal(g["slot"], torch.arange(6 * cfg.top_k))
+
+
+def test_local_grouping_refuses_rows_past_the_kernels_batch():
+    with pytest.raises(ep.EPError, match="batch"):
+        ep.local_grouping(torch.tensor([0, 5]), torch.tensor([0, 1]), 4, 2, 4)
+    with pytest.raises(ep.EPError, match="top_k"):
+        ep.local_grouping(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2]), 4, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups of gloo ranks on loopback
+# ---------------------------------------------------------------------------------------------
+
+SCENARIOS = {
+    2: [Scenario("tiny", (3, 5), label="router"),
+        Scenario("tiny", (4, 4), "hot", label="hot"),
+        Scenario("tiny", (3, 3), "one_rank", label="one_rank"),
+        Scenario("tiny", (5, 0), label="empty_rank"),
+        Scenario("mini", (8, 8), steps=2, label="mini"),
+        Scenario("mini", (8, 8), mutant="reversed_combine", label="reversed_combine"),
+        Scenario("tiny", (4, 4), mutant="dropped_slot", label="dropped_slot")],
+    4: [Scenario("tiny", (2, 3, 1, 2), label="router"),
+        Scenario("tiny", (2, 2, 2, 2), "one_rank", label="one_rank"),
+        Scenario("tiny", (0, 4, 0, 3), "hot", label="empty_rank"),
+        Scenario("mini", (4, 4, 4, 4), label="mini"),
+        Scenario("mini", (4, 4, 4, 4), "distinct", label="mini_distinct"),
+        Scenario("mini", (4, 4, 4, 4), mutant="reversed_combine", label="reversed_combine")],
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def group(request):
+    n = request.param
+    return n, {r["label"]: r for r in ep_stage.run_scenarios(SCENARIOS[n], n)}
+
+
+GOOD = ("router", "one_rank", "empty_rank", "mini")
+
+
+def test_block_equals_the_one_gpu_block(group):
+    n, res = group
+    for label in GOOD + (("hot",) if n == 2 else ("mini_distinct",)):
+        r = res[label]
+        assert r["passed"], (label, r["numerics"])
+        assert r["c_bitwise_equal"], label
+        assert r["numerics"]["out"]["passed"], label
+        if r["routing"] == "router":
+            assert r["numerics"]["ids"]["passed"], label
+
+
+def test_uneven_routings_reach_the_right_ranks(group):
+    n, res = group
+    used = [g["experts_used"] for g in res["one_rank"]["timing"]["per_gpu"]]
+    assert used[:-1] == [0] * (n - 1) and used[-1] > 0
+    empty = res["empty_rank"]["timing"]["per_gpu"]
+    assert [g["tokens"] for g in empty] == list(res["empty_rank"]["configuration"]["tokens"])
+    assert any(g["tokens"] == 0 for g in empty)
+
+
+def test_timing_and_read_fields(group):
+    n, res = group
+    t = res["mini"]["timing"]
+    assert len(t["per_gpu"]) == n and t["steps"] == next(s.steps for s in SCENARIOS[n] if s.label == "mini")
+    assert 0 <= t["comm_share"] <= 1 and t["end_to_end_us"] > 0
+    for g in t["per_gpu"]:
+        assert set(g["phases_us"]) == set(ep.PHASES)
+        assert g["read_fraction"] is None  # no ceiling on a CPU
+        cfg = get_config("mini")
+        assert g["read_bytes"] == 2 * (cfg.dense_params() + g["experts_used"] * cfg.routed_expert_params())
+    json.dumps(res["mini"])  # embeddable as it is
+
+
+def test_planted_faults_are_caught(group):
+    n, res = group
+    rc = res["reversed_combine"]
+    assert not rc["passed"] and not rc["c_bitwise_equal"]
+    assert rc["numerics"]["out"]["passed"]  # within tolerance: only the exact check sees it
+    if n == 2:
+        ds = res["dropped_slot"]
+        assert not ds["passed"] and not ds["c_bitwise_equal"]
+        assert not ds["numerics"]["out"]["passed"]
+
+
+def test_cli_writes_the_configurations(tmp_path, capsys):
+    rc = ep_stage.main(["--device", "cpu", "--config", "tiny", "--ep-degrees", "2", "--batches", "1,3",
+                        "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr()
+    doc = json.loads((tmp_path / "ep_result.json").read_text())
+    assert [c["configuration"]["name"] for c in doc["gpu_configurations"]] == ["ep2-b1", "ep2-b3"]
+    assert doc["environment"]["multicast_off"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+@pytest.mark.parametrize("argv,msg", [(["--ep-degrees", "3"], "must divide"), (["--batches", "0"], "positive"),
+                                      (["--config", "nope"], "unknown config")])
+def test_cli_bad_input_is_one_message(tmp_path, capsys, argv, msg):
+    with pytest.raises(SystemExit) as ex:
+        sys_exit = ep_stage.main(["--device", "cpu", "--config", "tiny", "--out", str(tmp_path), *argv])
+        raise SystemExit(sys_exit)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+    assert not (tmp_path / "ep_result.json").exists()
+
+
+def test_configuration_is_validated():
+    assert GpuConfiguration(4, 8).name == "ep4-b8"
+    with pytest.raises(ep_stage.EPStageError):
+        GpuConfiguration(0, 8)
