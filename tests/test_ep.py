@@ -240,7 +240,8 @@ def test_cli_writes_the_configurations(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,msg", [(["--ep-degrees", "3"], "must divide"), (["--batches", "0"], "positive"),
-                                      (["--config", "nope"], "unknown config")])
+                                      (["--config", "nope"], "unknown config"),
+                                      (["--config", "k3"], "needs a GPU")])
 def test_cli_bad_input_is_one_message(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as ex:
         sys_exit = ep_stage.main(["--device", "cpu", "--config", "tiny", "--out", str(tmp_path), *argv])

@@ -375,12 +375,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     backend = "nccl" if a.device == "cuda" else "gloo"
     degrees = a.ep_degrees or ([torch.cuda.device_count()] if a.device == "cuda" else [2])
-    configs = [GpuConfiguration(n, b) for n in degrees for b in a.batches]
     try:
+        configs = [GpuConfiguration(n, b) for n in degrees for b in a.batches]
+        if a.device == "cpu" and get_config(a.config).total_params() * 2 > (8 << 30):
+            raise EPStageError(f"--config {a.config} needs a GPU per rank (over 8 GB of weights per rank)")
         results = run_gpu_configurations(a.config, configs, backend=backend, device=a.device, seed=a.seed,
                                          steps=a.steps, warmup=a.warmup, routing=a.routing,
                                          measure_ceiling=not a.no_ceiling and a.device == "cuda")
-    except EPStageError as e:
+    except (EPStageError, ConfigError) as e:
         print(f"ep_stage: {e}", file=sys.stderr)
         return 2
     env = {"device": a.device, "backend": backend, "torch": torch.__version__,
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
         t = r["timing"]
         print(f"{r['configuration']['name']:>10}  {'PASS' if r['passed'] else 'FAIL'}  "
               f"e2e {t['end_to_end_us']:9.1f} us  comm {t['comm_share']:6.1%}  "
-              f"rel_fro {r['numerics']['out']['rel_fro']:.3g}")
+              f"rel_fro {float(r['numerics']['out']['rel_fro']):.3g}")
     print(f"wrote {path}")
     return 0 if all(r["passed"] for r in results) else 1
 
