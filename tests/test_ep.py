@@ -10,6 +10,10 @@ planted faults (a reversed combine, a dropped slot) that the checks must catch.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,10 +234,15 @@ def test_planted_faults_are_caught(group):
         assert not ds["numerics"]["out"]["passed"]
 
 
-def test_cli_writes_the_configurations(tmp_path, capsys):
-    rc = ep_stage.main(["--device", "cpu", "--config", "tiny", "--ep-degrees", "2", "--batches", "1,3",
-                        "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
-    assert rc == 0, capsys.readouterr()
+def test_cli_writes_the_configurations(tmp_path):
+    """The GPU-host entry as the lead runs it (python -m), in its CPU/gloo mode."""
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "validation.ep_stage", "--device", "cpu", "--config", "tiny",
+                        "--ep-degrees", "2", "--batches", "1,3", "--steps", "1", "--warmup", "0",
+                        "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "ep2-b1" in p.stdout and "PASS" in p.stdout
     doc = json.loads((tmp_path / "ep_result.json").read_text())
     assert [c["configuration"]["name"] for c in doc["gpu_configurations"]] == ["ep2-b1", "ep2-b3"]
     assert doc["environment"]["multicast_off"]["NCCL_NVLS_ENABLE"] == "0"

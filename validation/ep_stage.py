@@ -402,4 +402,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the imported module, so that what the ranks unpickle names validation.ep_stage,
+    # not this __main__
+    from validation import ep_stage
+
+    sys.exit(ep_stage.main())
