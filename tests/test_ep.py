@@ -153,6 +153,54 @@ def test_local_grouping_matches_the_routers_grouping():
     assert torch.equal(g["slot"], torch.arange(6 * cfg.top_k))
 
 
+class _FakeCubin:
+    """A stand-in for a loaded moe_w13 / moe_w2 cubin: the kernels' contract in torch, called
+    with the launcher's positional arguments (kernels/block.py's order)."""
+
+    def __init__(self, name, cfg):
+        self.name, self.cfg, self.loaded = name, cfg, False
+        self.meta = {"params": [{"name": "counters", "spec": {"shape": [4], "dtype": "int32"}}]}
+
+    def load(self):
+        self.loaded = True
+
+    def __call__(self, *a):
+        cfg, K, I = self.cfg, self.cfg.top_k, self.cfg.expert_inter
+        lim = dict(gate_limit=cfg.situ_gate_limit, up_limit=cfg.situ_up_limit)
+        if self.name == "moe_w13":
+            z, w13, ng, ge, gs, ss, act = a
+        else:
+            act, w2, weights, ng, ge, gs, ss, o, counters, c = a
+        for u in range(int(ng[0])):
+            e, pos = int(ge[u]), torch.arange(int(gs[u]), int(gs[u + 1]))
+            slots = ss[pos].long()
+            if self.name == "moe_w13":
+                gu = z[slots // K].float() @ w13[e].float().T
+                act[pos] = R.situ(gu[:, :I], gu[:, I:], **lim).to(act.dtype)
+            else:
+                o[slots] = act[pos].float() @ w2[e].float().T
+
+
+def test_cubin_hook_wires_the_kernels_as_the_reference_path():
+    """CubinLocalExperts with stand-in kernels gives the reference path's outputs bit for bit:
+    buffers, argument order, padding of z and the per-slot read of o."""
+    cfg = get_config("tiny")
+    w = R.make_weights(cfg)
+    world, tokens = 2, [3, 4]
+    ids = _ids(sum(tokens), cfg, seed=5)
+    z = R.linear(R.rmsnorm(R.make_hidden(cfg, sum(tokens)), w.gamma_pre), w.w_down)
+    plans = [ep.plan_dispatch(ids[:3], ep.ExpertShard(cfg.n_experts, world, 0)),
+             ep.plan_dispatch(ids[3:], ep.ExpertShard(cfg.n_experts, world, 1))]
+    for d in range(world):
+        shard = ep.ExpertShard(cfg.n_experts, world, d)
+        sw = ep.shard_weights(w, shard)
+        rec = _simulated_receive(cfg, [z[:3], z[3:]], plans, d)
+        fakes = {n: _FakeCubin(n, cfg) for n in ("moe_w13", "moe_w2")}
+        hook = ep.CubinLocalExperts(cfg, shard, sw.w13, sw.w2, max_rows=world * max(tokens), kernels=fakes)
+        assert all(f.loaded for f in fakes.values())
+        assert torch.equal(hook(rec), ep.TorchLocalExperts(sw.w13, sw.w2, cfg)(rec))
+
+
 def test_local_grouping_refuses_rows_past_the_kernels_batch():
     with pytest.raises(ep.EPError, match="batch"):
         ep.local_grouping(torch.tensor([0, 5]), torch.tensor([0, 1]), 4, 2, 4)
