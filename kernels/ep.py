@@ -253,33 +253,50 @@ def local_grouping(rows: torch.Tensor, experts: torch.Tensor, max_rows: int, top
             "group_start": group_start, "sorted_slots": sorted_slots, "slot": slot}
 
 
-class CubinLocalExperts:
-    """The GPU path of step 3: the moe_w13 and moe_w2 cubins over the local experts. Untested
-    here (no GPU): its routing inputs come from `local_grouping`, whose CPU tests pin them.
+KERNEL_MAX_BATCH = 64  # kernels/ops/moe_experts.py MAX_BATCH: the most z rows one launch takes
 
-    The cubins are built for shape {"batch": max_rows, "n_experts": E/N, "latent", "expert_inter",
-    "top_k"} with `kernels.block.block_tunables(kernel, max_rows)`; max_rows = N * T_r (every
-    token of the host can choose one rank: the hot-expert case). Per step: copy the received z into
-    rows 0.. of a [max_rows, L] buffer, upload the grouping, launch moe_w13(z, w13_local, n_groups,
-    group_expert, group_start, sorted_slots, act) and moe_w2(act, w2_local, weights, ..., o,
-    counters, c) and read o[slot]: moe_w2's fp32 per-slot outputs, before its own combine (its c,
-    over placeholder weights, is discarded; the weighted combine happens on the token's rank).
+
+def cubin_batch(world: int, tokens_per_rank: int) -> int:
+    """The batch the EP experts' cubins are built for: every token of the host may land on one
+    rank (N * T_r rows, the hot-expert case), at most one launch's KERNEL_MAX_BATCH."""
+    return max(1, min(world * tokens_per_rank, KERNEL_MAX_BATCH))
+
+
+def cubin_variants(cfg: ModelConfig, n_local: int, batch: int) -> list[tuple[str, dict, dict]]:
+    """(kernel, shape, tunables) of the two cubins `CubinLocalExperts` launches over `n_local`
+    experts at `batch` rows (`cubin_batch`), with the block's tunables at that batch."""
+    from kernels.block import block_tunables
+
+    shape = {"batch": batch, "n_experts": n_local, "latent": cfg.latent, "expert_inter": cfg.expert_inter,
+             "top_k": cfg.top_k}
+    return [(name, dict(shape), block_tunables(name, batch)) for name in ("moe_w13", "moe_w2")]
+
+
+class CubinLocalExperts:
+    """The GPU path of step 3: the moe_w13 and moe_w2 cubins over the local experts (built for
+    `cubin_variants`). Untested on a GPU here; on CPU its wiring is tested with stand-in kernels
+    that follow the cubins' contract, and its routing inputs against the router's grouping.
+
+    Per step, the received rows in chunks of `max_rows` (the cubins' batch: all of them unless
+    N * T_r > KERNEL_MAX_BATCH, where each chunk re-reads its experts' weights): copy the chunk's
+    z rows into rows 0.. of a [max_rows, L] buffer, build its grouping (`local_grouping`),
+    launch moe_w13(z, w13_local, n_groups, group_expert, group_start, sorted_slots, act) and
+    moe_w2(act, w2_local, weights, ..., o, counters, c), and read o[slot]: moe_w2's fp32 per-slot
+    outputs before its own combine (its c, over placeholder weights, is discarded: the weighted
+    combine happens on the token's rank, in the one-GPU order). Rows past the chunk hold stale z
+    that no group reads.
     """
 
     def __init__(self, cfg: ModelConfig, shard: ExpertShard, w13_local: torch.Tensor, w2_local: torch.Tensor,
                  max_rows: int, kernels: dict | None = None, root=None):
-        from kernels.block import block_tunables
-        from kernels.build import DEFAULT_ROOT, find_artifact
-        from kernels.launch import CubinKernel
-
         self.cfg, self.shard, self.max_rows = cfg, shard, max_rows
         self.w13, self.w2 = w13_local.contiguous(), w2_local.contiguous()
-        shape = {"batch": max_rows, "n_experts": shard.per_rank, "latent": cfg.latent,
-                 "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}
         if kernels is None:
-            kernels = {name: CubinKernel.from_dir(find_artifact(name, shape, block_tunables(name, max_rows),
-                                                                root=root or DEFAULT_ROOT).dir)
-                       for name in ("moe_w13", "moe_w2")}
+            from kernels.build import DEFAULT_ROOT, find_artifact
+            from kernels.launch import CubinKernel
+
+            kernels = {name: CubinKernel.from_dir(find_artifact(name, shape, tun, root=root or DEFAULT_ROOT).dir)
+                       for name, shape, tun in cubin_variants(cfg, shard.per_rank, max_rows)}
         self.k = kernels
         for kern in self.k.values():
             kern.load()
@@ -293,13 +310,20 @@ class CubinLocalExperts:
                     "counters": torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=dev)}
 
     def __call__(self, rec: Received) -> torch.Tensor:
-        b = self.buf
-        g = local_grouping(rec.rows, rec.experts, self.max_rows, self.cfg.top_k, self.shard.per_rank)
-        b["z"][: rec.z.shape[0]].copy_(rec.z)
-        args = [g["n_groups"], g["group_expert"], g["group_start"], g["sorted_slots"]]
-        self.k["moe_w13"](b["z"], self.w13, *args, b["act"])
-        self.k["moe_w2"](b["act"], self.w2, b["weights"], *args, b["o"], b["counters"], b["c"])
-        return b["o"][g["slot"]]
+        b, B = self.buf, self.max_rows
+        o = torch.empty(rec.rows.numel(), self.cfg.latent, dtype=torch.float32, device=rec.z.device)
+        for r0 in range(0, rec.z.shape[0], B):
+            idx = ((rec.rows >= r0) & (rec.rows < r0 + B)).nonzero(as_tuple=True)[0]
+            if not idx.numel():
+                continue
+            g = local_grouping(rec.rows[idx] - r0, rec.experts[idx], B, self.cfg.top_k, self.shard.per_rank)
+            z = rec.z[r0: r0 + B]
+            b["z"][: z.shape[0]].copy_(z)
+            args = [g["n_groups"], g["group_expert"], g["group_start"], g["sorted_slots"]]
+            self.k["moe_w13"](b["z"], self.w13, *args, b["act"])
+            self.k["moe_w2"](b["act"], self.w2, b["weights"], *args, b["o"], b["counters"], b["c"])
+            o[idx] = b["o"][g["slot"]]
+        return o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -198,7 +198,21 @@ def test_cubin_hook_wires_the_kernels_as_the_reference_path():
         fakes = {n: _FakeCubin(n, cfg) for n in ("moe_w13", "moe_w2")}
         hook = ep.CubinLocalExperts(cfg, shard, sw.w13, sw.w2, max_rows=world * max(tokens), kernels=fakes)
         assert all(f.loaded for f in fakes.values())
-        assert torch.equal(hook(rec), ep.TorchLocalExperts(sw.w13, sw.w2, cfg)(rec))
+        o = hook(rec)
+        assert torch.equal(o, ep.TorchLocalExperts(sw.w13, sw.w2, cfg)(rec))
+        # past the cubins' batch the rows go in chunks: same outputs (rows are independent)
+        chunked = ep.CubinLocalExperts(cfg, shard, sw.w13, sw.w2, max_rows=2, kernels=fakes)(rec)
+        torch.testing.assert_close(chunked, o, rtol=1e-6, atol=1e-6)
+        assert chunked.shape == o.shape and torch.isfinite(chunked).all()
+
+
+def test_cubin_variants_follow_the_kernels_limit():
+    cfg = get_config("k3")
+    assert [ep.cubin_batch(n, t) for n, t in ((2, 1), (2, 8), (8, 8), (8, 64))] == [2, 16, 64, 64]
+    (w13, s13, _), (w2, s2, t2) = ep.cubin_variants(cfg, 112, 16)
+    assert (w13, w2) == ("moe_w13", "moe_w2") and s13 == s2
+    assert s13 == {"batch": 16, "n_experts": 112, "latent": 3584, "expert_inter": 3072, "top_k": 16}
+    assert t2 == {"stream": 0, "wg": 1}  # the block's choice at batch 16
 
 
 def test_local_grouping_refuses_rows_past_the_kernels_batch():
@@ -298,7 +312,9 @@ def test_cli_writes_the_configurations(tmp_path):
 
 @pytest.mark.parametrize("argv,msg", [(["--ep-degrees", "3"], "must divide"), (["--batches", "0"], "positive"),
                                       (["--config", "nope"], "unknown config"),
-                                      (["--config", "k3"], "needs a GPU")])
+                                      (["--config", "k3"], "needs a GPU"),
+                                      (["--experts", "cubin"], "'cubin' on cuda"),
+                                      (["--prepare"], "needs --build-root")])
 def test_cli_bad_input_is_one_message(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as ex:
         sys_exit = ep_stage.main(["--device", "cpu", "--config", "tiny", "--out", str(tmp_path), *argv])
@@ -313,3 +329,17 @@ def test_configuration_is_validated():
     assert GpuConfiguration(4, 8).name == "ep4-b8"
     with pytest.raises(ep_stage.EPStageError):
         GpuConfiguration(0, 8)
+
+
+def test_prepare_builds_each_expert_variant_once(tmp_path):
+    calls = []
+
+    def build(name, shape, tun, root):
+        calls.append((name, shape["batch"], shape["n_experts"], root))
+        return type("Artifact", (), {"dir": root / name})()
+
+    configs = [GpuConfiguration(n, b) for n in (2, 8) for b in (1, 8, 64)]
+    rows = ep_stage.prepare_cubins("k3", configs, tmp_path, build=build)
+    # ep8 at 8 and 64 tokens per GPU share the 64-row variant (the kernels' largest batch)
+    assert sorted({(c[1], c[2]) for c in calls}) == [(2, 448), (8, 112), (16, 448), (64, 112), (64, 448)]
+    assert len(calls) == 2 * 5 == len(rows) and all(c[3] == tmp_path for c in calls)

@@ -50,6 +50,7 @@ from validation.numerics import ROUTINGS, compare_expert_ids, compare_output, lo
 
 EP_ROUTINGS = ("router",) + ROUTINGS + ("one_rank",)
 BACKENDS = ("gloo", "nccl")
+EXPERT_PATHS = ("torch", "cubin")
 
 
 class EPStageError(RuntimeError):
@@ -91,6 +92,8 @@ class Scenario:
     warmup: int = 0
     mutant: str | None = None
     label: str = ""
+    experts: str = "torch"  # "cubin": the moe_w13 / moe_w2 cubins found under build_root (GPU only)
+    build_root: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +167,13 @@ def _rank_scenario(s: Scenario, rank: int, world: int, device: torch.device, wei
     ids_all = _pinned_ids(s, cfg, total, world)
     ids = None if ids_all is None else ids_all[lo: lo + s.tokens[rank]].to(device)
     cls = MUTANTS[s.mutant] if s.mutant else ep.EPBlock
-    block = cls(cfg, w, ep.ExpertShard(cfg.n_experts, world, rank), group=group)
+    shard = ep.ExpertShard(cfg.n_experts, world, rank)
+    experts = None
+    if s.experts == "cubin":
+        local = ep.shard_weights(w, shard)
+        experts = ep.CubinLocalExperts(cfg, shard, local.w13, local.w2, ep.cubin_batch(world, max(s.tokens)),
+                                       root=Path(s.build_root) if s.build_root else None)
+    block = cls(cfg, w, shard, group=group, experts=experts)
     phases = []
     for i in range(s.warmup + s.steps):
         tr = block.step(x, ids)
@@ -214,6 +223,7 @@ def _check(s: Scenario, world: int, parts: list[dict], device: torch.device, w, 
                         for i, r in enumerate(slowest)])
     return {
         "label": s.label, "preset": s.preset, "routing": s.routing, "seed": s.seed, "mutant": s.mutant,
+        "experts": s.experts,
         "configuration": {"ep_degree": world, "tokens_per_gpu": s.tokens[0] if len(set(s.tokens)) == 1 else None,
                           "tokens": list(s.tokens)},
         "passed": passed,
@@ -300,6 +310,8 @@ def run_scenarios(scenarios: list[Scenario], world: int, *, backend: str = "gloo
             raise EPStageError(f"unknown routing {s.routing!r}; known: {', '.join(EP_ROUTINGS)}")
         if s.mutant is not None and s.mutant not in MUTANTS:
             raise EPStageError(f"unknown mutant {s.mutant!r}; known: {', '.join(MUTANTS)}")
+        if s.experts not in EXPERT_PATHS or (s.experts == "cubin" and device != "cuda"):
+            raise EPStageError(f"experts {s.experts!r} on {device}: 'torch' anywhere, 'cubin' on cuda")
     ep.multicast_off_env()
     # CPU: a fork server that imported torch once forks every rank of every call (spawn would
     # import torch again per rank); CUDA: spawn, as CUDA requires of a parent that touched it
@@ -326,12 +338,14 @@ def run_scenarios(scenarios: list[Scenario], world: int, *, backend: str = "gloo
 
 def run_gpu_configurations(preset: str, configs: list[GpuConfiguration], *, backend: str = "gloo",
                            device: str = "cpu", seed: int = 0, steps: int = 3, warmup: int = 1,
-                           routing: str = "router", measure_ceiling: bool = False) -> list[dict]:
+                           routing: str = "router", measure_ceiling: bool = False, experts: str = "torch",
+                           build_root: str | None = None) -> list[dict]:
     """One result per configuration (module docstring); one process group per EP degree."""
     out: dict[GpuConfiguration, dict] = {}
     for n in sorted({c.ep_degree for c in configs}):
         mine = [c for c in configs if c.ep_degree == n]
-        sc = [Scenario(preset, (c.tokens_per_gpu,) * n, routing, seed, steps, warmup, label=c.name) for c in mine]
+        sc = [Scenario(preset, (c.tokens_per_gpu,) * n, routing, seed, steps, warmup, label=c.name,
+                       experts=experts, build_root=build_root) for c in mine]
         for c, res in zip(mine, run_scenarios(sc, n, backend=backend, device=device, measure_ceiling=measure_ceiling)):
             out[c] = {**res, "configuration": c.to_dict()}
     return [out[c] for c in configs]
@@ -345,6 +359,28 @@ def gpu_configurations_field(preset: str, configs: list[GpuConfiguration], **kw)
 # ---------------------------------------------------------------------------------------------
 # GPU-host entry: python -m validation.ep_stage --out DIR
 # ---------------------------------------------------------------------------------------------
+
+
+def prepare_cubins(preset: str, configs: list[GpuConfiguration], root: Path, *, build=None) -> list[dict]:
+    """Build (on a host with the DSL) the expert cubins the `cubin` path needs for `configs`
+    under `root`, the folder to carry to the GPU host; one row per distinct variant."""
+    if build is None:
+        from kernels.build import build_variant as build
+    cfg = get_config(preset)
+    rows, seen = [], set()
+    for c in configs:
+        ep.ExpertShard(cfg.n_experts, c.ep_degree, 0)
+        for name, shape, tun in ep.cubin_variants(cfg, cfg.n_experts // c.ep_degree,
+                                                  ep.cubin_batch(c.ep_degree, c.tokens_per_gpu)):
+            key = (name, json.dumps(shape, sort_keys=True), json.dumps(tun, sort_keys=True))
+            if key not in seen:
+                seen.add(key)
+                try:
+                    art = build(name, shape, tun, root=root)
+                except RuntimeError as e:  # kernels.build.BuildError: it names the variant
+                    raise EPStageError(f"building {name} for {c.name}: {e}") from None
+                rows.append({"kernel": name, "shape": shape, "tunables": tun, "dir": str(getattr(art, "dir", ""))})
+    return rows
 
 
 def _ints(text: str) -> list[int]:
@@ -372,20 +408,33 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--routing", choices=EP_ROUTINGS, default="router")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring each GPU's read ceiling")
+    p.add_argument("--experts", choices=EXPERT_PATHS, default="torch",
+                   help="routed experts: the torch reference path, or the moe_w13/moe_w2 cubins (cuda)")
+    p.add_argument("--build-root", default=None, help="where the cubins are (--experts cubin, --prepare)")
+    p.add_argument("--prepare", action="store_true",
+                   help="build the expert cubins for these configurations under --build-root and exit "
+                        "(a host with the DSL)")
     a = p.parse_args(argv)
     backend = "nccl" if a.device == "cuda" else "gloo"
     degrees = a.ep_degrees or ([torch.cuda.device_count()] if a.device == "cuda" else [2])
     try:
         configs = [GpuConfiguration(n, b) for n in degrees for b in a.batches]
+        if a.prepare:
+            if not a.build_root:
+                raise EPStageError("--prepare needs --build-root (the folder to carry)")
+            for row in prepare_cubins(a.config, configs, Path(a.build_root)):
+                print(f"{row['kernel']} batch {row['shape']['batch']} experts {row['shape']['n_experts']}: {row['dir']}")
+            return 0
         if a.device == "cpu" and get_config(a.config).total_params() * 2 > (8 << 30):
             raise EPStageError(f"--config {a.config} needs a GPU per rank (over 8 GB of weights per rank)")
         results = run_gpu_configurations(a.config, configs, backend=backend, device=a.device, seed=a.seed,
                                          steps=a.steps, warmup=a.warmup, routing=a.routing,
-                                         measure_ceiling=not a.no_ceiling and a.device == "cuda")
-    except (EPStageError, ConfigError) as e:
+                                         measure_ceiling=not a.no_ceiling and a.device == "cuda",
+                                         experts=a.experts, build_root=a.build_root)
+    except (EPStageError, ConfigError, ep.EPError) as e:
         print(f"ep_stage: {e}", file=sys.stderr)
         return 2
-    env = {"device": a.device, "backend": backend, "torch": torch.__version__,
+    env = {"device": a.device, "backend": backend, "torch": torch.__version__, "experts": a.experts,
            "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
            "multicast_off": dict(ep.MULTICAST_OFF)}
     a.out.mkdir(parents=True, exist_ok=True)
