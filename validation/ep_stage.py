@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m validation.ep_stage",
                                 description="Run the expert-parallel LatentMoE block at each EP degree and "
                                             "batch per GPU; write ep_result.json under --out.")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", type=Path, help="where ep_result.json goes (needed unless --prepare)")
     p.add_argument("--config", default="k3")
     p.add_argument("--ep-degrees", type=_ints, default=None,
                    help="comma-separated; default: the visible GPU count (cuda) or 2 (cpu)")
@@ -425,6 +425,8 @@ def main(argv=None) -> int:
             for row in prepare_cubins(a.config, configs, Path(a.build_root)):
                 print(f"{row['kernel']} batch {row['shape']['batch']} experts {row['shape']['n_experts']}: {row['dir']}")
             return 0
+        if a.out is None:
+            raise EPStageError("--out is needed (the folder ep_result.json goes to)")
         if a.device == "cpu" and get_config(a.config).total_params() * 2 > (8 << 30):
             raise EPStageError(f"--config {a.config} needs a GPU per rank (over 8 GB of weights per rank)")
         results = run_gpu_configurations(a.config, configs, backend=backend, device=a.device, seed=a.seed,
