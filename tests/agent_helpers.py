@@ -3,7 +3,9 @@ backends, and a scripted Messages API behind the real `anthropic` client's HTTP 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -85,6 +87,9 @@ class FakeBackends:
     def gpu_available(self) -> bool:
         return self.gpu
 
+    def sandbox_problem(self):
+        return None
+
     def build(self, root, kernel, shapes=None, tunables=None) -> CheckResult:
         self.calls.append(("build", kernel, None if shapes is None else len(shapes), tunables))
         src = (Path(root) / "kernels" / "ops" / f"{kernel}.py").read_text()
@@ -93,7 +98,13 @@ class FakeBackends:
         except SyntaxError as e:
             return CheckResult("build", FAILED, f"BuildError: {kernel}: kernels/ops/{kernel}.py:{e.lineno}: {e.msg}")
         n = 6 if shapes is None else len(shapes)
-        built = [{"variant": {"batch": i}, "cubin_sha256": f"{i:064x}", "resources": {"registers": 32}}
+        # The "code": the source without comments and the manifest (defaults), as a cubin's code
+        # hash ignores line tables; the bytes hash also covers the comments.
+        manifest = (Path(root) / "kernels" / "manifest.toml").read_text()
+        code = re.sub(r"#[^\n]*", "", src) + manifest + json.dumps(tunables, sort_keys=True)
+        built = [{"variant": {"batch": i}, "resources": {"registers": 32},
+                  "cubin_sha256": hashlib.sha256(f"{i}{src}{code}".encode()).hexdigest(),
+                  "cubin_code_sha256": hashlib.sha256(f"{i}{code}".encode()).hexdigest()}
                  for i in range(n)]
         return CheckResult("build", OK, f"built {n} variants", {"built": built})
 
