@@ -90,33 +90,27 @@ def _hashes(check) -> list[dict]:
             for b in check.data.get("built", [])]
 
 
-def judge_change(repo: Path, base: str, worktree: Path, *, backends, kernel: str | None = None,
-                 scratch: Path | None = None, stage=lambda s: None, record=lambda r: r) -> Verdict:
-    """Judge the worktree's change against `base` as the gate would (scope, policy, build of every
-    variant of every touched kernel, static audit). `kernel`: the one kernel the run may touch.
-    `scratch`: a folder for the base checkout (compared for code identity). `record` sees each
-    check result (the session logs it)."""
+def _scope_judgement(repo: Path, base: str, worktree: Path, kernel: str | None, v: Verdict):
+    """Scope and policy of the worktree against `base` into `v`; returns the policy decision."""
     from validation.gate import policy_at
     from validation.policy import ELIGIBLE, NO_KERNEL_CHANGE, evaluate_policy
     from validation.scope import ScopeError, compute_scope, open_repo
 
-    worktree = Path(worktree)
-    v = Verdict(ok=False)
     head = _git(worktree, "rev-parse", "HEAD").strip()
     if head != base:
         v.reasons.append(f"the worktree's HEAD moved from the base {base[:12]} to {head[:12]}: something "
                          "committed behind the loop's back")
-        return v
+        return None
     try:
         scope = compute_scope(base, None, repo=worktree)
     except ScopeError as e:
         v.reasons.append(f"scope: {e}")
-        return v
+        return None
     v.files = sorted({p for f in scope.files for p in f.paths()})
     v.lines = scope.lines
     if not scope.files:
         v.reasons.append("the change is empty: nothing differs from the base revision")
-        return v
+        return None
     v.reasons += mode_changes(worktree, base)
     decision = evaluate_policy(scope, policy_at(open_repo(worktree), scope.merge_base))
     v.kernels = list(decision.kernels)
@@ -126,8 +120,35 @@ def judge_change(repo: Path, base: str, worktree: Path, *, backends, kernel: str
         v.reasons += ["the gate would route it to full review: " + str(x) for x in decision.violations]
     elif kernel is not None and list(decision.kernels) != [kernel]:
         v.reasons.append(f"the change touches {', '.join(decision.kernels)}, not only {kernel}")
-    if v.reasons:
+    return decision
+
+
+def _fingerprint(worktree: Path, files: list[str]) -> dict:
+    out = {}
+    for f in files:
+        p = Path(worktree, f)
+        try:
+            st = p.lstat()
+            out[f] = (st.st_mode, p.read_bytes() if p.is_file() and not p.is_symlink() else str(p.readlink())
+                      if p.is_symlink() else None)
+        except OSError:
+            out[f] = None
+    return out
+
+
+def judge_change(repo: Path, base: str, worktree: Path, *, backends, kernel: str | None = None,
+                 scratch: Path | None = None, stage=lambda s: None, record=lambda r: r) -> Verdict:
+    """Judge the worktree's change against `base` as the gate would (scope, policy, build of every
+    variant of every touched kernel, static audit). `kernel`: the one kernel the run may touch.
+    `scratch`: a folder for the base checkout (compared for code identity). `record` sees each
+    check result (the session logs it). The scope is judged again after the builds: a change
+    that a build made (it should not be able to: the sandbox) is refused, never judged stale."""
+    worktree = Path(worktree)
+    v = Verdict(ok=False)
+    decision = _scope_judgement(repo, base, worktree, kernel, v)
+    if v.reasons or decision is None:
         return v
+    before = _fingerprint(worktree, v.files)
 
     identical = True
     for k in decision.kernels:
@@ -151,6 +172,13 @@ def judge_change(repo: Path, base: str, worktree: Path, *, backends, kernel: str
                 identical = False
         else:
             identical = False
+
+    after = Verdict(ok=False)
+    _scope_judgement(repo, base, worktree, kernel, after)
+    if after.files != v.files or _fingerprint(worktree, after.files) != before:
+        v.reasons.append("the worktree changed while it was built (" + ", ".join(
+            sorted(set(after.files) ^ set(v.files)) or after.files)[:500] + ")")
+    v.reasons += [r for r in after.reasons if r not in v.reasons]
     v.code_identical_to_base = identical and not v.reasons and bool(v.built)
     if v.code_identical_to_base:
         v.notes.append("every variant's cubin code hash equals the base's: the change cannot be faster")

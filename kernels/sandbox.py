@@ -22,6 +22,10 @@ What it does not do: it does not limit CPU time, memory or disk use within the w
 comes back from them is as untrusted as the code; and the kernel it runs on is shared (a kernel
 exploit escapes any namespace sandbox).
 
+The command line starts with `env -i`, so bwrap itself (PID 1 inside, its /proc/1/environ
+readable there) carries no variable of the caller; do not pass a secret in `env` either, since
+the command line of PID 1 (with `--setenv` values) is readable inside too.
+
 `Sandbox.problem()` says why the sandbox cannot run here (None when it can); callers that must
 not run untrusted code unsandboxed refuse on it. Nothing here imports the DSL or anything
 outside the standard library (the GPU host imports `kernels`).
@@ -110,7 +114,10 @@ class Sandbox:
         directory (default: the first of `write`, else /tmp).
         """
         exe = self.executable() or self.bwrap
-        a = [exe, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        # bwrap itself starts with an empty environment: it stays visible inside as PID 1 (the
+        # namespace's init), and its /proc/1/environ must hold nothing the caller had.
+        a = ["/usr/bin/env", "-i", exe, "--unshare-all", "--die-with-parent", "--new-session",
+             "--cap-drop", "ALL"]
         if os.geteuid() == 0:
             # As root bwrap needs no user namespace; ask for one anyway so the code runs as nobody.
             a += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]

@@ -30,7 +30,7 @@ import threading
 import time
 
 from agent.rfc import Proposal
-from agent.session import RunStopped, Session
+from agent.session import BudgetExhausted, RunStopped, Session
 from agent.tools import Toolbox
 
 DEFAULT_MODEL = "claude-opus-5-5"
@@ -242,13 +242,14 @@ class ClaudeProposer:
             except TimeoutError:
                 why = f"budget reached: wall-clock, a Messages API call was still running at the {lim:.0f} s limit"
                 session.trajectory.event("api_error", turn=turn, error=why)
-                from agent.session import BudgetExhausted
-
                 raise BudgetExhausted(why) from None
             except anthropic.APITimeoutError:
                 why = (f"the Messages API did not answer within {timeout:.0f} s ({retries} retries), "
                        "the part of the wall-clock budget left for the call")
                 session.trajectory.event("api_error", turn=turn, error=why)
+                spent = session.budget.exhausted()
+                if spent:
+                    raise BudgetExhausted(f"{spent}: {why}") from None
                 raise RunStopped("api_error", why) from None
             except anthropic.APIResponseValidationError:
                 why = "the Messages API sent a malformed response (it does not match the message schema)"
