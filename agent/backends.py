@@ -209,7 +209,12 @@ class RepoBackends:
         path) and only `write` writable."""
         sb = type(self.sandbox)(bwrap=self.sandbox.bwrap, key_roots=self.sandbox.key_roots,
                                 hidden=self.sandbox.hidden, gpu=True)
-        wrapped = sb.command(cmd, env={"PYTHONPATH": str(Path(root).resolve())}, read=[root], write=write,
+        # `--base REV` reads the base revision from git: the repository's object store, read-only
+        # (no secret lives there, and nothing can be planted in it).
+        common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=root,
+                                capture_output=True, text=True).stdout.strip()
+        read = [root] + ([common] if common and Path(common).is_dir() else [])
+        wrapped = sb.command(cmd, env={"PYTHONPATH": str(Path(root).resolve())}, read=read, write=write,
                              cwd=root)
         return subprocess.run(wrapped, capture_output=True, text=True, timeout=self.timeout_s)
 

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
         from kernels.sandbox import Sandbox
 
         repo = args.repo.resolve()
-        backends = RepoBackends(build_root=repo / "build", sandbox=Sandbox(key_roots=(str(repo),)))
+        key = os.environ.get("FASTTRACK_SIGNING_KEY")  # hidden even where a visible folder holds it
+        backends = RepoBackends(build_root=repo / "build",
+                                sandbox=Sandbox(key_roots=(str(repo),), hidden=(key,) if key else ()))
     if args.proposer in ("claude", "replay"):
         key = signing_key_problem(args.repo.resolve())
         if key:

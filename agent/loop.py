@@ -191,6 +191,7 @@ def _drive(session, toolbox, proposer, cfg, run_id, result, redactor) -> None:
     with guard.critical():
         if result.outcome != "committed":
             _discard(session.wt, result)
+        shutil.rmtree(session.run_dir / "judge", ignore_errors=True)  # the base checkout it built
         _finish(session, result, cfg, proposer, redactor)
 
 
