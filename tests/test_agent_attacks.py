@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import (API_KEY, HANG, FakeBackends, LoopbackAPI, SandboxedToyBackends, all_written_text,
-                           git, make_repo, message, text, tool_use)
+                           git, make_repo, message, tool_use)
 
 from agent import cli
 from agent.backends import FAILED, OK, CheckResult
@@ -381,14 +380,26 @@ def test_attack_encoded_secrets_never_reach_model_trajectory_summary_or_commit(r
 
 
 def test_git_hooks_never_run_for_the_loops_commands(repo, loopback, tmp_path):
+    # Hooks in the repository (git runs them for `worktree add`) and, planted by a build as an
+    # unsandboxed payload did, in the worktree's own git folder (GitPython runs those at commit).
     marker = tmp_path / "hook-ran"
-    for hook in ("pre-commit", "commit-msg", "post-commit", "post-checkout"):
-        h = repo / ".git" / "hooks" / hook
-        h.write_text(f"#!/bin/sh\necho {hook} >> {marker}\n")
-        h.chmod(0o755)
+
+    def plant(hooks: Path) -> None:
+        hooks.mkdir(parents=True, exist_ok=True)
+        for hook in ("pre-commit", "commit-msg", "post-commit", "post-checkout"):
+            (hooks / hook).write_text(f"#!/bin/sh\necho {hook} >> {marker}\n")
+            (hooks / hook).chmod(0o755)
+
+    class Planter(FakeBackends):
+        def build(self, root, kernel, shapes=None, tunables=None):
+            if (Path(root) / ".git").is_file():  # a worktree: its git folder is .git/worktrees/<id>
+                plant(Path(git(Path(root), "rev-parse", "--absolute-git-dir")) / "hooks")
+            return super().build(root, kernel, shapes, tunables)
+
+    plant(repo / ".git" / "hooks")
     loopback([message([tool_use("edit_file", EDIT, "t1")], n=1),
               message([tool_use("submit_proposal", SUBMIT, "t2")], n=2)])
-    assert run(repo) == 0
+    assert run(repo, backends=Planter()) == 0
     assert not marker.exists()
 
 
