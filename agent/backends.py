@@ -1,11 +1,20 @@
 """The narrow seam between the agent and the rest of fasttrack: build, static audit, validate,
 benchmark.
 
-The proposer's edits live in a worktree, so every check must run the worktree's code, not the
-installed checkout's: each check runs in a child process with the worktree first on PYTHONPATH
-(which also bounds it with a timeout and keeps a crashing compiler out of the loop). A stage whose
-code has not landed, or whose subcommand is not registered, reports `unavailable` with the reason
-instead of failing the run. Tests replace `RepoBackends` with a fake that has the same methods.
+Proposed code is untrusted: a kernel module is Python that the build imports. So:
+  * the build runs in a child process of TRUSTED code (this checkout's kernels/build.py, never
+    the worktree's), which reads the worktree's sources and compiles each variant in compile
+    children wrapped in the sandbox (kernels/sandbox.py: clean environment, no network, no other
+    process's /proc, no key store, no home folder, the sources read-only, only its own output
+    folders writable). The content-addressed cache (`build_root`, default `<repo>/build`) is
+    shared: a sandboxed child can write only its own variant's temporary folder, which the trusted
+    parent checks and installs under its content key;
+  * the static audit is the gate's (`validation.gate.default_auditor`), run by trusted code on
+    the PTX and SASS the build wrote;
+  * validate and benchmark (GPU hosts only: they launch the kernel) run whole in the sandbox,
+    with the GPU device nodes, the worktree read-only and only their output folders writable.
+A stage whose code has not landed reports `unavailable` with the reason instead of failing the
+run. Tests replace `RepoBackends` with a fake that has the same methods.
 """
 
 from __future__ import annotations
@@ -55,33 +64,46 @@ class Backends(Protocol):
     def benchmark(self, root: Path, kernel: str, out_dir: Path, base: str | None = None) -> CheckResult: ...
 
 
-# Runs inside the worktree: builds the requested variants with the worktree's kernels/build.py and
-# prints one JSON object. Kept as text so it needs nothing from the agent package in the worktree.
+# Runs in a child process with THIS checkout first on the path: builds the requested variants
+# of the worktree's sources (repo_root) with the compile children sandboxed, audits them with the
+# gate's auditor when asked, and prints one JSON object.
 _BUILD_RUNNER = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     req = json.loads(sys.argv[1])
+    from kernels import build as B
+    from kernels.manifest import ManifestError, load_manifest
+    from kernels.sandbox import Sandbox
+    root = Path(req["repo_root"])
     try:
-        from kernels import build as B
-    except ImportError as e:
-        print(json.dumps({"unavailable": f"kernels.build is not importable here: {e}"})); sys.exit(0)
-    try:
+        manifest = load_manifest(root / "kernels" / "manifest.toml")
         arts = B.build_kernel(req["kernel"], shapes=req["shapes"], tunables=req["tunables"],
-                              root=Path(req["root"]))
-    except Exception as e:  # BuildError names the kernel, the variant and the source line
+                              root=Path(req["build_root"]), manifest=manifest, repo_root=root,
+                              sandbox=Sandbox(**req["sandbox"]))
+    except (B.BuildError, ManifestError) as e:  # names the kernel, the variant and the source line
         print(json.dumps({"error": f"{type(e).__name__}: {e}"})); sys.exit(1)
     out = []
     for a in arts:
         meta = a.meta or {}
+        h = meta.get("hashes") or {}
         out.append({
             "variant": a.shape, "tunables": a.tunables, "dir": str(a.dir), "cache_hit": a.cache_hit,
-            "cubin_sha256": (meta.get("hashes") or {}).get("cubin_sha256"),
+            "cubin_sha256": h.get("cubin_sha256"), "cubin_code_sha256": h.get("cubin_code_sha256"),
             "resources": meta.get("resources", {}), "launch": meta.get("launch", {}),
         })
-    print(json.dumps({"built": out}))
+    res = {"built": out}
+    if req.get("audit"):
+        from validation.gate import BuiltVariant, default_auditor
+        built = [BuiltVariant(kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}),
+                              cubin_sha256=a.cubin_sha256, build_key=a.key, build_dir=str(a.dir)) for a in arts]
+        o = default_auditor(manifest)(req["kernel"], built)
+        res["audit"] = {"status": o.status, "detail": o.detail, "findings": list(o.findings)}
+    print(json.dumps(res))
     """
 )
+
+TRUSTED_ROOT = Path(__file__).resolve().parents[1]  # this checkout: the code that judges
 
 
 def _tail(text: str, n: int = 4000) -> str:
@@ -90,12 +112,21 @@ def _tail(text: str, n: int = 4000) -> str:
 
 
 class RepoBackends:
-    """Checks run by the worktree's own code in child processes."""
+    """Checks of a worktree's sources, run by this checkout's code, proposed code sandboxed."""
 
-    def __init__(self, *, python: str = sys.executable, timeout_s: float = 1800.0):
+    def __init__(self, *, python: str = sys.executable, timeout_s: float = 1800.0,
+                 build_root: Path | None = None, sandbox=None):
+        from kernels.sandbox import Sandbox
+
         self.python = python
         self.timeout_s = timeout_s
+        self.build_root = Path(build_root) if build_root else None
+        self.sandbox = sandbox or Sandbox()
         self._gpu: bool | None = None
+
+    def sandbox_problem(self) -> str | None:
+        """Why proposed code cannot be built sandboxed here (None when it can)."""
+        return self.sandbox.problem()
 
     def gpu_available(self) -> bool:
         if self._gpu is None:
@@ -107,66 +138,64 @@ class RepoBackends:
                 self._gpu = False
         return self._gpu
 
-    def _run(self, root: Path, args: list[str]) -> subprocess.CompletedProcess:
-        # The child runs the proposed kernel's Python (the build imports it): no secret of this
-        # process (the API key, a signing key's path) is handed to it.
-        env = scrubbed_environment()
-        env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
-        return subprocess.run(
-            [self.python, *args], cwd=root, env=env, capture_output=True, text=True,
-            timeout=self.timeout_s,
-        )
+    def _sandbox_args(self) -> dict:
+        sb = self.sandbox
+        return {"bwrap": sb.bwrap, "key_roots": list(sb.key_roots), "hidden": list(sb.hidden)}
 
-    def _cli(self, root: Path, check: str, args: list[str]) -> tuple[CheckResult | None, subprocess.CompletedProcess]:
-        proc = self._run(root, ["-m", "validation.cli", *args])
-        if proc.returncode == 2 and "invalid choice" in proc.stderr:
-            return CheckResult(check, UNAVAILABLE,
-                               f"`fasttrack {args[0]}` is not available in this revision"), proc
-        return None, proc
+    def _run_trusted(self, args: list[str]) -> subprocess.CompletedProcess:
+        # Trusted code (this checkout) in a child: a timeout bounds it, a crash stays out of the
+        # loop, and it gets no secret of this process (the API key, a signing key's path).
+        env = scrubbed_environment()
+        env["PYTHONPATH"] = os.pathsep.join([str(TRUSTED_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+        return subprocess.run([self.python, *args], cwd=TRUSTED_ROOT, env=env, capture_output=True,
+                              text=True, timeout=self.timeout_s)
+
+    def _build_request(self, root, kernel, shapes, tunables, audit: bool) -> tuple[dict | None, str]:
+        req = {"kernel": kernel, "shapes": shapes, "tunables": tunables, "repo_root": str(Path(root).resolve()),
+               "build_root": str(self.build_root or Path(root) / "build"), "sandbox": self._sandbox_args(),
+               "audit": audit}
+        try:
+            proc = self._run_trusted(["-c", _BUILD_RUNNER, json.dumps(req)])
+        except subprocess.TimeoutExpired:
+            return None, f"build timed out after {self.timeout_s:.0f} s"
+        try:
+            return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+        except (json.JSONDecodeError, IndexError):
+            return None, "build crashed:\n" + _tail(proc.stderr or proc.stdout)
 
     def build(self, root, kernel, shapes=None, tunables=None) -> CheckResult:
-        req = {"kernel": kernel, "shapes": shapes, "tunables": tunables, "root": str(Path(root) / "build")}
-        try:
-            proc = self._run(Path(root), ["-c", _BUILD_RUNNER, json.dumps(req)])
-        except subprocess.TimeoutExpired:
-            return CheckResult("build", FAILED, f"build timed out after {self.timeout_s:.0f} s")
-        try:
-            out = json.loads(proc.stdout.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            return CheckResult("build", FAILED, "build crashed:\n" + _tail(proc.stderr or proc.stdout))
-        if "unavailable" in out:
-            return CheckResult("build", UNAVAILABLE, out["unavailable"])
+        out, why = self._build_request(root, kernel, shapes, tunables, audit=False)
+        if out is None:
+            return CheckResult("build", FAILED, why)
         if "error" in out:
-            return CheckResult("build", FAILED, out["error"], {"built": out.get("built", []),
-                                                                "variant": out.get("variant")})
+            return CheckResult("build", FAILED, out["error"])
         return CheckResult("build", OK, format_build_table(out["built"]), {"built": out["built"]})
 
     def audit(self, root, kernel) -> CheckResult:
-        try:
-            res, proc = self._cli(Path(root), "audit", ["audit", kernel, "--json"])
-        except subprocess.TimeoutExpired:
-            return CheckResult("audit", FAILED, "static audit timed out")
-        if res:
-            return res
-        try:
-            data = json.loads(proc.stdout)
-        except json.JSONDecodeError:
-            data = {}
-        if proc.returncode == 0:
-            return CheckResult("audit", OK, format_audit(data) or "static audit clean", data)
-        if proc.returncode == 1:
-            return CheckResult("audit", FAILED, format_audit(data) or _tail(proc.stdout or proc.stderr, 4000), data)
-        return CheckResult("audit", FAILED, "static audit could not run:\n" + _tail(proc.stderr))
+        """The gate's static audit of every variant (built first: a cache hit after `build`)."""
+        out, why = self._build_request(root, kernel, None, None, audit=True)
+        if out is None or "error" in out:
+            return CheckResult("audit", FAILED, "static audit could not run: " + (why or out["error"]))
+        a = out["audit"]
+        text = "\n".join([a["detail"], *a["findings"][:20]])
+        status = {"pass": OK, "fail": FAILED}.get(a["status"], UNAVAILABLE)
+        return CheckResult("audit", status, text, a)
 
     def _validate(self, root, kernel, out_dir, check: str, extra: list[str]) -> CheckResult:
+        # The validator launches the proposed kernel and imports its module: the whole child runs
+        # sandboxed, with the GPU, the worktree read-only and only its output folder writable.
+        out_dir = Path(out_dir)
+        build_root = out_dir / "build"
+        build_root.mkdir(parents=True, exist_ok=True)
+        cmd = [self.python, "-m", "validation.cli", "validate", kernel, "--out", str(out_dir),
+               "--build-root", str(build_root), *extra]
         try:
-            res, proc = self._cli(Path(root), check, ["validate", kernel, "--out", str(out_dir),
-                                                      "--build-root", str(Path(root) / "build"), *extra])
+            proc = self._run_sandboxed(cmd, root=Path(root), write=[out_dir])
         except subprocess.TimeoutExpired:
             return CheckResult(check, FAILED, f"{check} timed out after {self.timeout_s:.0f} s")
-        if res:
-            return CheckResult(check, UNAVAILABLE, res.summary)
-        bundle_path = Path(out_dir) / "bundle.json"
+        if proc.returncode == 2 and "invalid choice" in proc.stderr:
+            return CheckResult(check, UNAVAILABLE, "`fasttrack validate` is not available in this revision")
+        bundle_path = out_dir / "bundle.json"
         try:
             bundle = json.loads(bundle_path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -174,6 +203,20 @@ class RepoBackends:
         status = OK if proc.returncode == 0 and bundle.get("verdict") == "pass" else FAILED
         return CheckResult(check, status, format_bundle(bundle, benchmark=check == "benchmark"),
                            {"bundle": str(bundle_path), "verdict": bundle.get("verdict")})
+
+    def _run_sandboxed(self, cmd: list[str], *, root: Path, write: list[Path]) -> subprocess.CompletedProcess:
+        """`cmd` in the sandbox with the GPU, the worktree `root` read-only (its code first on the
+        path) and only `write` writable."""
+        sb = type(self.sandbox)(bwrap=self.sandbox.bwrap, key_roots=self.sandbox.key_roots,
+                                hidden=self.sandbox.hidden, gpu=True)
+        # `--base REV` reads the base revision from git: the repository's object store, read-only
+        # (no secret lives there, and nothing can be planted in it).
+        common = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=root,
+                                capture_output=True, text=True).stdout.strip()
+        read = [root] + ([common] if common and Path(common).is_dir() else [])
+        wrapped = sb.command(cmd, env={"PYTHONPATH": str(Path(root).resolve())}, read=read, write=write,
+                             cwd=root)
+        return subprocess.run(wrapped, capture_output=True, text=True, timeout=self.timeout_s)
 
     def validate(self, root, kernel, out_dir, base=None) -> CheckResult:
         """`fasttrack validate` of the worktree's kernel; timed against `base` (the session's base
@@ -199,19 +242,6 @@ def _base_args(base: str | None, fallback: str | None = None) -> list[str]:
     change's base revision, so the agent passes the commit its worktree started from."""
     chosen = base or fallback
     return ["--base", chosen] if chosen else []
-
-
-def format_audit(data: dict) -> str:
-    """One line per finding of `fasttrack audit --json` output (empty when it has no reports)."""
-    lines = []
-    for rep in (data or {}).get("reports", []):
-        findings = rep.get("findings", [])
-        lines.append(f"{rep.get('kernel')}: {'clean' if rep.get('clean') else f'{len(findings)} finding(s)'} "
-                     f"(checked {', '.join(rep.get('checked', []))})")
-        for f in findings[:20]:
-            where = "; ".join(x for x in (f.get("source") and f"source {f['source']}", f.get("ptx"), f.get("sass")) if x)
-            lines.append(f"  [{f.get('severity')}] {f.get('rule')}: {f.get('message')} ({where})")
-    return "\n".join(lines)
 
 
 def format_bundle(bundle: dict, *, benchmark: bool = False) -> str:

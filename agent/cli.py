@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Propose an isolated, scope-bounded optimization of one kernel, in a new git worktree.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--kernel", required=True, help="kernel name from kernels/manifest.toml")
+    p.add_argument("--kernel", help="kernel name from kernels/manifest.toml (required unless --clean)")
     p.add_argument("--goal", default="", help="what to improve (required for the claude proposer)")
     p.add_argument("--proposer", choices=("claude", "tuner", "replay"), default="claude")
     p.add_argument("--base", default="HEAD", help="revision to start from (default HEAD)")
@@ -57,7 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", type=Path, default=Path("."), help="repository root (default: current folder)")
     p.add_argument("--runs-dir", type=Path, help="where run folders go (default .fasttrack/runs)")
     p.add_argument("--no-progress", action="store_true", help="no live display (plain stage lines only)")
+    p.add_argument("--clean", action="store_true",
+                   help="remove the worktrees and branches of runs that committed nothing (their records stay)")
     return p
+
+
+def signing_key_problem(repo: Path) -> str | None:
+    """Why this host may not run a proposer whose code builds here: a signing key is within reach
+    ($FASTTRACK_SIGNING_KEY, or a key in the repository's key store). Signing belongs on the
+    trusted runner, never where proposed code builds."""
+    from kernels.sandbox import KEY_DIR, KEY_ENV
+
+    if os.environ.get(KEY_ENV):
+        return f"${KEY_ENV} names a signing key on this host"
+    keys = sorted((repo / KEY_DIR).glob("*")) if (repo / KEY_DIR).is_dir() else []
+    if keys:
+        return f"the key store {KEY_DIR}/ of this repository holds {len(keys)} file(s)"
+    return None
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -71,7 +87,7 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
     `backends` and `http_client` are seams for tests (a fake build/validate, a mock transport).
     """
     args = build_parser().parse_args(argv)
-    from agent.loop import RunConfig, UserError, run_proposal
+    from agent.loop import RunConfig, UserError, clean_runs, run_proposal
     from agent.progress import Progress
     from agent.trajectory import TrajectoryError
 
@@ -83,16 +99,37 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
         return _fail("--max-tokens must be positive, --max-retries non-negative, --eta at least 2")
     if not (args.repo / ".git").exists():
         return _fail(f"{args.repo} is not the root of a git repository (use --repo)")
+    if args.clean:
+        removed, kept = clean_runs(args.repo.resolve(), args.runs_dir)
+        print(f"removed {len(removed)} run worktree(s) and branch(es) that committed nothing; "
+              f"kept {len(kept)} committed run(s) and every run record")
+        return 0
+    if not args.kernel:
+        return _fail("--kernel is required")
     if args.runs_dir and args.runs_dir.exists() and not args.runs_dir.is_dir():
         return _fail(f"--runs-dir {args.runs_dir} is not a folder")
     if args.runs_dir is not None:
         args.runs_dir = args.runs_dir.resolve()
     model = resolve_model(args.model)
+    # Children never inherit it: the checks get a scrubbed environment, the sandbox a clean one,
+    # and git runs no hooks.
     api_key = os.environ.get("ANTHROPIC_API_KEY")
     if backends is None:
         from agent.backends import RepoBackends
+        from kernels.sandbox import Sandbox
 
-        backends = RepoBackends()
+        repo = args.repo.resolve()
+        key = os.environ.get("FASTTRACK_SIGNING_KEY")  # hidden even where a visible folder holds it
+        backends = RepoBackends(build_root=repo / "build",
+                                sandbox=Sandbox(key_roots=(str(repo),), hidden=(key,) if key else ()))
+    if args.proposer in ("claude", "replay"):
+        key = signing_key_problem(args.repo.resolve())
+        if key:
+            return _fail(f"refusing to run the {args.proposer} proposer here: {key}. Proposed code builds "
+                         "on this host; signing happens only on the trusted runner, so move the key there")
+    problem = getattr(backends, "sandbox_problem", lambda: "the backends cannot sandbox proposed code")()
+    if problem:
+        return _fail(f"proposed code must build in a sandbox, and it cannot here: {problem}")
 
     if args.proposer == "claude":
         if not args.goal.strip():
@@ -102,7 +139,7 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
         from agent.proposers.claude import ClaudeProposer, make_client
 
         client = make_client(api_key=api_key, max_retries=args.max_retries, http_client=http_client)
-        proposer = ClaudeProposer(client, model=model, max_tokens=args.max_tokens)
+        proposer = ClaudeProposer(client, model=model, max_tokens=args.max_tokens, max_retries=args.max_retries)
     elif args.proposer == "tuner":
         if args.measurements is None and not backends.gpu_available():
             return _fail("no CUDA device on this host, so the tuner cannot measure here. Run "
@@ -141,10 +178,11 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
         return _fail(str(e))
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
-    print(f"{result.outcome}: {result.reason}")
-    print(f"run folder: {result.run_dir}")
+    out = sys.stdout if result.exit_code == 0 else sys.stderr  # a failed run's reason is an error
+    print(f"{result.outcome}: {result.reason}", file=out)
+    print(f"run folder: {result.run_dir}", file=out)
     if result.worktree:
-        print(f"worktree: {result.worktree} (branch {result.branch})")
+        print(f"worktree: {result.worktree} (branch {result.branch})", file=out)
     return result.exit_code
 
 

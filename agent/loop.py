@@ -25,9 +25,9 @@ from agent.interrupt import InterruptGuard
 from agent.progress import NullProgress
 from agent.rfc import Proposal, render_rfc_toml
 from agent.session import BudgetExhausted, RunStopped, Session
-from agent.tools import Toolbox, out_of_scope
+from agent.tools import Toolbox
 from agent.trajectory import Redactor, Trajectory, write_json_atomic, write_text_atomic
-from agent.workspace import KernelScope, WorkspaceError, branch_name, changed_files, commit, create_worktree
+from agent.workspace import KernelScope, WorkspaceError, branch_name, commit, create_worktree, remove_worktree
 
 EXIT_CODES = {"committed": 0, "interrupted": 130, "api_error": 2, "error": 2}
 
@@ -141,10 +141,11 @@ def run_proposal(cfg: RunConfig, proposer, *, backends, progress=None, secrets_t
     guard = InterruptGuard()
     session = Session(
         kernel=cfg.kernel, goal=cfg.goal, spec=spec, worktree=wt.path, run_dir=run_dir, base_sha=wt.base_sha,
-        scope=KernelScope(wt.path, spec.sources), backends=backends, budget=budget,
+        scope=KernelScope(wt.path, spec.sources), backends=backends, budget=budget, repo_root=repo,
         trajectory=traj, progress=progress, guard=guard,
         tunable_edits_allowed=bool(getattr(proposer, "allows_tunable_edits", False)),
     )
+    session.wt = wt
     toolbox = Toolbox(session)
     traj.event("start", run_id=run_id, kernel=cfg.kernel, goal=cfg.goal, proposer=proposer.name,
                base=wt.base_sha, branch=wt.branch, sources=list(spec.sources),
@@ -158,6 +159,17 @@ def run_proposal(cfg: RunConfig, proposer, *, backends, progress=None, secrets_t
     return result
 
 
+def _discard(wt, result: RunResult) -> None:
+    """A run that committed nothing keeps only its record (the run folder): no worktree, no branch
+    (the trajectory holds every edit, and a replay re-makes them)."""
+    try:
+        remove_worktree(wt, delete_branch=True)
+    except Exception as e:  # noqa: BLE001 - the cleanup never costs the run its summary
+        result.reason += f" (its worktree could not be removed: {str(e).splitlines()[0][:200]})"
+    else:
+        result.worktree, result.branch = None, None
+
+
 def _drive(session, toolbox, proposer, cfg, run_id, result, redactor) -> None:
     """Let the proposer work, commit what it proposes, and always write the summary."""
     guard = session.guard
@@ -166,38 +178,67 @@ def _drive(session, toolbox, proposer, cfg, run_id, result, redactor) -> None:
             proposal = proposer.run(session, toolbox)
             session.stage("committing")
             with guard.critical():
-                result.commit = _commit_proposal(session, proposal, proposer, cfg, run_id)
+                result.commit = _commit_proposal(session, toolbox, proposal, proposer, cfg, run_id)
             result.outcome, result.reason = "committed", f"committed {result.commit[:12]} on {result.branch}"
         except RunStopped as e:
             result.outcome, result.reason = e.outcome, e.reason
         except BudgetExhausted as e:
             result.outcome, result.reason = "budget_exhausted", str(e)
         except KeyboardInterrupt:
-            result.outcome, result.reason = "interrupted", "stopped by Ctrl-C; the worktree keeps what was written"
+            result.outcome, result.reason = "interrupted", "stopped by Ctrl-C; the trajectory keeps what was written"
     except KeyboardInterrupt:  # a second Ctrl-C while the first was being handled
         result.outcome, result.reason = "interrupted", "stopped by Ctrl-C"
     with guard.critical():
+        if result.outcome != "committed":
+            _discard(session.wt, result)
+        shutil.rmtree(session.run_dir / "judge", ignore_errors=True)  # the base checkout it built
         _finish(session, result, cfg, proposer, redactor)
 
 
-def _commit_proposal(session: Session, proposal: Proposal, proposer, cfg: RunConfig, run_id: str) -> str:
+UNMEASURED = ("unmeasured: the trajectory it replays claims measurements but does not carry them bound "
+              "to the cubin hashes this change builds, so no speedup is claimed")
+CODE_IDENTICAL = ("code identical to base: every variant's cubin code hash equals the base revision's, "
+                  "so the change cannot be faster and no speedup is claimed")
+
+
+def _provenance(session: Session, proposer, metrics: dict) -> list[str]:
+    """Why the proposal may not claim a speedup (empty when its claim stands), from the accepted
+    attempt's judgement: its cubins' code hashes against the base's, and whether the measurements
+    a replayed trajectory claims are bound to those cubins."""
+    why = []
+    if metrics.get("code_identical_to_base"):
+        why.append(CODE_IDENTICAL)
+    bound = getattr(proposer, "measurements_bound", None)
+    built = [b for b in metrics.get("binaries", []) if b.get("kernel") == session.kernel]
+    if callable(bound) and not bound(built):
+        why.append(UNMEASURED)
+    return why
+
+
+def _commit_proposal(session: Session, toolbox: Toolbox, proposal: Proposal, proposer, cfg: RunConfig,
+                     run_id: str) -> str:
     wt = session.worktree
-    files = changed_files(wt)
-    outside = out_of_scope(session, files)
-    if outside:  # evaluate_candidate checked this; the commit re-checks what it is about to record
-        raise RunStopped("rejected", "; ".join(outside))
     evidence_rel = f"evidence_reports/{run_id}"
     ev_dir = wt / evidence_rel
-    ev_dir.mkdir(parents=True, exist_ok=True)
     accepted = next((a for a in reversed(session.attempts) if a.verdict == "accepted"), None)
     metrics = accepted.metrics if accepted else {}
+    # The gate's judgement of exactly what will be committed is taken after the evidence is
+    # written (it is part of the change); a refusal ends the run with its reasons.
+    unclaimed = _provenance(session, proposer, metrics)
+    if unclaimed:
+        proposal.predicted_time_change_pct = None
+        proposal.predicted_batches = None
+        proposal.prediction = f"{proposal.prediction}\n\nNo speedup claimed: " + "; ".join(unclaimed)
+        if UNMEASURED in unclaimed and not proposal.title.startswith("(unmeasured) "):
+            proposal.title = "(unmeasured) " + proposal.title
+    ev_dir.mkdir(parents=True, exist_ok=True)
     copied = []
     for key, name in (("bundle", "bundle.json"), ("report", "report.html")):
         src = metrics.get(key)
         if src and Path(src).exists():
             shutil.copyfile(src, ev_dir / name)
             copied.append(name)
-    not_covered = list(metrics.get("not_covered", []))
+    not_covered = list(metrics.get("not_covered", [])) + unclaimed
     if "bundle.json" not in copied:
         not_covered.append("no evidence bundle: it must be produced on a GPU host (`fasttrack validate`) "
                            "and committed before the gate can pass")
@@ -216,6 +257,8 @@ def _commit_proposal(session: Session, proposal: Proposal, proposer, cfg: RunCon
         "attempts": [a.to_dict() for a in session.attempts],
         "prediction": {"time_change_pct": proposal.predicted_time_change_pct,
                        "cases": proposal.predicted_cases, "batches": proposal.predicted_batches},
+        "measured": UNMEASURED not in unclaimed,
+        "code_identical_to_base": CODE_IDENTICAL in unclaimed,
         "evidence": {"bundle": "bundle.json" if "bundle.json" in copied else None,
                      "report": "report.html" if "report.html" in copied else None},
         "not_covered": not_covered,
@@ -225,15 +268,27 @@ def _commit_proposal(session: Session, proposal: Proposal, proposer, cfg: RunCon
     write_json_atomic(ev_dir / "agent.json", agent_record, session.trajectory.redactor)
     copied.append("agent.json")
     (ev_dir / "rfc.toml").write_text(session.trajectory.redactor.text(render_rfc_toml(proposal)))
+    verdict = toolbox.judge(attempt=False)
+    if not verdict.ok:
+        raise RunStopped("rejected", "the gate would refuse this change, so nothing was committed: "
+                         + "; ".join(verdict.reasons))
     message = (
         f"{session.kernel}: {proposal.title}\n\n{proposal.summary}\n\n"
         f"Prediction: {proposal.prediction}\n"
-        f"Proposed-by: propose-optimization ({proposer.name}"
+        + "".join(f"Not-claimed: {u}\n" for u in unclaimed)
+        + f"Proposed-by: propose-optimization ({proposer.name}"
         + (f", {cfg.model}" if proposer.name == "claude" else "") + f"), run {run_id}\n"
     )
     message = session.trajectory.redactor.text(message)
-    sha = commit(wt, files + [f"{evidence_rel}/{n}" for n in ["rfc.toml", *copied]], message)
-    session.trajectory.event("commit", sha=sha, files=files, evidence=evidence_rel)
+    files = list(verdict.files)
+    for f in files:  # a secret in any encoding never reaches a commit
+        p = wt / f
+        if p.is_file() and not p.is_symlink() and session.trajectory.redactor.contains(
+                p.read_bytes().decode("utf-8", "replace")):
+            raise RunStopped("rejected", f"{f} holds a secret (the API key or a signing key, in some "
+                             "encoding), so nothing was committed")
+    sha = commit(wt, files, message)
+    session.trajectory.event("commit", sha=sha, files=files, evidence=evidence_rel, not_claimed=unclaimed)
     return sha
 
 
@@ -247,6 +302,8 @@ def _finish(session: Session, result: RunResult, cfg: RunConfig, proposer, redac
     repo = Path(cfg.repo).resolve()
 
     def rel(p):
+        if p is None:
+            return None
         try:
             return str(Path(p).resolve().relative_to(repo))
         except ValueError:
@@ -269,6 +326,35 @@ def _finish(session: Session, result: RunResult, cfg: RunConfig, proposer, redac
     write_text_atomic(result.run_dir / "summary.md", render_summary_md(summary), redactor)
     session.trajectory.event("end", outcome=result.outcome, reason=result.reason, commit=result.commit,
                              spent=result.spent)
+
+
+def clean_runs(repo: Path, runs_dir: Path | None = None) -> tuple[list[str], list[str]]:
+    """Remove the worktree and branch of every run that did not commit (its record under runs/
+    stays), and worktrees left without a record; returns (removed run ids, kept run ids)."""
+    import json
+
+    from agent.workspace import Worktree
+
+    repo = Path(repo).resolve()
+    runs = Path(runs_dir or repo / ".fasttrack" / "runs")
+    wts = repo / ".fasttrack" / "worktrees"
+    removed, kept = [], []
+    for wt in sorted(wts.iterdir()) if wts.is_dir() else []:
+        try:
+            summary = json.loads((runs / wt.name / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {}
+        if summary.get("outcome") == "committed":
+            kept.append(wt.name)
+            continue
+        try:
+            cfg = json.loads((runs / wt.name / "config.json").read_text())
+            branch = cfg.get("branch")
+        except (OSError, ValueError):
+            branch = None
+        remove_worktree(Worktree(repo, wt, branch or "", ""), delete_branch=bool(branch))
+        removed.append(wt.name)
+    return removed, kept
 
 
 def render_summary_md(s: dict) -> str:

@@ -60,6 +60,8 @@ class Session:
     progress: Any  # agent.progress.Progress
     guard: InterruptGuard
     base_sha: str = ""
+    repo_root: Path | None = None  # the user's repository (the base revision is read from it)
+    wt: Any = None  # agent.workspace.Worktree: removed when the run commits nothing
     # The tuner may also change this kernel's tunable defaults in kernels/manifest.toml.
     tunable_edits_allowed: bool = False
     attempts: list[Attempt] = field(default_factory=list)

@@ -18,7 +18,7 @@ from pathlib import Path
 from agent.backends import FAILED, NO_GPU, OK, UNAVAILABLE, CheckResult
 from agent.rfc import REQUIRED_FIELDS, Proposal
 from agent.session import Session
-from agent.workspace import ScopeViolation, changed_files, diff_numstat, diff_text, write_file_atomic
+from agent.workspace import ScopeViolation, diff_numstat, diff_text, write_file_atomic
 
 MAX_OBSERVATION_CHARS = 12000
 MAX_VIEW_LINES = 400
@@ -167,33 +167,10 @@ SET_TUNABLE_DEFAULTS = {
 }
 
 
-def out_of_scope(session: Session, files: list[str]) -> list[str]:
-    """Reasons the changed `files` leave the kernel's scope (empty when they do not).
-
-    The kernel's declared sources are in scope; kernels/manifest.toml is, for the tuner only, when
-    its change is confined to this kernel's tunable defaults.
-    """
-    reasons = []
-    for f in files:
-        if f in session.scope.editable:
-            continue
-        if f == MANIFEST and session.tunable_edits_allowed:
-            from agent.tunables import manifest_change_reason
-
-            base_text = _base_text(session.worktree, MANIFEST)
-            why = manifest_change_reason(base_text, (session.worktree / MANIFEST).read_text(), session.kernel)
-            if why is None:
-                continue
-            reasons.append(f"{MANIFEST}: {why}")
-            continue
-        reasons.append(f"{f} is outside the kernel's sources ({', '.join(session.scope.editable)})")
-    return reasons
-
-
-def _base_text(worktree: Path, path: str) -> str:
+def _base_text(worktree: Path, path: str, base: str = "HEAD") -> str:
     import git
 
-    return git.Repo(worktree).git.show(f"HEAD:{path}")
+    return git.Repo(worktree).git.show(f"{base}:{path}")
 
 
 def quick_shapes(shapes: tuple[dict, ...] | list[dict]) -> list[dict]:
@@ -346,7 +323,8 @@ class Toolbox:
         manifest_path = wt / MANIFEST
         try:
             new_manifest = rewrite_manifest_defaults(manifest_path.read_text(), self.s.kernel, values)
-            why = manifest_change_reason(_base_text(wt, MANIFEST), new_manifest, self.s.kernel)
+            why = manifest_change_reason(_base_text(wt, MANIFEST, self.s.base_sha or "HEAD"), new_manifest,
+                                         self.s.kernel)
             if why:
                 return ToolOutcome(f"refused: {why}", True)
             module_edits = {}
@@ -438,44 +416,42 @@ class Toolbox:
     def evaluate_candidate(self) -> tuple[list[str], list[str], dict]:
         """Judge the worktree's current change: (rejection reasons, what was not covered, evidence).
 
-        Accepted only if the change is non-empty, touches only the kernel's declared sources,
-        builds for every variant and passes the static audit; with a GPU, validation must pass too.
+        The gate's judgement first (agent/judge.py: scope against the base revision, policy, line
+        bound, every variant of every touched kernel built sandboxed and audited); with a GPU,
+        validation must pass too.
         """
-        reasons: list[str] = []
         notes: list[str] = []
         evidence: dict = {}
-        files = changed_files(self.s.worktree)
-        if not files:
-            return ["the change is empty: nothing differs from the base revision"], notes, evidence
-        outside = out_of_scope(self.s, files)
-        if outside:
-            return outside, notes, evidence
-        evidence["files"] = files
-        self.s.stage("build (all variants)")
-        b = self._record(self.s.backends.build(self.s.worktree, self.s.kernel, None))
-        if b.status != OK:
-            reasons.append(f"build {b.status}: {b.summary[:1500]}")
-            return reasons, notes, evidence
-        evidence["binaries"] = [
-            {"variant": x.get("variant"), "cubin_sha256": x.get("cubin_sha256")} for x in b.data.get("built", [])
-        ]
-        self.s.stage("static audit")
-        a = self._record(self.s.backends.audit(self.s.worktree, self.s.kernel))
-        if a.status == FAILED:
-            reasons.append(f"static audit findings: {a.summary[:1500]}")
-        elif a.status != OK:
-            notes.append(f"static race audit {a.status}: {a.summary[:300]}")
-        if reasons:
-            return reasons, notes, evidence
+        v = self.judge()
+        evidence["files"] = v.files
+        if not v.ok:
+            return v.reasons, notes, evidence
+        evidence["binaries"] = [dict(x, kernel=k) for k, xs in v.built.items() for x in xs]
+        evidence["code_identical_to_base"] = v.code_identical_to_base
+        notes += v.notes
         self.s.stage("validate")
-        v = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "evidence",
+        r = self._record(self.s.backends.validate(self.s.worktree, self.s.kernel, self.s.run_dir / "evidence",
                                                   base=self.s.base_sha or None))
-        if v.status == FAILED:
-            reasons.append(f"validation failed: {v.summary[:1500]}")
-        elif v.status in (NO_GPU, UNAVAILABLE):
-            notes.append(f"validation {v.status}: {v.summary[:300]}")
+        if r.status == FAILED:
+            return [f"validation failed: {r.summary[:1500]}"], notes, evidence
+        if r.status in (NO_GPU, UNAVAILABLE):
+            notes.append(f"validation {r.status}: {r.summary[:300]}")
         else:
-            evidence["bundle"] = v.data.get("bundle")
-            report = Path(v.data["bundle"]).with_name("report.html") if v.data.get("bundle") else None
+            evidence["bundle"] = r.data.get("bundle")
+            report = Path(r.data["bundle"]).with_name("report.html") if r.data.get("bundle") else None
             evidence["report"] = str(report) if report and report.exists() else None
-        return reasons, notes, evidence
+        return [], notes, evidence
+
+    def judge(self, *, attempt: bool = True):
+        """The gate's verdict on the worktree as it is now (agent/judge.py). Its checks are logged;
+        with `attempt` they also count as checks of the open attempt (not at the commit, which
+        judges the accepted attempt once more)."""
+        from agent.judge import judge_change
+
+        def log(r: CheckResult) -> CheckResult:
+            self.s.trajectory.event("check", **r.to_dict(), final=True)
+            return r
+
+        return judge_change(self.s.repo_root or self.s.worktree, self.s.base_sha, self.s.worktree,
+                            backends=self.s.backends, kernel=self.s.kernel, scratch=self.s.run_dir / "judge",
+                            stage=self.s.stage, record=self._record if attempt else log)

@@ -8,10 +8,13 @@ audits use it).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
 import time
+import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
@@ -38,20 +41,67 @@ def scrubbed_environment(env: dict | None = None) -> dict:
     return {k: v for k, v in env.items() if not _SECRET_ENV.search(k)}
 
 
+def _b64_cores(secret: bytes) -> set[str]:
+    """The base64 text any copy of `secret` shows inside a longer base64 stream, at each of the
+    three byte alignments (standard and URL-safe alphabets): the characters that encode only
+    secret bits."""
+    out = set()
+    for pad in range(3):
+        enc = base64.b64encode(b"\0" * pad + secret).decode().rstrip("=")
+        first = -(-8 * pad // 6)  # first character holding no padding bit
+        last = (8 * (pad + len(secret))) // 6  # characters before this one hold secret bits only
+        core = enc[first:last]
+        if len(core) >= 8:
+            out |= {core, core.replace("+", "-").replace("/", "_")}
+    return out
+
+
+def encodings(secret: str) -> set[str]:
+    """The forms of `secret` that must never leave: plain, base64 (any alignment, both alphabets),
+    hex (either case), URL-encoded (both quoting styles)."""
+    raw = secret.encode()
+    forms = {secret, binascii.hexlify(raw).decode(), binascii.hexlify(raw).decode().upper(),
+             urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret, safe="")}
+    forms |= _b64_cores(raw)
+    return {f for f in forms if len(f) >= 8}
+
+
+def key_file_secrets(text: str) -> list[str]:
+    """A PEM key file's secrets: the whole text and each base64 body line (the DER's text)."""
+    out = [text.strip()] if text.strip() else []
+    body = "".join(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("-----"))
+    if body:
+        out.append(body)
+        try:
+            out.append(base64.b64decode(body).decode("latin-1"))
+        except (binascii.Error, ValueError):
+            pass
+    return out
+
+
 class Redactor:
-    """Replaces known secret strings (and anything shaped like an Anthropic key) with a marker."""
+    """Replaces known secret strings, in every encoding `encodings` lists (and anything shaped like
+    an Anthropic key or a PEM private key), with a marker."""
 
     def __init__(self, secrets: Iterable[str] = (), *, from_env: bool = True):
         found = {s for s in secrets if s}
         if from_env:
             found |= {v for k, v in os.environ.items() if _SECRET_ENV.search(k) and len(v) >= 8}
-        # Longest first, so a secret containing another is replaced whole.
-        self._secrets = sorted(found, key=len, reverse=True)
+        self._plain: set[str] = set()
+        self._secrets: list[str] = []
+        for s in found:
+            self.add(s)
 
     def add(self, secret: str | None) -> None:
-        if secret and secret not in self._secrets:
-            self._secrets.append(secret)
-            self._secrets.sort(key=len, reverse=True)
+        if not secret or secret in self._plain:
+            return
+        self._plain.add(secret)
+        # Longest first, so a secret containing another is replaced whole.
+        self._secrets = sorted(set(self._secrets) | encodings(secret), key=len, reverse=True)
+
+    def contains(self, s: str) -> bool:
+        """Whether `s` holds a secret in any known form."""
+        return any(x in s for x in self._secrets) or bool(_KEY_SHAPES.search(s))
 
     def text(self, s: str) -> str:
         for secret in self._secrets:

@@ -39,6 +39,15 @@ def _git():
     return git
 
 
+# Git hooks never run for the loop's git commands: a hook is code outside any sandbox, run with
+# this process's environment. GIT_CONFIG_* is git's documented way to set config per command.
+NO_HOOKS_ENV = {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "core.hooksPath", "GIT_CONFIG_VALUE_0": "/dev/null"}
+
+
+def _no_hooks(repo) -> None:
+    repo.git.update_environment(**NO_HOOKS_ENV)
+
+
 def create_worktree(repo_root: Path, path: Path, branch: str, base: str = "HEAD") -> Worktree:
     """Add a worktree at `path` on a new `branch` starting at `base`; clear errors otherwise."""
     git = _git()
@@ -56,6 +65,7 @@ def create_worktree(repo_root: Path, path: Path, branch: str, base: str = "HEAD"
         raise WorkspaceError(f"worktree path {path} already exists")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     try:
+        _no_hooks(repo)
         repo.git.worktree("add", "-b", branch, str(path), base_sha)
     except git.GitCommandError as e:
         raise WorkspaceError(f"git worktree add failed: {e.stderr.strip() or e}") from None
@@ -113,6 +123,7 @@ def commit(worktree: Path, paths: list[str], message: str) -> str:
     """
     git = _git()
     repo = git.Repo(worktree)
+    _no_hooks(repo)
     reader = repo.config_reader()
     name = reader.get_value("user", "name", "") or "fasttrack agent"
     email = reader.get_value("user", "email", "") or "agent@fasttrack.invalid"
@@ -123,15 +134,19 @@ def commit(worktree: Path, paths: list[str], message: str) -> str:
         repo.git.add("--", *to_add)
     if to_remove:
         repo.git.rm("--cached", "--quiet", "--", *to_remove)
-    c = repo.index.commit(message, author=actor, committer=actor)
+    # skip_hooks: GitPython runs pre-commit/commit-msg hooks itself unless told not to.
+    c = repo.index.commit(message, author=actor, committer=actor, skip_hooks=True)
     return c.hexsha
 
 
 def remove_worktree(wt: Worktree, *, delete_branch: bool = False) -> None:
     git = _git()
     repo = git.Repo(wt.repo_root)
-    repo.git.worktree("remove", "--force", str(wt.path))
-    if delete_branch:
+    _no_hooks(repo)
+    if Path(wt.path).exists():
+        repo.git.worktree("remove", "--force", str(wt.path))
+    repo.git.worktree("prune")
+    if delete_branch and wt.branch in [h.name for h in repo.heads]:
         repo.git.branch("-D", wt.branch)
 
 

@@ -518,7 +518,7 @@ def _worker_env() -> dict:
 
 
 def _compile_chunk(spec: KernelSpec, plans: list[_Plan], staging: Path, files: list[str],
-                   tmps: list[Path]) -> list[dict]:
+                   tmps: list[Path], sandbox=None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="fasttrack-job-") as jd:
         job = {
             "op": spec.op,
@@ -533,10 +533,14 @@ def _compile_chunk(spec: KernelSpec, plans: list[_Plan], staging: Path, files: l
         }
         job_path = Path(jd) / "job.json"
         job_path.write_text(json.dumps(job))
+        cmd, env = [sys.executable, "-I", str(WORKER), str(job_path)], _worker_env()
+        if sandbox is not None:  # kernels/sandbox.py: the worker imports the (untrusted) sources
+            cmd = sandbox.command(cmd, env={k: env[k] for k in ("CUTE_DSL_DISABLE_FILE_CACHING", "PYTHONHASHSEED")},
+                                  read=[staging, WORKER], write=[jd, *tmps], cwd=staging)
+            env = None
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", str(WORKER), str(job_path)],
-                cwd=staging, env=_worker_env(), capture_output=True, text=True,
+                cmd, cwd=staging, env=env, capture_output=True, text=True,
                 timeout=COMPILE_TIMEOUT_S * len(plans),
             )
         except subprocess.TimeoutExpired:
@@ -578,7 +582,7 @@ def _plans(spec: KernelSpec, variants: list[tuple[dict, dict]], root: Path, repo
 
 
 def _build(spec: KernelSpec, variants: list[tuple[dict, dict]], *, root: Path, force: bool,
-           progress: Callable | None, jobs: int | None, repo_root: Path) -> list[BuildArtifact]:
+           progress: Callable | None, jobs: int | None, repo_root: Path, sandbox=None) -> list[BuildArtifact]:
     # The compile worker runs in a staging folder: a relative root would resolve there.
     root = Path(root).resolve()
     files, sources, version, plans = _plans(spec, variants, root, repo_root)
@@ -610,7 +614,7 @@ def _build(spec: KernelSpec, variants: list[tuple[dict, dict]], *, root: Path, f
                 with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                     futs = {
                         pool.submit(_compile_chunk, spec, [plans[i] for i in c], Path(staging), files,
-                                    [tmps[i] for i in c]): c
+                                    [tmps[i] for i in c], sandbox): c
                         for c in chunks
                     }
                     for fut in concurrent.futures.as_completed(futs):
@@ -664,18 +668,20 @@ def build_variant(kernel: str, shape: dict, tunables: dict | None = None, *, roo
 def build_kernel(kernel: str, *, shapes: list[dict] | None = None, tunables: dict | None = None,
                  root: Path = DEFAULT_ROOT, progress: Callable | None = None, force: bool = False,
                  jobs: int | None = None, manifest: Manifest | None = None,
-                 repo_root: Path = REPO_ROOT) -> list[BuildArtifact]:
+                 repo_root: Path = REPO_ROOT, sandbox=None) -> list[BuildArtifact]:
     """Build `kernel` for `shapes` (default: every manifest variant) with the same tunables.
 
     Compiles the variants that are not cached in up to `jobs` child processes (default: 2, or
     fewer CPUs). `progress(done, total, artifact)` is called after each variant. Artifacts come
-    back in the order of `shapes`.
+    back in the order of `shapes`. With `sandbox` (a kernels.sandbox.Sandbox) each compile
+    child, which imports the sources, runs inside it: it sees the staged sources read-only and
+    writes only its own output folders (the cache's other entries stay out of its reach).
     """
     spec = _spec(kernel, manifest)
     tun = resolve_tunables(spec, tunables)
     variants = [(dict(s), dict(tun)) for s in (shapes if shapes is not None else spec.shapes)]
     return _build(spec, variants, root=Path(root), force=force, progress=progress, jobs=jobs,
-                  repo_root=Path(repo_root))
+                  repo_root=Path(repo_root), sandbox=sandbox)
 
 
 def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, progress: Callable | None = None,

@@ -3,7 +3,9 @@ backends, and a scripted Messages API behind the real `anthropic` client's HTTP 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -85,6 +87,9 @@ class FakeBackends:
     def gpu_available(self) -> bool:
         return self.gpu
 
+    def sandbox_problem(self):
+        return None
+
     def build(self, root, kernel, shapes=None, tunables=None) -> CheckResult:
         self.calls.append(("build", kernel, None if shapes is None else len(shapes), tunables))
         src = (Path(root) / "kernels" / "ops" / f"{kernel}.py").read_text()
@@ -93,7 +98,14 @@ class FakeBackends:
         except SyntaxError as e:
             return CheckResult("build", FAILED, f"BuildError: {kernel}: kernels/ops/{kernel}.py:{e.lineno}: {e.msg}")
         n = 6 if shapes is None else len(shapes)
-        built = [{"variant": {"batch": i}, "cubin_sha256": f"{i:064x}", "resources": {"registers": 32}}
+        # The "code": the source without comments and the manifest (defaults), as a cubin's code
+        # hash ignores line tables; the bytes hash also covers the comments.
+        manifest = (Path(root) / "kernels" / "manifest.toml").read_text()
+        lines = [re.sub(r"#.*", "", line).rstrip() for line in src.splitlines()]
+        code = "\n".join(x for x in lines if x.strip()) + manifest + json.dumps(tunables, sort_keys=True)
+        built = [{"variant": {"batch": i}, "resources": {"registers": 32},
+                  "cubin_sha256": hashlib.sha256(f"{i}{src}{code}".encode()).hexdigest(),
+                  "cubin_code_sha256": hashlib.sha256(f"{i}{code}".encode()).hexdigest()}
                  for i in range(n)]
         return CheckResult("build", OK, f"built {n} variants", {"built": built})
 
@@ -183,3 +195,100 @@ def all_written_text(*roots: Path) -> str:
             if p.is_file():
                 out.append(p.read_bytes().decode("utf-8", "replace"))
     return "\n".join(out)
+
+
+# -- a scripted Messages API on a real socket (127.0.0.1) --------------------------------------
+
+HANG = "hang"  # a script item: the server holds the request open until the test ends
+
+
+class LoopbackAPI:
+    """A Messages API on 127.0.0.1 (http.server in a thread) answering POST /v1/messages from a
+    script: a dict is a 200 JSON message, a (status, body, headers) tuple an error, bytes a raw
+    (malformed) 200 body, HANG a request that never answers. Point the real SDK at it with
+    ANTHROPIC_BASE_URL=api.url. Records each request's JSON and headers."""
+
+    def __init__(self, script: list):
+        import http.server
+        import threading
+
+        self.script = list(script)
+        self.requests: list[dict] = []
+        self.headers: list[dict] = []
+        self.release = threading.Event()
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def do_POST(self):
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n)
+                api.headers.append({k.lower(): v for k, v in self.headers.items()})
+                try:
+                    api.requests.append(json.loads(body))
+                except ValueError:
+                    api.requests.append({})
+                item = api.script.pop(0) if api.script else (500, {"type": "error", "error": {
+                    "type": "api_error", "message": "script exhausted"}}, {})
+                if item == HANG:
+                    api.release.wait(120)
+                    return
+                status, headers = 200, {}
+                if isinstance(item, tuple):
+                    status, item, headers = item
+                data = item if isinstance(item, bytes) else json.dumps(item).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- the real sandbox around a toy build -------------------------------------------------------
+
+class SandboxedToyBackends(FakeBackends):
+    """FakeBackends whose build really imports the worktree's toy kernel, in the real sandbox
+    (kernels/sandbox.py), as kernels/build.py's compile children do: the worktree read-only, one
+    output folder (`out`) writable, given to the code as $FASTTRACK_OUT."""
+
+    def __init__(self, out: Path, sandbox, **kw):
+        super().__init__(**kw)
+        self.out = Path(out)
+        self.sandbox = sandbox
+        self.runs: list = []
+
+    def sandbox_problem(self):
+        return self.sandbox.problem()
+
+    def build(self, root, kernel, shapes=None, tunables=None) -> CheckResult:
+        import sys
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        root = Path(root).resolve()
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); sys.dont_write_bytecode = True; "
+                f"import kernels.ops.{kernel}")
+        cmd = self.sandbox.command([sys.executable, "-I", "-c", code, str(root)],
+                                   env={"FASTTRACK_OUT": str(self.out)}, read=[root], write=[self.out])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        self.runs.append(proc)
+        if proc.returncode != 0:
+            return CheckResult("build", FAILED, f"BuildError: {kernel}: {proc.stderr.strip()[-1500:]}")
+        return super().build(root, kernel, shapes, tunables)

@@ -151,7 +151,8 @@ def test_edit_outside_scope_is_refused_and_the_model_told_why(repo, tmp_path):
     assert outside.read_text() == "secret = 1\n"
     s = summary(repo)
     assert s["outcome"] == "gave_up" and "scope too narrow" in s["reason"]
-    assert (repo / s["worktree"] / "kernels" / "reference.py").read_text() == "def toy(x):\n    return sum(x)\n"
+    assert (repo / "kernels" / "reference.py").read_text() == "def toy(x):\n    return sum(x)\n"
+    assert s["worktree"] is None and s["branch"] is None  # a failed run keeps only its record
 
 
 def test_symlinked_source_is_refused(repo):
@@ -170,8 +171,7 @@ def test_symlinked_source_is_refused(repo):
     assert run(repo, api) == 1
     (r,) = tool_results(api.requests[1])
     assert r["is_error"] and "symlink" in r["content"]
-    wt = repo / summary(repo)["worktree"]
-    assert (wt / "kernels" / "reference.py").read_text() == "def toy(x):\n    return sum(x)\n"
+    assert (repo / "kernels" / "reference.py").read_text() == "def toy(x):\n    return sum(x)\n"
 
 
 def test_tool_error_goes_back_and_the_model_recovers(repo):
@@ -254,9 +254,12 @@ def test_refusal_ends_the_run_without_commit(repo):
     s = summary(repo)
     assert s["outcome"] == "refused" and s["commit"] is None
     assert len(api.requests) == 2
-    assert git(repo, "rev-list", "--count", f"main..{s['branch']}") == "0"
-    # What was written is kept in the worktree, and the attempt recorded as abandoned.
-    assert "return sum(x)" in (repo / s["worktree"] / "kernels" / "ops" / "toy.py").read_text()
+    # A failed run leaves no branch and no worktree; its record keeps the edit (a replay re-makes it).
+    assert s["branch"] is None and s["worktree"] is None
+    assert git(repo, "branch", "--list").strip() == "* main"
+    assert not any((repo / ".fasttrack" / "worktrees").iterdir())
+    traj = (repo / ".fasttrack" / "runs" / s["run_id"] / "trajectory.jsonl").read_text()
+    assert "return sum(x)" in traj
     assert s["attempts"][0]["verdict"] == "abandoned"
 
 
@@ -372,6 +375,6 @@ def test_a_secret_printed_by_a_check_never_reaches_the_model(repo, monkeypatch):
     assert API_KEY not in res["content"] and "MC4CAQAw" not in res["content"]
 
     monkeypatch.setenv("FASTTRACK_SIGNING_KEY", "/keys/runner.pem")
-    proc = RepoBackends()._run(repo, ["-c", "import os; print(os.environ.get('ANTHROPIC_API_KEY'), "
+    proc = RepoBackends()._run_trusted(["-c", "import os; print(os.environ.get('ANTHROPIC_API_KEY'), "
                                             "os.environ.get('FASTTRACK_SIGNING_KEY'), 'PATH' in os.environ)"])
     assert proc.stdout.split() == ["None", "None", "True"]

@@ -16,16 +16,21 @@ stop_reason decides what happens next:
 
 Transient failures (429, 5xx including 529 overloaded, connection errors) are retried with
 exponential backoff by the SDK (`max_retries`); what still fails ends the run with a clear reason.
+The wall-clock budget bounds every call: its HTTP timeout and retries are derived from what is
+left of the budget (`call_limits`), and a watchdog abandons a call that outlives it anyway (a
+server that trickles bytes defeats a read timeout). A response that is not a well-formed message
+(bad JSON, a tool call without id or input) ends the run as an API error, with one line.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import threading
 import time
 
 from agent.rfc import Proposal
-from agent.session import RunStopped, Session
+from agent.session import BudgetExhausted, RunStopped, Session
 from agent.tools import Toolbox
 
 DEFAULT_MODEL = "claude-opus-5-5"
@@ -72,6 +77,63 @@ def make_client(*, api_key: str | None = None, max_retries: int = DEFAULT_MAX_RE
     if http_client is not None:
         kw["http_client"] = http_client
     return anthropic.Anthropic(**kw)
+
+
+DEFAULT_CALL_TIMEOUT_S = 600.0  # the SDK's own default, when the wall-clock is unbounded
+MIN_CALL_TIMEOUT_S = 1.0
+
+
+class MalformedResponse(Exception):
+    """A response the Messages API contract does not allow; the message says what is wrong."""
+
+
+def call_limits(remaining_s: float | None, max_retries: int) -> tuple[float, int]:
+    """(per-attempt HTTP timeout, retries) so that every attempt and its backoff fit in what
+    remains of the wall-clock budget (`remaining_s`; None: unbounded)."""
+    if remaining_s is None:
+        return DEFAULT_CALL_TIMEOUT_S, max_retries
+    retries = max_retries
+    # The SDK's backoff is at most ~8 s per retry; keep every attempt at least MIN_CALL_TIMEOUT_S.
+    while retries > 0 and (remaining_s - 8.0 * retries) / (retries + 1) < MIN_CALL_TIMEOUT_S:
+        retries -= 1
+    per_call = max(MIN_CALL_TIMEOUT_S, (remaining_s - 8.0 * retries) / (retries + 1))
+    return min(per_call, DEFAULT_CALL_TIMEOUT_S), retries
+
+
+def _bounded(fn, limit_s: float):
+    """fn() in a daemon thread, abandoned after `limit_s` (TimeoutError): nothing outlives the
+    wall-clock budget, whatever the transport does."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True, name="messages-call")
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        raise TimeoutError
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def check_response(resp) -> list[dict]:
+    """The content blocks of a response, or MalformedResponse saying what breaks the contract."""
+    content = getattr(resp, "content", None)
+    if not isinstance(content, list) or getattr(resp, "usage", None) is None:
+        raise MalformedResponse("the response has no content list or no usage")
+    blocks = [_block_dict(b) for b in content]
+    for b in blocks:
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise MalformedResponse("a content block has no type")
+        if b["type"] == "tool_use" and not (isinstance(b.get("id"), str) and b["id"]
+                                             and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):
+            raise MalformedResponse("a tool_use block lacks its id, name or object input")
+    return blocks
 
 
 def first_message(session: Session) -> str:
@@ -130,8 +192,9 @@ class ClaudeProposer:
     name = "claude"
 
     def __init__(self, client, *, model: str = DEFAULT_MODEL, max_tokens: int = DEFAULT_MAX_TOKENS,
-                 max_nudges: int = 2, max_consecutive_cuts: int = 3):
+                 max_nudges: int = 2, max_consecutive_cuts: int = 3, max_retries: int = DEFAULT_MAX_RETRIES):
         self.client = client
+        self.max_retries = max_retries
         self.model = model
         self.max_tokens = max_tokens
         self.max_nudges = max_nudges
@@ -167,14 +230,41 @@ class ClaudeProposer:
             session.trajectory.event("request", turn=turn, new_messages=messages[sent:])
             sent = len(messages)
             t0 = time.monotonic()
+            lim = session.budget.limits.wall_s
+            remaining = None if lim is None else max(0.0, lim - session.budget.elapsed_s())
+            timeout, retries = call_limits(remaining, self.max_retries)
+            request = self._request(toolbox, messages)
+            client = self.client.with_options(timeout=timeout, max_retries=retries)
             try:
-                resp = self.client.messages.create(**self._request(toolbox, messages))
+                resp = _bounded(lambda: client.messages.create(**request),
+                                DEFAULT_CALL_TIMEOUT_S * (self.max_retries + 1) if remaining is None else remaining + 1.0)
+                content = check_response(resp)
+            except TimeoutError:
+                why = f"budget reached: wall-clock, a Messages API call was still running at the {lim:.0f} s limit"
+                session.trajectory.event("api_error", turn=turn, error=why)
+                raise BudgetExhausted(why) from None
+            except anthropic.APITimeoutError:
+                why = (f"the Messages API did not answer within {timeout:.0f} s ({retries} retries), "
+                       "the part of the wall-clock budget left for the call")
+                session.trajectory.event("api_error", turn=turn, error=why)
+                spent = session.budget.exhausted()
+                if spent:
+                    raise BudgetExhausted(f"{spent}: {why}") from None
+                raise RunStopped("api_error", why) from None
+            except anthropic.APIResponseValidationError:
+                why = "the Messages API sent a malformed response (it does not match the message schema)"
+                session.trajectory.event("api_error", turn=turn, error=why)
+                raise RunStopped("api_error", why) from None
             except anthropic.APIError as e:
                 session.trajectory.event("api_error", turn=turn, error=_api_error_reason(e))
                 raise RunStopped("api_error", _api_error_reason(e)) from None
+            except (MalformedResponse, ValueError, TypeError, AttributeError) as e:
+                # json.JSONDecodeError is a ValueError: a body that is not JSON at all.
+                why = f"the Messages API sent a malformed response ({type(e).__name__}: {str(e)[:200]})"
+                session.trajectory.event("api_error", turn=turn, error=why)
+                raise RunStopped("api_error", why) from None
             latency = time.monotonic() - t0
             cost = session.budget.charge(resp.usage)
-            content = [_block_dict(b) for b in resp.content]
             session.trajectory.event(
                 "response", turn=turn, id=resp.id, model=resp.model, stop_reason=resp.stop_reason,
                 content=content, usage=_block_dict(resp.usage), latency_s=round(latency, 3),

@@ -56,5 +56,18 @@ class ReplayProposer:
         how = f" (it ended: {end.get('outcome')}: {end.get('reason')})" if end else ""
         raise RunStopped("no_proposal", f"the replayed trajectory has no accepted submission{how}")
 
+    def measurements_bound(self, built: list[dict]) -> bool:
+        """Whether the recording's claim of measurements stands: a recording that claims none
+        (no `measurements` event, not a tuner's) has nothing to bind; one that does must carry
+        them bound to the cubins the replayed change builds (every variant's cubin sha256 or
+        code sha256 among the measured ones). Otherwise the change is unmeasured."""
+        measured = [e for e in self.events if e["kind"] == "measurements"]
+        if not measured and self.recorded_proposer != "tuner":
+            return True
+        hashes = {str(x.get(k)) for e in measured for x in (e.get("binaries") or []) if isinstance(x, dict)
+                  for k in ("cubin_sha256", "cubin_code_sha256") if x.get(k)}
+        return bool(built) and all(b.get("cubin_sha256") in hashes or b.get("cubin_code_sha256") in hashes
+                                   for b in built)
+
     def summary_extra(self) -> dict:
         return {"replay": {"source": self.path.name, "divergences": self.divergences}}

@@ -128,6 +128,12 @@ def parse_measurements(data: dict, kernel: str, expected_sources: dict[str, str]
     return table
 
 
+def measured_binaries(data: dict) -> list[dict]:
+    """{tunables, variant, cubin_sha256} of every timed result that names its cubin."""
+    return [{"tunables": r.get("tunables"), "variant": r.get("variant"), "cubin_sha256": r["cubin_sha256"]}
+            for r in data.get("results") or [] if isinstance(r, dict) and r.get("cubin_sha256")]
+
+
 class FileMeasurer:
     """Timings recorded on a GPU host (one or more files, later ones win); measuring is a lookup.
     A round asking for timings no file holds raises NeedMeasurements."""
@@ -138,6 +144,7 @@ class FileMeasurer:
         self.table: dict = {}
         self.meta: list[dict] = []
         self.environment: dict = {}
+        self.binaries: list[dict] = []  # what was timed, by cubin hash (the replay binds to it)
         self._round = -1
         for path in ([paths] if isinstance(paths, (str, Path)) else list(paths)):
             try:
@@ -150,6 +157,7 @@ class FileMeasurer:
                 self.table.update(parse_measurements(data, kernel, expected_sources))
             except MeasurementError as e:
                 raise MeasurementError(f"{Path(path).name}: {e}") from None
+            self.binaries += measured_binaries(data)
             env = data.get("environment") or {}
             if self.environment and env.get("gpu") != self.environment.get("gpu"):
                 raise MeasurementError(f"{Path(path).name}: measured on {env.get('gpu')!r}, the others on "
@@ -211,6 +219,7 @@ class LocalGpuMeasurer:
         data = json.loads(result.read_text())
         self.environment = data.get("environment") or {}
         self.meta = {k: data.get(k) for k in ("created", "command", "commit", "environment")}
+        self.binaries = getattr(self, "binaries", []) + measured_binaries(data)
         out.update(parse_measurements(data, self.s.kernel, None))
         return out
 
@@ -360,6 +369,8 @@ class TunerProposer:
         except NeedMeasurements as need:
             raise RunStopped("needs_measurements", self._request(session, need)) from None
         decision = decide(result, shapes, default, min_gain_pct=self.min_gain_pct)
+        # The measurements, bound to the cubins they timed: what a replay of this run checks.
+        session.trajectory.event("measurements", binaries=list(getattr(measurer, "binaries", [])))
         self.report = {
             "kernel": session.kernel, "default": default, "eta": self.eta, "min_gain_pct": self.min_gain_pct,
             "measurer": measurer.source, "measurements_meta": measurer.meta,
