@@ -454,9 +454,24 @@ def per_op_times(blk, cfg, T, xs, outs, snaps, n_unique, read_tbps) -> dict:
     return res
 
 
-def _dirs(cases: list[dict], build_root: Path):
+def plan_dirs(cases: list[dict], build_root: Path, batch: int):
+    """`dirs(kernel, shape)` for load_block_kernels from one side's cases: the block runs the
+    cubins the plan built (checked against its sha256), not this checkout's choices nor a rebuild;
+    a variant the plan lacks is a BlockError."""
     known = {(c["kernel"], json.dumps(c["shape"], sort_keys=True)): c["dir"] for c in cases}
-    return lambda name, shape: Path(build_root) / known[(name, json.dumps(shape, sort_keys=True))]
+
+    def pick(name: str, shape: dict) -> Path:
+        try:
+            return Path(build_root) / known[(name, json.dumps(shape, sort_keys=True))]
+        except KeyError:
+            raise BlockError(f"the plan has no {name} variant for {shape} (batch {batch})") from None
+
+    return pick
+
+
+def plan_variants(cases: list[dict]) -> list[tuple[str, str, dict]]:
+    """The (role, kernel, shape) list of one side's block, in launch order, as its tree declared it."""
+    return [(c["role"], c["kernel"], c["shape"]) for c in cases]
 
 
 def run(plan_path: Path, build_root: Path, out_path: Path, batches=None, calls: int = CALLS) -> int:
@@ -492,9 +507,10 @@ def run(plan_path: Path, build_root: Path, out_path: Path, batches=None, calls: 
         row = doc["batches"][str(T)] = {}
         t1 = time.time()
         try:
-            var = lambda cases: [(c["role"], c["kernel"], c["shape"]) for c in cases]  # noqa: E731
-            hk = load_block_kernels(cfg, T, dirs=_dirs(b["head"]["cases"], build_root), variants=var(b["head"]["cases"]))
-            bk = load_block_kernels(cfg, T, dirs=_dirs(b["base"]["cases"], build_root), variants=var(b["base"]["cases"]))
+            hk = load_block_kernels(cfg, T, dirs=plan_dirs(b["head"]["cases"], build_root, T),
+                                    variants=plan_variants(b["head"]["cases"]))
+            bk = load_block_kernels(cfg, T, dirs=plan_dirs(b["base"]["cases"], build_root, T),
+                                    variants=plan_variants(b["base"]["cases"]))
             blk, bblk = MoEBlock(cfg, T, w, kernels=hk), MoEBlock(cfg, T, w, kernels=bk)
             row["numerics"] = numerics(blk, cfg, T, PATTERNS if T in PATTERN_BATCHES else ("uniform",))
             row["speed"] = speed_ab(blk, bblk, cfg, T, calls, read_tbps, why is None, per_op=T in PER_OP_BATCHES)
