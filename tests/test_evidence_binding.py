@@ -91,3 +91,25 @@ def test_code_hashes_are_recorded_from_the_cubins_that_ran(tmp_path, monkeypatch
     (tmp_path / "b0" / "kernel.cubin").unlink()  # a folder without its cubin: one line, exit 2
     text = fresh.read_text()
     assert E.main([str(fresh), "--record-code-sha", str(fresh)]) == 2 and fresh.read_text() == text
+
+
+def test_a_bundle_binds_by_its_head_binaries(tmp_path):
+    """evidence_reports/CURRENT lists bundle.json files: their head binaries are the cases (the
+    base's are another revision's); each once; a bundle without head binaries is bad input."""
+    b = {"schema": "fasttrack.evidence/1", "binaries": [
+        {"kernel": "rmsnorm", "side": "head", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64},
+        {"kernel": "rmsnorm", "side": "head", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64},
+        {"kernel": "rmsnorm", "side": "base", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "b" * 64}]}
+    f = tmp_path / "bundle.json"
+    f.write_text(json.dumps(b))
+    cases = E.load_cases(f)
+    assert cases == [{"kernel": "rmsnorm", "shape": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+                      "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64}]
+    assert E.verdict(cases[0], ("x" * 64, "c" * 64)) == "code"
+    b["binaries"] = [x for x in b["binaries"] if x["side"] == "base"]
+    f.write_text(json.dumps(b))
+    with pytest.raises(E.BindingError, match="no head binaries"):
+        E.load_cases(f)

@@ -71,7 +71,7 @@ for T in batches:
         a = build_variant(name, shape, block_tunables(name, T), root=Path(root), repo_root=Path(wt))
         cases.append({"role": role, "kernel": name, "shape": shape, "tunables": a.tunables, "build_key": a.key,
                       "dir": str(Path(a.dir).resolve().relative_to(Path(root).resolve())),
-                      "cubin_sha256": a.cubin_sha256})
+                      "cubin_sha256": a.cubin_sha256, "cubin_code_sha256": a.cubin_code_sha256})
     out.append({"batch": T, "cases": cases})
 print("@@BLOCK@@" + json.dumps(out))
 """
@@ -155,7 +155,8 @@ def binaries(plan: dict) -> list[dict]:
                     continue
                 seen.add(key)
                 out.append({"kernel": c["kernel"], "side": side, "variant": c["shape"], "tunables": c["tunables"],
-                            "build_key": c["build_key"], "cubin_sha256": c["cubin_sha256"], "role": c["role"],
+                            "build_key": c["build_key"], "cubin_sha256": c["cubin_sha256"],
+                            "cubin_code_sha256": c.get("cubin_code_sha256"), "role": c["role"],
                             "block_batch": b["batch"]})
     return out
 

@@ -496,7 +496,8 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
         c["passed"] = c["passed"] and not any(r["reasons"] and r["reasons"][0].startswith("launch failed")
                                               for r in rows)
     binary = {"kernel": mk.name, "side": "head", "variant": mk.variant, "tunables": mk.meta.get("tunables", {}),
-              "build_key": mk.meta.get("key"), "cubin_sha256": mk.sha256}
+              "build_key": mk.meta.get("key"), "cubin_sha256": mk.sha256,
+              "cubin_code_sha256": (mk.meta.get("hashes") or {}).get("cubin_code_sha256")}
     passed = all(r["passed"] for r in rows) and st["passed"]
     return {"binary": binary, "label": mk.label, "passed": passed,
             "cases": [{**r, "kernel": mk.name, "variant": mk.variant} for r in rows], "checks": checks,

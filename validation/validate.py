@@ -404,7 +404,8 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
 
     def binary(b: Prebuilt, side: str) -> dict:
         return {"kernel": kernel, "side": side, "variant": b.variant, "tunables": b.meta.get("tunables", {}),
-                "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"]}
+                "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"],
+                "cubin_code_sha256": b.meta["hashes"].get("cubin_code_sha256")}
 
     binaries = [binary(b, "head") for b in builds] + [binary(b, "base") for b in base_builds]
     not_covered: list[str] = []
