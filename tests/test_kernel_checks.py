@@ -75,12 +75,12 @@ def test_router_select_reference_passes_every_case_ties_included():
 
 
 def test_wrong_tie_break_fails_on_ties():
-    def flip(named):  # ties to the higher expert: swap the last two chosen ids
-        named["ids"][:, [-2, -1]] = named["ids"][:, [-1, -2]].clone()
-        named["ids"][:] = named["ids"].flip(1)
+    """Ties to the higher expert: on "all" (every score equal) the reference picks 0..k-1."""
+    def higher(named):
+        k = named["ids"].shape[1]
+        named["ids"].copy_(torch.arange(k, 0, -1, dtype=named["ids"].dtype).expand_as(named["ids"]))
 
-    mk = make("router_select", MINI_SEL, tamper=lambda n: n["ids"].copy_(n["ids"].flip(1) * 0 + torch.arange(
-        n["ids"].shape[1]).flip(0).to(n["ids"].dtype) + 1))
+    mk = make("router_select", MINI_SEL, tamper=higher)
     res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
     assert not res["passed"]
     all_case = next(c for c in res["cases"] if c["what"] == "all")
@@ -130,3 +130,16 @@ def test_dense_multi_input_kernels_on_their_op_reference(kernel, variant):
     assert judged_by_op_class(meta)
     res = KC.judge_variant(make(kernel, variant), seeds=(0,), stress_runs=2)
     assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
+
+
+def test_grouping_tail_past_n_groups_is_not_required():
+    """The kernels leave group_expert / group_start past n_groups as they were (consumers read
+    [:n] and [:n + 1]): the two-poison comparison must not call that unwritten."""
+
+    def leave_tail(named):
+        n = int(named["n_groups"][0])
+        named["group_expert"][n:] = torch.randint(0, 99, named["group_expert"][n:].shape, dtype=torch.int32)
+
+    mk = make("router_select", MINI_SEL, tamper=leave_tail)
+    r = mk.judge_case(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
+    assert r["passed"], r["reasons"]
