@@ -271,3 +271,19 @@ def test_cli_wiring(tmp_path, capsys):
     assert main(["validate", "rmsnorm", "--tunables", "threads"]) == 2
     assert main(["validate", "block"]) == 2
     assert "plan" in capsys.readouterr().err
+
+
+def test_block_bundle_renders_its_report():
+    from validation.block_stage import block_bundle
+    from validation.report import render_report
+
+    num = {"passed": False, "ops": [{"what": "router logits", "passed": False}], "patterns": [],
+           "block": {"what": "block out", "passed": True, "deterministic": True}}
+    head = [100.0, 101, 100.5, 99.8, 100.2, 100.1]
+    result = {"ceilings": {"read": {"tbps": 4.6}, "copy": {"tbps": 3.0}}, "batches": {
+        "1": {"numerics": num, "speed": {"calls": 8, "bytes_per_step": 1.5e8,
+                                         "samples_us": {"head": head, "base": head}}},
+        "2": {"error": "RuntimeError: boom"}}}
+    b = block_bundle(_block_plan(), result, {"name": "block", "ok": True}, validator=("v" * 64, {}))
+    assert b["verdict"] == "fail" and not b["correctness"]["passed"]
+    assert "block" in render_report(b)

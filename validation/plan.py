@@ -57,7 +57,7 @@ def plan_dirs(plan: dict) -> list[str]:
     """Every build folder (relative to the build root) a plan names."""
     if plan.get("schema") == SANITIZE_SCHEMA:
         return [e["dir"] for e in plan.get("entries", [])]
-    dirs = []
+    dirs = [e["dir"] for e in (plan.get("sanitize") or {}).get("entries", [])]
     for v in plan.get("variants", []):
         for side in ("head", "base"):
             if side in v:
@@ -123,8 +123,16 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
         raise PlanError(f"{root} already holds plans: give a fresh --root (nothing was overwritten)")
     (root / "plans").mkdir(parents=True, exist_ok=True)
     names = list(kernels) if kernels else list(load_manifest(repo_root / "kernels" / "manifest.toml").kernels)
-    prepare_kernel = prepare_kernel or (lambda k, path: prepare_base_plan(
-        k, base, build_root=build_root, repo_root=repo_root, plan_path=path, log=log, tunables=tunables))
+    if prepare_kernel is None:  # the base resolved once: commits made while preparing do not move it
+        from .validate import _git
+
+        sha = _git(["rev-parse", "--verify", "--quiet", f"{base}^{{commit}}"], repo_root)
+        if not sha:
+            raise PlanError(f"--base {base!r} does not name a commit in this repository")
+        base = sha
+        prepare_kernel = lambda k, path: prepare_base_plan(  # noqa: E731
+            k, sha, build_root=build_root, repo_root=repo_root, plan_path=path, log=log, tunables=tunables,
+            minis=False)
     done, failed, plans = [], {}, []
     t0 = time.time()
     for k in names:
@@ -272,23 +280,10 @@ def run_all(root: Path, out: Path, *, budget_s: float = 560.0, only: list[str] |
 
 
 def _run_sanitize(path: Path, builds: Path, out_dir: Path, left_s: float) -> dict:
-    from .isolate import run_stage
+    from .sanitize import run_isolated
 
     plan = json.loads(Path(path).read_text())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    entries = out_dir / "entries.json"
-    entries.write_text(json.dumps(plan["entries"]))
-    per_tool = max(30.0, min(180.0, (left_s - 30) / 8))  # four tools, and again per kernel at worst
-    st = run_stage("sanitize", ["-m", "validation.sanitize", "stage", "--build-root", str(builds),
-                                "--entries", str(entries), "--out", str(out_dir / "sanitize.json"),
-                                "--timeout-s", str(per_tool)],
-                   result_path=out_dir / "sanitize.json", log_path=out_dir / "stage.log",
-                   timeout_s=max(60.0, left_s - 20))
-    if not st.ok:
-        return {"stage_failure": st.reason, "passed": False, "per_kernel": {}, "build_failures": plan.get("failures", [])}
-    res = st.result
-    res["build_failures"] = plan.get("failures", [])
-    return res
+    return run_isolated(plan["entries"], plan.get("failures", []), builds, out_dir, left_s)
 
 
 def _run_kernel(name: str, path: Path, builds: Path, out_dir: Path, left_s: float, dynamic, seeds) -> dict:

@@ -161,6 +161,31 @@ def stage(entries: list[dict], build_root: Path, entries_path: Path, *, log_path
     return res
 
 
+def run_isolated(entries: list[dict], failures: list[str], build_root: Path, out_dir: Path,
+                 budget_s: float = 8 * TOOL_TIMEOUT_S) -> dict:
+    """The sanitize stage in a child process (validation.isolate) with a timeout: a hang or a
+    crash is a failed stage with its log (`stage_failure`), never a lost bundle."""
+    from .isolate import run_stage
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ep = out_dir / "entries.json"
+    ep.write_text(json.dumps(entries))
+    per_tool = max(30.0, min(TOOL_TIMEOUT_S, (budget_s - 30) / 8))  # four tools, again per kernel at worst
+    st = run_stage("sanitize", ["-m", "validation.sanitize", "stage", "--build-root", str(build_root),
+                                "--entries", str(ep), "--out", str(out_dir / "sanitize.json"),
+                                "--timeout-s", str(per_tool)],
+                   result_path=out_dir / "sanitize.json", log_path=out_dir / "stage.log",
+                   timeout_s=max(60.0, budget_s - 20))
+    if not st.ok:
+        return {"stage_failure": st.reason, "passed": False, "per_kernel": {}, "build_failures": list(failures),
+                "stage": st.to_dict()}
+    res = st.result
+    res["build_failures"] = list(failures)
+    res["stage"] = st.to_dict()
+    return res
+
+
 def dynamic_section(stage_result: dict | None, kernel: str, failures: list[str] | None = None) -> dict | None:
     """The bundle's race.dynamic for `kernel` from a sanitize stage result (None: not run)."""
     if stage_result is None:

@@ -212,13 +212,14 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
                       build_root: Path = DEFAULT_BUILD_ROOT, repo_root: Path = REPO_ROOT,
                       plan_path: Path | None = None,
                       log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
-                      tunables: dict | None = None) -> dict:
+                      tunables: dict | None = None, minis: bool = True) -> dict:
     """CPU host (git + the DSL): build head (the checkout) and base (revision `base`) of every
     requested variant into `build_root`, and write the plan the GPU host runs from.
 
     `tunables` (name -> value, `validate --tunables`): head is built with these over the manifest
     defaults (a non-default variant, explored on the GPU), base with the base revision's defaults,
-    so the bundle says whether that variant beats the default.
+    so the bundle says whether that variant beats the default. `minis`: also build the kernel's
+    mini variants (validation.sanitize), which the GPU host runs under the four sanitizers.
 
     The plan names, per variant, both sides' build folders (relative to `build_root`), build keys
     and cubin hashes, plus the base commit, its kernel source hashes and the head commit. Raises
@@ -264,6 +265,11 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
                      "cubin_sha256": b["cubin_sha256"]},
         } for h, b in zip(head, based)],
     }
+    if minis:
+        from .sanitize import build_minis
+
+        entries, failures = build_minis([kernel], build_root, repo_root, log)
+        plan["sanitize"] = {"entries": entries, "failures": failures}
     path = Path(plan_path) if plan_path else default_plan_path(kernel, build_root)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1) + "\n")
@@ -491,10 +497,17 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
         else:
             extra_reasons.append(st.reason)
             benchmark = {"ceilings": {}, "cases": [], "passed": False, "stage_failure": st.to_dict()}
-    from .sanitize import dynamic_section
+    from .sanitize import dynamic_section, run_isolated
 
-    dynamic = dynamic_section(dynamic_result, kernel, (dynamic_result or {}).get("build_failures") and [
-        f for f in dynamic_result["build_failures"] if f.split(" ", 2)[1].strip("(") == kernel])
+    if dynamic_result is None and has_gpu and plan is not None and (plan.get("sanitize") or {}).get("entries"):
+        log(f"sanitizers on {len(plan['sanitize']['entries'])} mini variant(s) (child process)")
+        dynamic_result = run_isolated(plan["sanitize"]["entries"], plan["sanitize"].get("failures", []),
+                                      Path(build_root), work / "sanitize", budget_s=numerics_timeout_s)
+        stages.append(dynamic_result.get("stage") or {"name": "sanitize", "ok": False})
+        log(f"stage sanitize: {'ok' if dynamic_result.get('passed') else 'NOT CLEAN or failed'}")
+
+    dynamic = dynamic_section(dynamic_result, kernel, [
+        f for f in (dynamic_result or {}).get("build_failures") or [] if f.split(" ", 2)[1].strip("(") == kernel])
     race = None
     if static is not None or stress is not None or dynamic is not None:
         race = {"passed": all(x is None or x["passed"] for x in (static, stress, dynamic)),
