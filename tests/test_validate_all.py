@@ -287,3 +287,18 @@ def test_block_bundle_renders_its_report():
     b = block_bundle(_block_plan(), result, {"name": "block", "ok": True}, validator=("v" * 64, {}))
     assert b["verdict"] == "fail" and not b["correctness"]["passed"]
     assert "block" in render_report(b)
+
+
+def test_gpu_host_modules_import_without_dsl_git_or_cryptography():
+    import subprocess
+    import sys
+
+    from kernels.manifest import REPO_ROOT
+
+    code = ("import sys\n"
+            "for m in ('cutlass', 'git', 'cryptography', 'anthropic'): sys.modules[m] = None\n"
+            "import validation.plan, validation.sanitize, validation.block_stage, validation.kernel_checks\n"
+            "import validation.gpu_stages, validation.validate, kernels.block\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
