@@ -180,6 +180,10 @@ def test_sanitize_stage_attributes_a_dirty_tool_to_its_kernel(tmp_path):
     assert S.dynamic_section(res, "router")["passed"]
     assert S.dynamic_section(res, "router", ["r1 (router {}): does not build"])["passed"] is False
     assert S.dynamic_section({"stage_failure": "timed out"}, "router")["passed"] is False
+    partial = {"stage_failure": "timed out", "per_kernel": {"router": {"passed": True, "tools": {
+        "memcheck": {"clean": True}}}}}
+    d = S.dynamic_section(partial, "router")
+    assert d["passed"] is False and "racecheck" in d["reason"]
     assert S.dynamic_section(None, "router") is None
 
 

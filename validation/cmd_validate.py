@@ -71,6 +71,8 @@ def run(args) -> int:
 
     build_root = args.build_root or DEFAULT_BUILD_ROOT
     tunables = _parse_tunables(args.tunables)
+    if tunables and not args.prepare:
+        raise UserError("--tunables builds head with them: give it with --base REV --prepare (then run the plan)")
     if args.all:
         return _run_all(args, tunables)
     if args.kernel is None:

@@ -121,9 +121,10 @@ def sanitizer_version(san: str | None) -> str | None:
 
 
 def stage(entries: list[dict], build_root: Path, entries_path: Path, *, log_path: Path,
-          timeout_s: float = TOOL_TIMEOUT_S, sanitizer: str | None = None, run_tool=None) -> dict:
+          timeout_s: float = TOOL_TIMEOUT_S, sanitizer: str | None = None, run_tool=None, write=None) -> dict:
     """Every tool over one child of all entries; a tool not clean again per kernel. Returns
-    {"sanitizer", "tools": {tool: result}, "per_kernel": {kernel: {"passed", "tools"}}}."""
+    {"sanitizer", "tools": {tool: result}, "per_kernel": {kernel: {"passed", "tools"}}};
+    `write(result)` after each tool (a stage killed at its timeout keeps the tools it ran)."""
     from validation.race import dynamic
 
     run_tool = run_tool or dynamic.run_tool
@@ -156,6 +157,9 @@ def stage(entries: list[dict], build_root: Path, entries_path: Path, *, log_path
             per[k]["tools"][tool] = {"clean": rk.clean, "reason": rk.reason, "ids": mine, "errors": rk.errors}
             per[k]["passed"] = per[k]["passed"] and rk.clean
             print(f"sanitize {tool} {k}: {'clean' if rk.clean else 'NOT CLEAN'} ({rk.reason})", flush=True)
+        res["per_kernel"] = per
+        if write is not None:
+            write(res)
     res["per_kernel"] = per
     res["passed"] = all(p["passed"] for p in per.values())
     return res
@@ -171,15 +175,23 @@ def run_isolated(entries: list[dict], failures: list[str], build_root: Path, out
     out_dir.mkdir(parents=True, exist_ok=True)
     ep = out_dir / "entries.json"
     ep.write_text(json.dumps(entries))
-    per_tool = max(30.0, min(TOOL_TIMEOUT_S, (budget_s - 30) / 8))  # four tools, again per kernel at worst
+    per_tool = max(30.0, min(TOOL_TIMEOUT_S, (budget_s - 30) / 5))  # four tools, and some re-runs
     st = run_stage("sanitize", ["-m", "validation.sanitize", "stage", "--build-root", str(build_root),
                                 "--entries", str(ep), "--out", str(out_dir / "sanitize.json"),
                                 "--timeout-s", str(per_tool)],
                    result_path=out_dir / "sanitize.json", log_path=out_dir / "stage.log",
                    timeout_s=max(60.0, budget_s - 20))
     if not st.ok:
-        return {"stage_failure": st.reason, "passed": False, "per_kernel": {}, "build_failures": list(failures),
-                "stage": st.to_dict()}
+        res = {"passed": False, "per_kernel": {}}
+        part = out_dir / "sanitize.partial.json"
+        if part.is_file():  # the tools that finished before the timeout still judge their kernels
+            try:
+                res = json.loads(part.read_text())
+            except ValueError:
+                pass
+        res.update({"stage_failure": st.reason, "passed": False, "build_failures": list(failures),
+                    "stage": st.to_dict()})
+        return res
     res = st.result
     res["build_failures"] = list(failures)
     res["stage"] = st.to_dict()
@@ -190,17 +202,23 @@ def dynamic_section(stage_result: dict | None, kernel: str, failures: list[str] 
     """The bundle's race.dynamic for `kernel` from a sanitize stage result (None: not run)."""
     if stage_result is None:
         return None
-    if stage_result.get("stage_failure"):
-        return {"passed": False, "tools": {}, "variants": [], "reason": stage_result["stage_failure"]}
+    from validation.race.dynamic import TOOLS
+
     mine = stage_result.get("per_kernel", {}).get(kernel)
+    if stage_result.get("stage_failure") and mine is None:
+        return {"passed": False, "tools": {}, "variants": [], "reason": stage_result["stage_failure"]}
     variants = [v for v in stage_result.get("variants", []) if v["kernel"] == kernel]
     if mine is None and not failures:
         return None
-    passed = bool(mine and mine["passed"]) and not failures
+    ran = set((mine or {}).get("tools", {}))
+    missing = [t for t in TOOLS if t not in ran]
+    passed = bool(mine and mine["passed"]) and not failures and not missing
+    reason = "; ".join(failures or []) or (mine or {}).get("reason", "")
+    if missing and mine is not None:
+        reason = (reason + "; " if reason else "") + f"not run: {', '.join(missing)} ({stage_result.get('stage_failure', '')})"
     return {"passed": passed, "tools": (mine or {}).get("tools", {}), "variants": variants,
             "sanitizer": stage_result.get("sanitizer"), "command": stage_result.get("command"),
-            "build_failures": list(failures or []),
-            "reason": "; ".join(failures or []) or (mine or {}).get("reason", "")}
+            "build_failures": list(failures or []), "reason": reason}
 
 
 def main(argv=None) -> int:
@@ -218,7 +236,9 @@ def main(argv=None) -> int:
     if a.out is None:
         print("stage needs --out", file=sys.stderr)
         return 2
-    res = stage(entries, a.build_root, a.entries, log_path=a.out.with_suffix(".log"), timeout_s=a.timeout_s)
+    partial = a.out.with_suffix(".partial.json")
+    res = stage(entries, a.build_root, a.entries, log_path=a.out.with_suffix(".log"), timeout_s=a.timeout_s,
+                write=lambda r: partial.write_text(json.dumps(r, indent=1, default=str)))
     a.out.write_text(json.dumps(res, indent=1, default=str))
     return 0
 
