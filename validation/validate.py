@@ -265,6 +265,10 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
                      "cubin_sha256": b["cubin_sha256"]},
         } for h, b in zip(head, based)],
     }
+    # The static audit here, where PTX and SASS are (the carry holds cubins and metadata only).
+    hspec = load_manifest(repo_root / "kernels" / "manifest.toml").kernel(kernel)
+    plan["static_race_audit"] = static_race_audit(hspec, [Prebuilt(dict(h.shape), Path(h.dir), h.meta, "built")
+                                                         for h in head])
     if minis:
         from .sanitize import build_minis
 
@@ -416,7 +420,12 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     binaries = [binary(b, "head") for b in builds] + [binary(b, "base") for b in base_builds]
     not_covered: list[str] = []
     extra_reasons: list[str] = []
-    static = static_race_audit(spec, builds)
+    carried = plan is not None and plan.get("static_race_audit") is not None and not all(
+        (b.dir / "kernel.ptx").is_file() for b in builds)
+    if carried:  # a carry without PTX/SASS: the audit the preparing host ran on the same cubins
+        static = {**plan["static_race_audit"], "where": "the host that prepared the plan (same cubins)"}
+    else:
+        static = static_race_audit(spec, builds)
     if static is None:
         not_covered.append("race.static: the static race audit (validation.race) is not available here")
 
