@@ -420,14 +420,17 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     binaries = [binary(b, "head") for b in builds] + [binary(b, "base") for b in base_builds]
     not_covered: list[str] = []
     extra_reasons: list[str] = []
-    carried = plan is not None and plan.get("static_race_audit") is not None and not all(
-        (b.dir / "kernel.ptx").is_file() for b in builds)
-    if carried:  # a carry without PTX/SASS: the audit the preparing host ran on the same cubins
+    have_ptx = all((b.dir / "kernel.ptx").is_file() for b in builds)
+    if not have_ptx and plan is not None and plan.get("static_race_audit") is not None:
+        # a carry without PTX/SASS: the audit the preparing host ran on the same cubins
         static = {**plan["static_race_audit"], "where": "the host that prepared the plan (same cubins)"}
+    elif not have_ptx:
+        static = None
+        not_covered.append("race.static: no PTX/SASS beside the cubins and no audit in the plan (prepare again)")
     else:
         static = static_race_audit(spec, builds)
-    if static is None:
-        not_covered.append("race.static: the static race audit (validation.race) is not available here")
+        if static is None:
+            not_covered.append("race.static: the static race audit (validation.race) is not available here")
 
     correctness = defences = benchmark = None
     stress = None
