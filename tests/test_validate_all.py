@@ -306,3 +306,19 @@ def test_gpu_host_modules_import_without_dsl_git_or_cryptography():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_prepare_only_the_block(tmp_path):
+    build = tmp_path / "build"
+    _folder(build, "router/h1", b"D")
+
+    def prepare_block(path):
+        plan = {"schema": "fasttrack.block-plan/1", "batches": [
+            {"batch": 1, "head": {"cases": [{"dir": "router/h1"}]}, "base": {"cases": [{"dir": "router/h1"}]}}]}
+        path.write_text(json.dumps(plan))
+        return plan
+
+    doc = P.prepare_all("HEAD", tmp_path / "r", kernels=[], with_sanitize=False, build_root=build,
+                        prepare_kernel=lambda k, p: pytest.fail("prepared a kernel"), prepare_block=prepare_block,
+                        log=lambda m: None)
+    assert doc["prepared"] == ["block"] and doc["carry"]["folders"] == 1

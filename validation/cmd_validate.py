@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
                         "run DIR's plans (GPU host) into --out")
     p.add_argument("--root", type=Path, default=None, help="with --all: the folder of the plans and the carry")
     p.add_argument("--budget-s", type=float, default=560.0, help="with --all (run): total seconds")
-    p.add_argument("--only", default="", help="with --all (run): comma-separated plan names")
+    p.add_argument("--only", default="", help="with --all: comma-separated plan names (kernels, sanitize, "
+                                                 "block) to prepare or to run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="numerics seeds (default 0 1)")
     p.add_argument("--tunables", nargs="+", default=None, metavar="NAME=VALUE",
                    help="with --base REV --prepare: build head with these tunables (a non-default variant) "
@@ -147,7 +148,14 @@ def _run_all(args, tunables: dict) -> int:
         if args.prepare:
             if args.base is None or args.base == "torch":
                 raise UserError("--all --prepare needs --base REV")
-            doc = prepare_all(args.base, args.root, tunables=tunables or None)
+            only = [x for x in args.only.split(",") if x]
+            kernels = [x for x in only if x not in ("block", "sanitize")] if only else None
+            if only and not kernels and "sanitize" not in only and "block" not in only:
+                raise UserError("--only names nothing to prepare")
+            doc = prepare_all(args.base, args.root, tunables=tunables or None,
+                              kernels=kernels if kernels or not only else [],
+                              with_block=not only or "block" in only,
+                              with_sanitize=not only or "sanitize" in only)
             print(f"prepared {', '.join(doc['prepared'])} under {args.root}"
                   + (f"; FAILED: {', '.join(doc['failed'])}" if doc["failed"] else "")
                   + f"; carry {args.root} ({doc['carry']['archive_bytes'] / (1 << 20):.1f} MiB)")

@@ -122,7 +122,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
     if (root / "plans").exists() and any((root / "plans").iterdir()):
         raise PlanError(f"{root} already holds plans: give a fresh --root (nothing was overwritten)")
     (root / "plans").mkdir(parents=True, exist_ok=True)
-    names = list(kernels) if kernels else list(load_manifest(repo_root / "kernels" / "manifest.toml").kernels)
+    names = list(kernels) if kernels is not None else list(load_manifest(repo_root / "kernels" / "manifest.toml").kernels)
     if prepare_kernel is None:  # the base resolved once: commits made while preparing do not move it
         from .validate import _git
 
@@ -149,7 +149,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
             from .sanitize import build_minis as _bm
 
             build_minis = lambda ks: _bm(ks, build_root, repo_root, log)  # noqa: E731
-        entries, failures = build_minis(names)
+        entries, failures = build_minis(names or None)
         sp = {"schema": SANITIZE_SCHEMA, "entries": entries, "failures": failures}
         (root / "plans" / "sanitize.json").write_text(json.dumps(sp, indent=1) + "\n")
         plans.append(sp)
