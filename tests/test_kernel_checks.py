@@ -143,3 +143,18 @@ def test_grouping_tail_past_n_groups_is_not_required():
     mk = make("router_select", MINI_SEL, tamper=leave_tail)
     r = mk.judge_case(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
     assert r["passed"], r["reasons"]
+
+
+def test_big_inputs_are_fingerprinted_not_cloned(monkeypatch):
+    t = torch.randn(4, 8, 16).to(torch.bfloat16)
+    monkeypatch.setattr(KC, "BIG_INPUT_BYTES", 64)
+    fp = KC.fingerprint(t)
+    assert fp.shape == (4, 2) and KC.same_fingerprint(t, fp)
+    u = t.clone()
+    u[2, 3, 1] = u[2, 3, 1] + 1
+    assert not KC.same_fingerprint(u, fp)
+    v = t.clone()
+    v[1] = t[1].flip(0)  # the same values, moved
+    assert not KC.same_fingerprint(v, fp)
+    w = KC._randn((3, 4, 5), torch.Generator().manual_seed(0), "cpu", 0.5)
+    assert w.dtype == torch.bfloat16 and w.shape == (3, 4, 5) and w.float().std() > 0.1

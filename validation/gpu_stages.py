@@ -231,6 +231,8 @@ def numerics_stage(build_dirs: list[str], *, quick: bool = False, device: str = 
             if judged_by_op_class(read_meta(d)):  # several outputs: judged on the op class's reference
                 v = judge_variant(MultiKernel(d, device=device), seeds=seeds[:1] if quick else seeds, policy=policy)
                 variants.append(v)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # the next variant draws its own weights
                 print(f"numerics {v['label']}: {'pass' if v['passed'] else 'FAIL'} ({len(v['cases'])} cases, "
                       f"{v['seconds']} s)", flush=True)
                 continue
