@@ -158,3 +158,10 @@ def test_big_inputs_are_fingerprinted_not_cloned(monkeypatch):
     assert not KC.same_fingerprint(v, fp)
     w = KC._randn((3, 4, 5), torch.Generator().manual_seed(0), "cpu", 0.5)
     assert w.dtype == torch.bfloat16 and w.shape == (3, 4, 5) and w.float().std() > 0.1
+
+
+def test_prodcons_flags_are_reset_by_the_host_and_its_single_precision_reference_is_the_oracle():
+    variant = {"steps": 8, "width": 1024, "rows": 64, "producers": 2, "consumers": 4}
+    mk = make("prodcons", variant, tamper=lambda n: n["flags"].fill_(8))  # the kernel counts steps up
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
+    assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
