@@ -630,6 +630,13 @@ def validate_block(plan_path: Path, *, build_root: Path, out_dir: Path, timeout_
     argv = ["-m", "validation.block_stage", "run", "--plan", str(plan_path), "--build-root", str(build_root),
             "--out", str(res_path)] + (["--batches", *map(str, batches)] if batches else [])
     st = run_stage("block", argv, result_path=res_path, log_path=out_dir / "block.log", timeout_s=timeout_s)
+    try:  # the child's progress lines (one per batch, with its seconds), for the caller's log
+        for line in (out_dir / "block.log").read_text(errors="replace").splitlines():
+            if line.startswith("block"):
+                print(f"  {line}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    print(f"  stage block: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)", file=sys.stderr, flush=True)
     result = st.result
     if result is None and res_path.exists():  # a timeout keeps the batches measured before it
         try:
