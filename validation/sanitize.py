@@ -181,6 +181,12 @@ def run_isolated(entries: list[dict], failures: list[str], build_root: Path, out
                                 "--timeout-s", str(per_tool)],
                    result_path=out_dir / "sanitize.json", log_path=out_dir / "stage.log",
                    timeout_s=max(60.0, budget_s - 20))
+    try:  # each tool's verdict and wall time, for the caller's log
+        for line in (out_dir / "stage.log").read_text(errors="replace").splitlines():
+            if line.startswith("sanitize"):
+                print(f"  {line}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
     if not st.ok:
         res = {"passed": False, "per_kernel": {}}
         part = out_dir / "sanitize.partial.json"
