@@ -149,8 +149,10 @@ def stage(entries: list[dict], build_root: Path, entries_path: Path, *, log_path
         print(f"sanitize {tool}: {'clean' if r.clean else 'NOT CLEAN'} ({r.reason}) {time.time() - t0:.1f} s", flush=True)
         for k in kernels:
             mine = [e["id"] for e in entries if e["kernel"] == k]
-            if r.clean:
-                per[k]["tools"][tool] = {"clean": True, "reason": r.reason, "ids": mine}
+            if r.clean or r.errors is None and not r.kernels_ran:
+                # clean, or it never ran (no sanitizer, a timeout before any marker): the same for each kernel
+                per[k]["tools"][tool] = {"clean": r.clean, "reason": r.reason, "ids": mine}
+                per[k]["passed"] = per[k]["passed"] and r.clean
                 continue
             rk = run_tool(tool, base + ["--ids", ",".join(mine)], mine, timeout_s=timeout_s, log_path=log_path,
                           sanitizer=san)
