@@ -3,9 +3,10 @@
     PYTHONPATH=. python benchmarks/benchmark_gemv.py [--plan build/proof_plan.json] [--batch 1 8]
         [--n 3584] [--k 7168] [--check] [--json rows.json]
 
-Times the prebuilt cubins listed in the plan that `scripts/gpu_proof.py plan` wrote (the GPU host
-has no DSL to build them), each against `torch.mm` on the same rotated inputs, and prints a table.
-`GemvCase` is also what scripts/gpu_proof.py checks and times.
+Times the prebuilt cubins a plan of cases lists (`cases`: kernel, shape, dir; the GPU host has no
+DSL to build them), each against `torch.mm` on the same rotated inputs, and prints a table: a
+quick look, not evidence (`fasttrack validate gemv` makes the evidence). `GemvCase` also serves
+the GPU tests.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     try:
         cases = json.loads(Path(args.plan).read_text())["cases"]
     except OSError as e:
-        print(f"benchmark_gemv: cannot read {args.plan}: {e.strerror} (run scripts/gpu_proof.py plan)",
+        print(f"benchmark_gemv: cannot read {args.plan}: {e.strerror} (a JSON with `cases`: kernel, shape, dir)",
               file=sys.stderr)
         return 2
     rows, torch_us = [], {}

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python benchmarks/benchmark_rmsnorm.py [--plan build/proof_plan.json] [--batch 1 64]
 
-Times the prebuilt cubins listed in the plan that `scripts/gpu_proof.py plan` wrote, each against
-torch on the same rotated inputs, and prints a table. `RMSNormCase` is also what
-scripts/gpu_proof.py checks and times.
+Times the prebuilt cubins a plan of cases lists (`cases`: kernel, shape, dir), each against torch
+on the same rotated inputs, and prints a table: a quick look, not evidence (`fasttrack validate
+rmsnorm` makes the evidence). `RMSNormCase` also serves the GPU tests.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     try:
         cases = json.loads(Path(args.plan).read_text())["cases"]
     except OSError as e:
-        print(f"benchmark_rmsnorm: cannot read {args.plan}: {e.strerror} (run scripts/gpu_proof.py plan)",
+        print(f"benchmark_rmsnorm: cannot read {args.plan}: {e.strerror} (a JSON with `cases`: kernel, shape, dir)",
               file=sys.stderr)
         return 2
     rows = []

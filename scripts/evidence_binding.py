@@ -3,9 +3,10 @@
     python scripts/evidence_binding.py evidence_reports/foundation/final/gpu_proof.json \
         evidence_reports/moe_block/round5/final/block_plan.json
 
-Every file is a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the
-`cubin_sha256` it measured (what `scripts/gpu_proof.py` and `scripts/block_proof.py` write, plans
-and results alike). Each case is rebuilt on this host (cached builds under `--root`) and its
+Every file is an evidence bundle (`bundle.json`, schema fasttrack.evidence/1: its head
+`binaries`, each naming `kernel`, `variant`, `tunables`, `cubin_sha256` and `cubin_code_sha256`)
+or a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the `cubin_sha256` it
+measured (the plans and results of the proof scripts older evidence came from). Each case is rebuilt on this host (cached builds under `--root`) and its
 cubin compared. A cubin carries line tables for every source it was built from (an edit to a
 shared module such as `kernels/ops/common.py`, even a comment, moves lines and changes the
 cubins of every kernel that imports it), so this is the way to know whether a figure in a README
@@ -46,7 +47,12 @@ def load_cases(path: Path) -> list[dict]:
         raise BindingError(f"{path}: cannot read ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise BindingError(f"{path}: not JSON ({e})") from None
-    cases = doc.get("cases") if isinstance(doc, dict) else None
+    if isinstance(doc, dict) and doc.get("schema") == "fasttrack.evidence/1":
+        cases = bundle_cases(doc)
+        if not cases:
+            raise BindingError(f"{path}: a bundle with no head binaries")
+    else:
+        cases = doc.get("cases") if isinstance(doc, dict) else None
     if not isinstance(cases, list) or not cases:
         raise BindingError(f"{path}: no `cases` list")
     for i, c in enumerate(cases):
@@ -54,6 +60,25 @@ def load_cases(path: Path) -> list[dict]:
         if missing:
             raise BindingError(f"{path}: case {i} has no {', '.join(missing)}")
     return cases
+
+
+def bundle_cases(bundle: dict) -> list[dict]:
+    """A bundle's head binaries as cases (once per kernel, variant, tunables and cubin): what the
+    bundle measured of the code it judged (its base binaries are another revision's)."""
+    out, seen = [], set()
+    for b in bundle.get("binaries") or []:
+        if not isinstance(b, dict) or b.get("side") != "head":
+            continue
+        key = json.dumps([b.get("kernel"), b.get("variant"), b.get("tunables"), b.get("cubin_sha256")], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        c = {"kernel": b.get("kernel"), "shape": b.get("variant"), "tunables": b.get("tunables"),
+             "cubin_sha256": b.get("cubin_sha256")}
+        if b.get("cubin_code_sha256"):
+            c["cubin_code_sha256"] = b["cubin_code_sha256"]
+        out.append({k: v for k, v in c.items() if v is not None})
+    return out
 
 
 def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[dict, tuple[str, str]]]:

@@ -11,7 +11,7 @@ from kernels import reference
 from kernels.block import STREAM_EXPERTS_MAX_BATCH, block_tunables, block_variants
 from kernels.config import DECODE_BATCH_SIZES, get_config
 from kernels.manifest import load_manifest
-from scripts import block_proof as BP
+from validation import block_stage as BP
 
 K3 = get_config("k3")
 
@@ -203,33 +203,30 @@ def test_block_on_gpu_matches_the_oracle(T):
     assert row["passed"], row
 
 
-def test_the_proof_runs_the_plans_cubins_not_the_checkouts(tmp_path, monkeypatch):
-    """block_proof run loads each variant from the folder its plan recorded (after checking the
+def test_the_block_stage_runs_the_plans_cubins_not_the_checkouts(tmp_path, monkeypatch):
+    """validate block loads each variant from the folder its plan recorded (after checking the
     cubin against the plan's sha256), not from this checkout's block_tunables or a rebuild of
-    today's sources: a plan made with another block configuration, or before a source change,
-    runs as built; a variant the plan lacks is named."""
+    today's sources: the base's block runs as the base built it; a variant the plan lacks is named."""
     from kernels import block as B
     from kernels.launch import CubinKernel
 
     variants = B.block_variants(K3, 32)
-    plan_doc = {"cases": [{"kernel": name, "shape": dict(shape), "dir": f"built/{role}"}
-                          for role, name, shape in variants]}
-    pick = BP.plan_dirs(plan_doc, 32)
+    cases = [{"role": role, "kernel": name, "shape": dict(shape), "dir": f"built/{role}"}
+             for role, name, shape in variants]
+    pick = BP.plan_dirs(cases, tmp_path, 32)
     at = {role: i for i, (role, _, _) in enumerate(variants)}
     _, name, shape = variants[at["w13"]]  # moe_w13 at batch 32
-    assert pick(name, dict(reversed(list(shape.items())))) == BP.REPO / "built/w13"  # key order does not matter
-    with pytest.raises(BP.ProofError, match=r"the plan has no moe_w2 variant .*batch 32"):
-        BP.plan_dirs({"cases": plan_doc["cases"][:at["w2"]]}, 32)("moe_w2", dict(variants[at["w2"]][2]))
-    # the plan's structure: this checkout's at 32, and a plan of the fused router and output side
-    assert BP.plan_variants(plan_doc, K3, 32) == variants
+    assert pick(name, dict(reversed(list(shape.items())))) == tmp_path / "built/w13"  # key order does not matter
+    with pytest.raises(BP.BlockError, match=r"the plan has no moe_w2 variant .*batch 32"):
+        BP.plan_dirs(cases[:at["w2"]], tmp_path, 32)("moe_w2", dict(variants[at["w2"]][2]))
+    assert BP.plan_variants(cases) == variants
     legacy = B.block_variants(K3, 32, gemv_router=False, gemv_dense=False)
     assert [r for r, _, _ in legacy] == ["norm_pre", "router", "w13", "w2", "norm_latent", "shared_gate_up",
                                          "latent_out"]
-    assert BP.plan_variants({"cases": [{"kernel": n, "shape": s} for _, n, s in legacy]}, K3, 32) == legacy
     # load_block_kernels takes exactly those folders (no lookup under a build root)
     seen = []
     monkeypatch.setattr(CubinKernel, "from_dir", classmethod(lambda cls, d: seen.append(Path(d)) or cls.__new__(cls)))
     monkeypatch.setattr(CubinKernel, "load", lambda self: None)
     monkeypatch.setattr(B, "find_artifact", lambda *a, **k: pytest.fail("looked up a build"))
-    B.load_block_kernels(K3, 32, dirs=pick)
-    assert seen == [BP.REPO / f"built/{r}" for r, _, _ in variants]
+    B.load_block_kernels(K3, 32, dirs=pick, variants=BP.plan_variants(cases))
+    assert seen == [tmp_path / f"built/{r}" for r, _, _ in variants]

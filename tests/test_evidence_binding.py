@@ -56,11 +56,11 @@ def test_the_current_evidence_list_names_evidence_files():
     paths = [ln.strip() for ln in (repo / "evidence_reports" / "CURRENT").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")]
     assert paths
-    for p in paths:
-        doc = json.loads((repo / p).read_text())
-        assert doc["cases"] and all({"kernel", "shape", "tunables", "cubin_sha256"} <= set(c) for c in doc["cases"]), p
+    for p in paths:  # bundle.json files or older proof JSON: what load_cases reads
+        cases = E.load_cases(repo / p)
+        assert cases and all({"kernel", "shape", "tunables", "cubin_sha256"} <= set(c) for c in cases), p
     readme = (repo / "README.md").read_text()
-    assert all(p in readme for p in paths), "README.md's binding command should name the same files"
+    assert "evidence_reports/CURRENT" in readme, "README.md's binding command should read the same list"
 
 
 def test_code_hashes_are_recorded_from_the_cubins_that_ran(tmp_path, monkeypatch):
@@ -91,3 +91,25 @@ def test_code_hashes_are_recorded_from_the_cubins_that_ran(tmp_path, monkeypatch
     (tmp_path / "b0" / "kernel.cubin").unlink()  # a folder without its cubin: one line, exit 2
     text = fresh.read_text()
     assert E.main([str(fresh), "--record-code-sha", str(fresh)]) == 2 and fresh.read_text() == text
+
+
+def test_a_bundle_binds_by_its_head_binaries(tmp_path):
+    """evidence_reports/CURRENT lists bundle.json files: their head binaries are the cases (the
+    base's are another revision's); each once; a bundle without head binaries is bad input."""
+    b = {"schema": "fasttrack.evidence/1", "binaries": [
+        {"kernel": "rmsnorm", "side": "head", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64},
+        {"kernel": "rmsnorm", "side": "head", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64},
+        {"kernel": "rmsnorm", "side": "base", "variant": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+         "build_key": "k", "cubin_sha256": "b" * 64}]}
+    f = tmp_path / "bundle.json"
+    f.write_text(json.dumps(b))
+    cases = E.load_cases(f)
+    assert cases == [{"kernel": "rmsnorm", "shape": {"batch": 1, "width": 64}, "tunables": {"threads": 64},
+                      "cubin_sha256": "a" * 64, "cubin_code_sha256": "c" * 64}]
+    assert E.verdict(cases[0], ("x" * 64, "c" * 64)) == "code"
+    b["binaries"] = [x for x in b["binaries"] if x["side"] == "base"]
+    f.write_text(json.dumps(b))
+    with pytest.raises(E.BindingError, match="no head binaries"):
+        E.load_cases(f)

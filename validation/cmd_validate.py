@@ -32,7 +32,20 @@ def add_parser(subparsers) -> None:
         "numerics, defences, stress and benchmarks on the local GPU, and write bundle.json and "
         "report.html.",
     )
-    p.add_argument("kernel", metavar="KERNEL")
+    p.add_argument("kernel", metavar="KERNEL", nargs="?", default=None,
+                   help="a manifest kernel, or `block` (the whole chain at every decode batch)")
+    p.add_argument("--all", action="store_true",
+                   help="every manifest kernel, the block and the mini sanitizer variants: with --prepare "
+                        "--base REV --root DIR, prepare every plan and one carry under DIR; without --prepare, "
+                        "run DIR's plans (GPU host) into --out")
+    p.add_argument("--root", type=Path, default=None, help="with --all: the folder of the plans and the carry")
+    p.add_argument("--budget-s", type=float, default=560.0, help="with --all (run): total seconds")
+    p.add_argument("--only", default="", help="with --all: comma-separated plan names (kernels, sanitize, "
+                                                 "block) to prepare or to run")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="numerics seeds (default 0 1)")
+    p.add_argument("--tunables", nargs="+", default=None, metavar="NAME=VALUE",
+                   help="with --base REV --prepare: build head with these tunables (a non-default variant) "
+                        "and validate it against the base's defaults")
     p.add_argument("--base", default=None, metavar="torch|REV",
                    help="what to compare against: 'torch' (the torch/cuBLAS path) or a git revision (the "
                         "kernel as it was there, timed interleaved with head: the gate's no-regression evidence)")
@@ -58,6 +71,15 @@ def run(args) -> int:
                                      prepare_base_plan, validate_kernel)
 
     build_root = args.build_root or DEFAULT_BUILD_ROOT
+    tunables = _parse_tunables(args.tunables)
+    if tunables and not args.prepare:
+        raise UserError("--tunables builds head with them: give it with --base REV --prepare (then run the plan)")
+    if args.all:
+        return _run_all(args, tunables)
+    if args.kernel is None:
+        raise UserError("give a KERNEL (or `block`), or --all")
+    if args.kernel == "block":
+        return _run_block(args, build_root)
     if args.prepare:
         if not is_revision(args.base):
             raise UserError("--prepare needs --base REV (a git revision to build the baseline from)")
@@ -66,7 +88,7 @@ def run(args) -> int:
         plan_path = default_plan_path(args.kernel, build_root)
         try:
             plan = prepare_base_plan(args.kernel, args.base, batches=args.batch, build_root=build_root,
-                                     plan_path=plan_path)
+                                     plan_path=plan_path, tunables=tunables)
         except ValidateError as e:
             raise UserError(str(e), 2) from None
         rel = _repo_rel(plan_path, REPO_ROOT)
@@ -81,7 +103,8 @@ def run(args) -> int:
         bundle = validate_kernel(args.kernel, base=args.base, batches=args.batch,
                                  build_root=build_root, out_dir=out,
                                  require_gpu=args.require_gpu, quick=args.quick, commit=args.commit,
-                                 title=args.title, plan_path=args.plan)
+                                 title=args.title, plan_path=args.plan,
+                                 seeds=tuple(args.seeds) if args.seeds else None)
     except ValidateError as e:
         raise UserError(str(e), 3 if "no CUDA device" in str(e) else 2) from None
     print(f"wrote {out / 'bundle.json'} and {out / 'report.html'}: verdict {bundle['verdict']}")
@@ -100,3 +123,73 @@ def _repo_rel(path: Path, root: Path) -> str:
         return Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
     except ValueError:
         return str(path)
+
+
+def _parse_tunables(items) -> dict:
+    out = {}
+    for it in items or []:
+        name, sep, value = it.partition("=")
+        if not sep or not name:
+            raise UserError(f"--tunables {it!r}: write NAME=VALUE")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise UserError(f"--tunables {it!r}: the value must be an integer") from None
+    return out
+
+
+def _run_all(args, tunables: dict) -> int:
+    from validation.plan import PlanError, prepare_all, run_all
+    from validation.validate import ValidateError
+
+    if args.root is None:
+        raise UserError("--all needs --root DIR (the folder of the plans and the carry)")
+    try:
+        if args.prepare:
+            if args.base is None or args.base == "torch":
+                raise UserError("--all --prepare needs --base REV")
+            only = [x for x in args.only.split(",") if x]
+            kernels = [x for x in only if x not in ("block", "sanitize")] if only else None
+            if only and not kernels and "sanitize" not in only and "block" not in only:
+                raise UserError("--only names nothing to prepare")
+            doc = prepare_all(args.base, args.root, tunables=tunables or None,
+                              kernels=kernels if kernels or not only else [],
+                              with_block=not only or "block" in only,
+                              with_sanitize=not only or "sanitize" in only)
+            print(f"prepared {', '.join(doc['prepared'])} under {args.root}"
+                  + (f"; FAILED: {', '.join(doc['failed'])}" if doc["failed"] else "")
+                  + f"; carry {args.root} ({doc['carry']['archive_bytes'] / (1 << 20):.1f} MiB)")
+            print(f"next, on the GPU host: PYTHONPATH=. python3 -m validation.plan run --root {args.root} "
+                  f"--out OUT_DIR --budget-s 560")
+            return 1 if doc["failed"] else 0
+        if args.out is None:
+            raise UserError("--all (run) needs --out DIR")
+        s = run_all(args.root, args.out, budget_s=args.budget_s,
+                    only=[x for x in args.only.split(",") if x] or None, seeds=tuple(args.seeds or (0, 1)))
+    except (PlanError, ValidateError) as e:
+        raise UserError(str(e), 2) from None
+    bad = [n for n, r in s["results"].items() if r.get("verdict") == "fail" or "error" in r]
+    return 1 if bad else 0
+
+
+def _run_block(args, build_root) -> int:
+    from validation.block_stage import BlockError, prepare_block_plan, validate_block
+    from validation.validate import ValidateError
+
+    try:
+        if args.prepare:
+            if args.base is None or args.base == "torch":
+                raise UserError("validate block --prepare needs --base REV")
+            path = build_root / "validate" / "block" / "plan.json"
+            prepare_block_plan(args.base, build_root=build_root, plan_path=path)
+            print(f"wrote {path}; on the GPU host: PYTHONPATH=. python3 -m validation.cli validate block "
+                  f"--plan {path} --out OUT_DIR")
+            return 0
+        if args.plan is None:
+            raise UserError("validate block runs from a plan: --base REV --prepare here, then --plan P there")
+        out = args.out or (build_root / "validate" / "block" / "out")
+        b = validate_block(args.plan, build_root=build_root, out_dir=out)
+    except (BlockError, ValidateError) as e:
+        raise UserError(str(e), 2) from None
+    print(f"wrote {out / 'bundle.json'}: verdict {b['verdict']}")
+    return 0 if b["verdict"] == "pass" else 1

@@ -31,12 +31,16 @@ from kernels.manifest import load_manifest
 
 from . import defences as D
 from .check import judge
+from .kernel_checks import MultiKernel, is_multi_output, judge_variant
 from .numerics import DEFAULT_SEEDS, DISTRIBUTIONS, Case, case_matrix, gpu_configuration, load_policy
-from .opinputs import OpDef, build_inputs, map_tensors, op_def
+from .opinputs import OP_DEFS, OpDef, build_inputs, map_tensors, op_def
 
 BASE_CONFIG = "k3"  # eps and widths of the model the kernels serve
 STRESS_RUNS = 32
-KERNEL_OWNED_ROLES = ("scratch", "sync")  # buffers the kernel needs that the reference op has no name for
+KERNEL_OWNED_ROLES = ("scratch", "sync")
+# Kernels that compute a part of their manifest reference op (shared_gate_up: the shared expert's
+# a = SiTU(h @ W_sgu.T); latent_out: the block's last step): their op class's reference judges them.
+OP_CLASS_JUDGED = ("shared_gate_up", "latent_out")  # buffers the kernel needs that the reference op has no name for
 
 
 class StageError(RuntimeError):
@@ -168,6 +172,19 @@ class KernelAdapter:
                 "cubin_sha256": self.kernel.sha256}
 
 
+def judged_by_op_class(meta: dict) -> bool:
+    """Whether a build is judged by validation.kernel_checks (on its op class's own reference):
+    several outputs, a kernel that computes a part of its reference op (OP_CLASS_JUDGED), or a
+    reference op without an input builder here (prodcons, splitk_gemv)."""
+    if is_multi_output(meta) or meta.get("kernel") in OP_CLASS_JUDGED:
+        return True
+    try:
+        ref = load_manifest().kernel(meta["kernel"]).reference
+    except Exception:  # noqa: BLE001 - an unknown kernel fails later with its own message
+        return False
+    return ref.partition(":")[2] not in OP_DEFS or not ref.startswith("kernels.reference:")
+
+
 def stress(adapter: KernelAdapter, case: Case, runs: int = STRESS_RUNS) -> dict:
     """`runs` back-to-back launches on identical inputs: every output bitwise equal to the first."""
     cfg = get_config(BASE_CONFIG)
@@ -201,7 +218,8 @@ def _failed_variant(build_dir, err: BaseException) -> dict:
             "checks": [check], "stress": {"runs": 0, "differing": 0, "passed": False}, "seconds": 0}
 
 
-def numerics_stage(build_dirs: list[str], *, quick: bool = False, device: str = "cuda") -> dict:
+def numerics_stage(build_dirs: list[str], *, quick: bool = False, device: str = "cuda",
+                   seeds=DEFAULT_SEEDS) -> dict:
     """Correctness matrix, every defence and the stress test, per prebuilt variant. A variant
     that raises is recorded as failed with its error; the others are still judged."""
     policy = load_policy()
@@ -210,8 +228,16 @@ def numerics_stage(build_dirs: list[str], *, quick: bool = False, device: str = 
     for d in build_dirs:
         t0 = time.time()
         try:
+            if judged_by_op_class(read_meta(d)):  # several outputs: judged on the op class's reference
+                v = judge_variant(MultiKernel(d, device=device), seeds=seeds[:1] if quick else seeds, policy=policy)
+                variants.append(v)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # the next variant draws its own weights
+                print(f"numerics {v['label']}: {'pass' if v['passed'] else 'FAIL'} ({len(v['cases'])} cases, "
+                      f"{v['seconds']} s)", flush=True)
+                continue
             a = KernelAdapter(d, device)
-            cases = a.cases(seeds=DEFAULT_SEEDS[:1] if quick else DEFAULT_SEEDS)
+            cases = a.cases(seeds=seeds[:1] if quick else seeds)
             rep = judge(a.subject, a.op, cfg, cases, policy=policy,
                         unseen_reason="a cubin is built for one declared shape (static layouts); the "
                                       "gate binds evidence to each variant's cubin hash instead")
@@ -271,7 +297,8 @@ def bench_stage(build_dirs: list[str], *, base: str | None, base_dirs: list[str]
     base_name = None
     for i, d in enumerate(build_dirs):
         try:
-            cases.append(_bench_variant(d, cfg, ceilings, base, base_dirs[i] if base == "revision" else None))
+            bench_one = _bench_multi if judged_by_op_class(read_meta(d)) else _bench_variant
+            cases.append(bench_one(d, cfg, ceilings, base, base_dirs[i] if base == "revision" else None))
             base_name = cases[-1].pop("base_name", None) or base_name
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the rest still run
             import traceback
@@ -373,6 +400,69 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | Non
     return row
 
 
+def _bench_multi(d, cfg, ceilings: dict, base: str | None, base_dir: str | None = None) -> dict:
+    """A multi-output kernel: head (and the base revision's build) interleaved on rotated inputs.
+    Routed experts rotate routings (their weights are shared: tens of GB), the others rotate
+    copies of every input past the L2 (at most MAX_ROTATION)."""
+    from .bench import (bandwidth_check, case_verdict, compare_samples, measure_interleaved,
+                        rotation_copies, summarize)
+    from .kernel_checks import EXPERT_KERNELS, KCase, bytes_moved
+
+    a = MultiKernel(d)
+    b = MultiKernel(base_dir, cache=a.cache) if base == "revision" else None
+    if b is not None and (b.name != a.name or b.variant != a.variant or b.ins != a.ins or b.outs != a.outs):
+        raise StageError(f"base is {b.name} {b.variant} with other parameters than head {a.name} {a.variant}")
+    case0 = KCase(a.name, a.variant, 0, "uniform" if a.name in EXPERT_KERNELS else "normal")
+    ins, extra = a.inputs(case0)
+    nbytes = bytes_moved(a, ins, extra)
+    copies, past_l2 = rotation_copies(nbytes)
+    if a.name in EXPERT_KERNELS:
+        sets = [a.inputs(KCase(a.name, a.variant, s, "uniform"))[0] for s in range(min(copies, 8))]
+        past_l2 = True  # each launch reads other experts' weights (uniform routings)
+    else:
+        sets = [ins] + [{n: t.clone() for n, t in ins.items()} for _ in range(copies - 1)]
+    h_args = [a.args(s, a.new_outputs()) for s in sets]
+
+    def head(i, k=a.launcher):
+        k(h_args[i % len(h_args)])
+
+    base_fn, base_binary = None, None
+    if b is not None:
+        b_args = [b.args(s, b.new_outputs()) for s in sets]
+        base_binary = {"kernel": b.name, "side": "base", "variant": b.variant,
+                       "tunables": b.meta.get("tunables", {}), "build_key": b.meta.get("key"),
+                       "cubin_sha256": b.sha256}
+
+        def base_fn(i, k=b.launcher):
+            k(b_args[i % len(b_args)])
+
+    m = measure_interleaved(base_fn, head)
+    left = a.sync_left() + (b.sync_left() if b is not None else [])
+    if left:
+        raise StageError("after the timed launches: " + "; ".join(left))
+    comp = compare_samples(m["base"], m["head"]) if m["base"] else None
+    hs = summarize(m["head"])
+    head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+    bs = base_bw = None
+    if m["base"]:
+        bs = summarize(m["base"])
+        base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
+    verdict, reason = case_verdict(comp, head_bw)
+    binary = {"kernel": a.name, "side": "head", "variant": a.variant, "tunables": a.meta.get("tunables", {}),
+              "build_key": a.meta.get("key"), "cubin_sha256": a.sha256}
+    print(f"bench {a.label}: head {hs['median']:.2f} us" + (f", base {bs['median']:.2f} us" if bs else "")
+          + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
+    a.cache.clear()
+    return {"case_id": f"{a.name}/{a.label}", "name": f"{a.name} {a.label}", "kernel": a.name,
+            "variant": a.variant, "batch": a.variant.get("batch"), "bytes": nbytes, "base": bs, "head": hs,
+            "change": comp.change if comp else None, "speedup": comp.speedup if comp else None,
+            "p_value": comp.p_value if comp else None, "noise": comp.noise if comp else hs["rel_iqr"],
+            "head_bandwidth": head_bw, "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2,
+            "copies": len(sets), "verdict": verdict, "reason": reason, "binary": binary,
+            "base_binary": base_binary,
+            "base_name": "the kernel at the base revision" if b is not None else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m validation.gpu_stages")
     p.add_argument("stage", choices=("numerics", "bench"))
@@ -381,13 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-build-dir", action="append", default=[],
                    help="with --base revision: the base's build of each --build-dir's variant, same order")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS),
+                   help="numerics seeds (fewer where the time budget needs it)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
     if args.stage == "numerics":
-        res = numerics_stage(args.build_dir, quick=args.quick)
+        res = numerics_stage(args.build_dir, quick=args.quick, seeds=tuple(args.seeds))
     else:
         res = bench_stage(args.build_dir, base=None if args.base == "none" else args.base,
                           base_dirs=args.base_build_dir)

@@ -211,9 +211,15 @@ def _rel(path: Path, root: Path) -> str:
 def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = None,
                       build_root: Path = DEFAULT_BUILD_ROOT, repo_root: Path = REPO_ROOT,
                       plan_path: Path | None = None,
-                      log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+                      log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                      tunables: dict | None = None, minis: bool = True) -> dict:
     """CPU host (git + the DSL): build head (the checkout) and base (revision `base`) of every
     requested variant into `build_root`, and write the plan the GPU host runs from.
+
+    `tunables` (name -> value, `validate --tunables`): head is built with these over the manifest
+    defaults (a non-default variant, explored on the GPU), base with the base revision's defaults,
+    so the bundle says whether that variant beats the default. `minis`: also build the kernel's
+    mini variants (validation.sanitize), which the GPU host runs under the four sanitizers.
 
     The plan names, per variant, both sides' build folders (relative to `build_root`), build keys
     and cubin hashes, plus the base commit, its kernel source hashes and the head commit. Raises
@@ -236,7 +242,8 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
     log(f"building {len(variants)} variant(s) of {kernel} at head (this checkout)")
     try:
         head = kbuild.build_kernel(kernel, shapes=variants, root=build_root, repo_root=repo_root,
-                                   manifest=load_manifest(repo_root / "kernels" / "manifest.toml"))
+                                   manifest=load_manifest(repo_root / "kernels" / "manifest.toml"),
+                                   tunables=tunables or None)
     except kbuild.BuildError as e:
         raise ValidateError(f"head does not build: {e}") from None
     based = _build_at_revision(kernel, sha, variants, build_root, repo_root, log)
@@ -248,7 +255,8 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
         "schema": PLAN_SCHEMA, "kernel": kernel, "created": B.utc_now(),
         "base": {"ref": base, "sha": sha, "sources_sha256": base_sources},
         "head": {"sha": head_sha, "dirty": bool(dirty) if dirty is not None else None,
-                 "sources_sha256": head[0].meta.get("sources") if head else {}},
+                 "sources_sha256": head[0].meta.get("sources") if head else {},
+                 "tunables_override": dict(tunables or {})},
         "variants": [{
             "variant": dict(h.shape),
             "head": {"dir": _rel(h.dir, build_root), "tunables": h.tunables, "build_key": h.key,
@@ -257,6 +265,15 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
                      "cubin_sha256": b["cubin_sha256"]},
         } for h, b in zip(head, based)],
     }
+    # The static audit here, where PTX and SASS are (the carry holds cubins and metadata only).
+    hspec = load_manifest(repo_root / "kernels" / "manifest.toml").kernel(kernel)
+    plan["static_race_audit"] = static_race_audit(hspec, [Prebuilt(dict(h.shape), Path(h.dir), h.meta, "built")
+                                                         for h in head])
+    if minis:
+        from .sanitize import build_minis
+
+        entries, failures = build_minis([kernel], build_root, repo_root, log)
+        plan["sanitize"] = {"entries": entries, "failures": failures}
     path = Path(plan_path) if plan_path else default_plan_path(kernel, build_root)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=1) + "\n")
@@ -352,7 +369,8 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
                     plan_path: Path | None = None,
                     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
                     numerics_timeout_s: float = NUMERICS_TIMEOUT_S,
-                    bench_timeout_s: float = BENCH_TIMEOUT_S) -> dict:
+                    bench_timeout_s: float = BENCH_TIMEOUT_S, seeds: tuple[int, ...] | None = None,
+                    dynamic_result: dict | None = None) -> dict:
     """Validate manifest kernel `kernel` and return its (unsigned) evidence bundle.
 
     `base`: None (no comparison), "torch" (the torch/cuBLAS path on the same GPU), or a git
@@ -361,6 +379,10 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
     prepared here (git and the DSL needed). Writes bundle.json (atomically) and report.html into
     `out_dir` when given. Raises ValidateError for an unknown kernel, a batch it does not declare,
     no cubin and no way to build one, a plan that does not hold, or (with `require_gpu`) no GPU.
+
+    `seeds`: the numerics seeds (default: validation.numerics.DEFAULT_SEEDS; the bundle records
+    them). `dynamic_result`: a sanitize stage's result (validation.sanitize) that covers this
+    kernel's mini variants; it becomes the bundle's race.dynamic.
     """
     spec, variants = _kernel_variants(kernel, batches, Path(repo_root))
     plan = None
@@ -392,14 +414,23 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
 
     def binary(b: Prebuilt, side: str) -> dict:
         return {"kernel": kernel, "side": side, "variant": b.variant, "tunables": b.meta.get("tunables", {}),
-                "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"]}
+                "build_key": b.meta.get("key"), "cubin_sha256": b.meta["hashes"]["cubin_sha256"],
+                "cubin_code_sha256": b.meta["hashes"].get("cubin_code_sha256")}
 
     binaries = [binary(b, "head") for b in builds] + [binary(b, "base") for b in base_builds]
     not_covered: list[str] = []
     extra_reasons: list[str] = []
-    static = static_race_audit(spec, builds)
-    if static is None:
-        not_covered.append("race.static: the static race audit (validation.race) is not available here")
+    have_ptx = all((b.dir / "kernel.ptx").is_file() for b in builds)
+    if not have_ptx and plan is not None and plan.get("static_race_audit") is not None:
+        # a carry without PTX/SASS: the audit the preparing host ran on the same cubins
+        static = {**plan["static_race_audit"], "where": "the host that prepared the plan (same cubins)"}
+    elif not have_ptx:
+        static = None
+        not_covered.append("race.static: no PTX/SASS beside the cubins and no audit in the plan (prepare again)")
+    else:
+        static = static_race_audit(spec, builds)
+        if static is None:
+            not_covered.append("race.static: the static race audit (validation.race) is not available here")
 
     correctness = defences = benchmark = None
     stress = None
@@ -417,20 +448,25 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
         argv = ["-m", "validation.gpu_stages", "numerics", *sum((["--build-dir", d] for d in dirs), [])]
         if quick:
             argv.append("--quick")
+        if seeds:
+            argv += ["--seeds", *map(str, seeds)]
         log(f"numerics + defences on {len(dirs)} variant(s) (child process, timeout {numerics_timeout_s:.0f} s)")
         st = run_stage("numerics", argv + ["--out", str(work / "numerics.json")], result_path=work / "numerics.json",
                        log_path=work / "numerics.log", timeout_s=numerics_timeout_s, cwd=repo_root)
         stages.append(st.to_dict())
+        log(f"stage numerics: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)")
         if st.ok:
             vs = st.result["variants"]
             cases = [c for v in vs for c in v["cases"]]
             correctness = {"passed": bool(cases) and all(c["passed"] for c in cases),
-                           "policy": st.result["policy"], "cases": cases}
+                           "policy": st.result["policy"], "cases": cases,
+                           "seeds": list(seeds) if seeds else None}
             checks = merge_checks(vs)
             defences = {"passed": all(c["passed"] for c in checks), "checks": checks}
             stress = {"passed": all(v["stress"]["passed"] for v in vs),
                       "runs_per_variant": vs[0]["stress"]["runs"] if vs else 0,
-                      "failing_variants": [v["label"] for v in vs if not v["stress"]["passed"]]}
+                      "failing_variants": [v["label"] for v in vs if not v["stress"]["passed"]],
+                      "sync_left_nonzero": sum(v["stress"].get("sync_left_nonzero", 0) for v in vs)}
         else:
             extra_reasons.append(st.reason)
             correctness = {"passed": False, "policy": None, "cases": [], "stage_failure": st.to_dict()}
@@ -442,6 +478,7 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
         st = run_stage("bench", bargv + ["--out", str(work / "bench.json")], result_path=work / "bench.json",
                        log_path=work / "bench.log", timeout_s=bench_timeout_s, cwd=repo_root)
         stages.append(st.to_dict())
+        log(f"stage bench: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)")
         if st.ok:
             from .bench import ALPHA, MAX_NOISE, MIN_EFFECT, benchmark_passed
 
@@ -472,11 +509,24 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
         else:
             extra_reasons.append(st.reason)
             benchmark = {"ceilings": {}, "cases": [], "passed": False, "stage_failure": st.to_dict()}
+    from .sanitize import dynamic_section, run_isolated
+
+    if dynamic_result is None and has_gpu and plan is not None and (plan.get("sanitize") or {}).get("entries"):
+        log(f"sanitizers on {len(plan['sanitize']['entries'])} mini variant(s) (child process)")
+        dynamic_result = run_isolated(plan["sanitize"]["entries"], plan["sanitize"].get("failures", []),
+                                      Path(build_root), work / "sanitize", budget_s=numerics_timeout_s)
+        stages.append(dynamic_result.get("stage") or {"name": "sanitize", "ok": False})
+        log(f"stage sanitize: {'ok' if dynamic_result.get('passed') else 'NOT CLEAN or failed'}")
+
+    dynamic = dynamic_section(dynamic_result, kernel, [
+        f for f in (dynamic_result or {}).get("build_failures") or [] if f.split(" ", 2)[1].strip("(") == kernel])
     race = None
-    if static is not None or stress is not None:
-        race = {"passed": (static is None or static["passed"]) and (stress is None or stress["passed"]),
-                "static": static, "dynamic": None, "stress": stress}
-    not_covered.append("race.dynamic: compute-sanitizer (memcheck, racecheck, synccheck, initcheck) not run by validate")
+    if static is not None or stress is not None or dynamic is not None:
+        race = {"passed": all(x is None or x["passed"] for x in (static, stress, dynamic)),
+                "static": static, "dynamic": dynamic, "stress": stress}
+    if dynamic is None:
+        not_covered.append("race.dynamic: compute-sanitizer (memcheck, racecheck, synccheck, initcheck) not run "
+                           "for this kernel (validate --all runs them on its mini variants)")
     if stress is None:
         not_covered.append("race.stress: needs a GPU")
     not_covered.append("unseen shapes: a cubin is built for one declared shape; evidence binds per variant hash")
@@ -502,6 +552,10 @@ def validate_kernel(kernel: str, *, base: str | None = None, batches: list[int] 
                 "stages": stages})
     change = {"kernel": kernel, "base": base, "head": head, "files": list(spec.sources),
               "title": title or f"validate {kernel}", "summary": summary or spec.description}
+    if plan is not None and plan["head"].get("tunables_override"):
+        change["tunables_override"] = plan["head"]["tunables_override"]
+        change["title"] = title or (f"validate {kernel} with " + ", ".join(
+            f"{k}={v}" for k, v in plan["head"]["tunables_override"].items()) + " against the default")
     if plan is not None:
         # What the gate compares with its own base: the kernel's source closure at this base.
         change["base_ref"] = plan["base"]["ref"]

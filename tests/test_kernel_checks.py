@@ -1,0 +1,167 @@
+"""The multi-output judge (validation/kernel_checks.py) on the CPU: a fake launcher that computes
+each op's own reference passes every case; planted defects (a wrong tie-break, an unwritten
+output, a counter left set, a mutated input) fail with their reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.manifest import load_manifest
+from validation import kernel_checks as KC
+from validation.numerics import load_policy
+
+MINI_SEL = {"batch": 3, "n_experts": 64, "top_k": 8}
+MINI_EXPERTS = {"batch": 3, "n_experts": 16, "latent": 512, "expert_inter": 512, "top_k": 4}
+
+
+def fake_meta(kernel: str, variant: dict) -> dict:
+    spec = load_manifest().kernel(kernel)
+    op = KC.op_instance({"variant": variant, "tunables": spec.tunable_defaults()}, spec.op)
+    specs = op.tensor_specs()
+    params = [{"name": p.name, "role": p.role, "direction": p.direction, "spec": specs[p.name].to_dict()}
+              for p in spec.params]
+    return {"kernel": kernel, "variant": variant, "tunables": spec.tunable_defaults(), "params": params,
+            "hashes": {"cubin_sha256": "0" * 64}, "key": "fake"}
+
+
+def reference_launcher(mkref, *, tamper=None):
+    """A launcher computing the op's reference into the outputs (a correct kernel)."""
+
+    def launch(args):
+        mk = mkref[0]
+        named = {p["name"]: a for p, a in zip(mk.params, args)}
+        ins = {n: named[n] for n in mk.ins}
+        extra = {}
+        if mk.name in KC.EXPERT_KERNELS:  # the reference needs the routing the grouping came from
+            extra["ids"] = mkref[1]["ids"]
+        ref = mk.op.reference(**ins, **extra)
+        for n in mk.outs:
+            named[n].copy_(ref[n].to(named[n].dtype))
+        if tamper:
+            tamper(named)
+
+    return launch
+
+
+def make(kernel, variant, tamper=None, ids_box=None):
+    box = [None, {}]
+    mk = KC.MultiKernel(meta=fake_meta(kernel, variant), device="cpu",
+                        launcher=reference_launcher(box, tamper=tamper))
+    box[0] = mk
+    orig = mk.inputs
+
+    def inputs(case):
+        ins, extra = orig(case)
+        box[1] = extra
+        return ins, extra
+
+    mk.inputs = inputs
+    return mk
+
+
+def test_multi_output_detection():
+    assert KC.is_multi_output(fake_meta("router_select", MINI_SEL))
+    assert not KC.is_multi_output(fake_meta("residual", {"batch": 2, "width": 64}))
+
+
+def test_router_select_reference_passes_every_case_ties_included():
+    mk = make("router_select", MINI_SEL)
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=3)
+    whats = {c["what"] for c in res["cases"]}
+    assert {"triples", "all", "mixed", "hot", "same"} <= whats
+    assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
+    assert res["stress"]["passed"]
+
+
+def test_wrong_tie_break_fails_on_ties():
+    """Ties to the higher expert: on "all" (every score equal) the reference picks 0..k-1."""
+    def higher(named):
+        k = named["ids"].shape[1]
+        named["ids"].copy_(torch.arange(k, 0, -1, dtype=named["ids"].dtype).expand_as(named["ids"]))
+
+    mk = make("router_select", MINI_SEL, tamper=higher)
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
+    assert not res["passed"]
+    all_case = next(c for c in res["cases"] if c["what"] == "all")
+    assert any("ties" in r or "grouping" in r or "weights" in r for r in all_case["reasons"])
+
+
+def test_unwritten_output_and_counter_left_fail():
+    def tamper(named):
+        named["weights"][0, 0] = float("nan") if torch.isnan(named["weights"][0, 1]) else named["weights"][0, 0]
+        named["counter"].fill_(1)
+
+    mk = make("router_select", MINI_SEL, tamper=tamper)
+    r = mk.judge_case(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
+    assert not r["passed"]
+    assert any("sync buffer 'counter'" in x for x in r["reasons"])
+
+
+def test_input_mutation_is_caught():
+    mk = make("router_select", MINI_SEL, tamper=lambda n: n["logits"].mul_(1.0).add_(1e-3))
+    r = mk.judge_case(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
+    assert any("input_mutation" in x for x in r["reasons"])
+
+
+@pytest.mark.parametrize("kernel", ["moe_w13", "moe_w2"])
+def test_experts_under_every_routing(kernel):
+    mk = make(kernel, MINI_EXPERTS)
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
+    assert [c["what"] for c in res["cases"]] == list(KC.ROUTINGS)
+    assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
+
+
+def test_experts_wrong_values_fail_precision():
+    mk = make("moe_w2", MINI_EXPERTS, tamper=lambda n: n["c"].mul_(1.05))
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
+    assert not res["passed"]
+    assert not next(c for c in res["checks"] if c["name"] == "precision_vs_oracle")["passed"]
+
+
+@pytest.mark.parametrize("kernel,variant", [
+    ("latent_out", {"batch": 2, "hidden": 512, "latent": 512, "shared_inter": 512}),
+    ("shared_gate_up", {"batch": 2, "hidden": 512, "shared_inter": 512}),
+])
+def test_dense_multi_input_kernels_on_their_op_reference(kernel, variant):
+    from validation.gpu_stages import judged_by_op_class
+
+    meta = fake_meta(kernel, variant)
+    assert judged_by_op_class(meta)
+    res = KC.judge_variant(make(kernel, variant), seeds=(0,), stress_runs=2)
+    assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
+
+
+def test_grouping_tail_past_n_groups_is_not_required():
+    """The kernels leave group_expert / group_start past n_groups as they were (consumers read
+    [:n] and [:n + 1]): the two-poison comparison must not call that unwritten."""
+
+    def leave_tail(named):
+        n = int(named["n_groups"][0])
+        named["group_expert"][n:] = torch.randint(0, 99, named["group_expert"][n:].shape, dtype=torch.int32)
+
+    mk = make("router_select", MINI_SEL, tamper=leave_tail)
+    r = mk.judge_case(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
+    assert r["passed"], r["reasons"]
+
+
+def test_big_inputs_are_fingerprinted_not_cloned(monkeypatch):
+    t = torch.randn(4, 8, 16).to(torch.bfloat16)
+    monkeypatch.setattr(KC, "BIG_INPUT_BYTES", 64)
+    fp = KC.fingerprint(t)
+    assert fp.shape == (4, 2) and KC.same_fingerprint(t, fp)
+    u = t.clone()
+    u[2, 3, 1] = u[2, 3, 1] + 1
+    assert not KC.same_fingerprint(u, fp)
+    v = t.clone()
+    v[1] = t[1].flip(0)  # the same values, moved
+    assert not KC.same_fingerprint(v, fp)
+    w = KC._randn((3, 4, 5), torch.Generator().manual_seed(0), "cpu", 0.5)
+    assert w.dtype == torch.bfloat16 and w.shape == (3, 4, 5) and w.float().std() > 0.1
+
+
+def test_prodcons_flags_are_reset_by_the_host_and_its_single_precision_reference_is_the_oracle():
+    variant = {"steps": 8, "width": 1024, "rows": 64, "producers": 2, "consumers": 4}
+    mk = make("prodcons", variant, tamper=lambda n: n["flags"].fill_(8))  # the kernel counts steps up
+    res = KC.judge_variant(mk, seeds=(0,), stress_runs=2)
+    assert res["passed"], [c["reasons"] for c in res["cases"] if not c["passed"]]
