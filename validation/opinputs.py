@@ -48,8 +48,9 @@ def _act(case, name, shape, device, dtype=BF16):
 
 
 def _ids(case, cfg, device):
+    # drawn on the CPU (randperm takes a generator of its own device), then moved
     return routing_ids(case.batch, cfg.n_experts, cfg.top_k, case.routing or "uniform",
-                       case_generator(case, "ids", device), device)
+                       case_generator(case, "ids", "cpu"), device)
 
 
 def _combine_weights(case, shape, device):
