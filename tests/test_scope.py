@@ -148,9 +148,15 @@ def test_manifest_compared_as_data(repo):
     h2 = commit(root, "comment")
     d = evaluate_policy(compute_scope(base, h2, repo=root), load_policy())
     assert d.status == NO_KERNEL_CHANGE and d.notes
-    # Choices widened, reference swapped, a tolerance added, a kernel added.
+    # New choices for a tunable: that kernel's own change, recorded for the evidence to cover.
     git(root, "reset", "-q", "--hard", base)
-    changed = (text.replace("choices = [128, 256]", "choices = [128, 256, 1024]")
+    write(root, "kernels/manifest.toml", text.replace("choices = [128, 256]", "choices = [128, 256, 1024]"))
+    h5 = commit(root, "widened")
+    d = evaluate_policy(compute_scope(base, h5, repo=root), load_policy())
+    assert d.status == ELIGIBLE and d.kernel == "alpha" and d.new_choices == {"alpha": {"threads": [1024]}}
+    # Choices narrowed, reference swapped, a tolerance added, a kernel added.
+    git(root, "reset", "-q", "--hard", base)
+    changed = (text.replace("choices = [128, 256]", "choices = [128]")
                .replace("kernels.reference:beta", "kernels.reference:alpha")
                .replace('[kernels.beta.shapes]', 'tolerance = 0.5\n[kernels.beta.shapes]')
                + '\n[kernels.gamma]\nop = "a:B"\nreference = "a:c"\nsources = []\nparams = []\n'
