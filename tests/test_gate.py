@@ -611,13 +611,21 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
     base = commit(root, "scale kernel")
 
     src = (root / "kernels/ops/scale.py").read_text()
+    # Commuting the product generates the same code: no code change, exit 0, nothing to evidence.
     write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha", "alpha * mX[r, c]"))
+    same = commit(root, "scale: commute the product")
+    out = tmp_path / "out"
+    rc = cli.main(["gate", "--base", base, "--head", same, "--repo", str(root), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "NO_CODE_CHANGE" in printed and "builds to the same code" in printed, printed
+
+    write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
+                                                    "mX[r, c] * alpha - n.to(cutlass.Float32)"))
     arts = build_kernel("scale", root=root / "build", repo_root=root, manifest=parse_manifest(SCALE_MANIFEST))
     built = [BuiltVariant(a.kernel, dict(a.shape), dict(a.tunables), a.cubin_sha256) for a in arts]
     commit_bundle(root, sign(make_bundle("scale", built, base=base), priv))
-    head = commit(root, "scale: commute the product")
+    head = commit(root, "scale: sign flip")
 
-    out = tmp_path / "out"
     rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -627,8 +635,8 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
 
     # Edit the kernel again without new evidence: the bundle is for another binary now.
     write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
-                                                    "mX[r, c] * alpha - n.to(cutlass.Float32)"))
-    head2 = commit(root, "scale: sign flip")
+                                                    "mX[r, c] * alpha * n.to(cutlass.Float32)"))
+    head2 = commit(root, "scale: a product")
     rc = cli.main(["gate", "--base", base, "--head", head2, "--repo", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 1 and 'kernel scale variant {"cols":64,"rows":4}' in printed, printed
