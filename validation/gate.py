@@ -785,7 +785,12 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
             if bound is None:
                 judged = [c for c in checks if c.signature != "unchecked"]
                 if not judged:
-                    fails.append(f"{what_k}: no committed evidence bundle under {EVIDENCE_DIR}/ measures it")
+                    unread = [c for c in checks if c.signature == "unchecked"]
+                    fails.append(f"{what_k}: no committed evidence bundle under {EVIDENCE_DIR}/ measures it"
+                                 + (f" (unreadable: {unread[0].path}: {unread[0].problems[0]}"
+                                    + (f"; +{len(unread) - 1} more" if len(unread) > 1 else "") + ")"
+                                    if unread else ""))
+                    v.details += [f"{c.path}: {p}" for c in unread for p in c.problems]
                 else:
                     best = min(judged, key=lambda c: len(c.problems))
                     more = len(best.problems) - 1
