@@ -923,7 +923,14 @@ def render_outputs(v: GateVerdict) -> dict[str, str]:
         except ImportError:
             render_report = None
         if render_report is not None:
-            out["evidence.html"] = render_report(v.bundle)
+            bound = (v.evidence or {}).get("bundle")
+            cand = next((c for c in (v.evidence or {}).get("candidates") or [] if c.get("path") == bound), {})
+            trust = {"signature": {"status": "ok", "key_id": cand.get("key_id"), "reason": ""} if cand.get("bound")
+                     else {"status": "unsigned", "reason": "the validator's own bundle (--run-gpu), not signed"},
+                     "binding": {"status": "bound" if cand.get("bound") else "not_checked",
+                                 "detail": f"the gate bound it to the {len(v.build)} variant(s) it rebuilt"
+                                 if cand.get("bound") else "checked by the gate above"}}
+            out["evidence.html"] = render_report(v.bundle, trust)
             ctx["evidence_page"] = "evidence.html"
     out["report.html"] = env.get_template("gate.html.j2").render(**ctx)
     out["pr_comment.md"] = env.get_template("pr_comment.md.j2").render(**ctx)
