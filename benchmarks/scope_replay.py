@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None):
+def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None, build: bool = True):
     from kernels import build as kb
     from validation.policy import evaluate_policy
     from validation.scope import code_candidates, compute_scope, export_tree
@@ -49,6 +49,8 @@ def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None):
     final = [v for v in first.violations if v.rule not in {"multiple-kernels", "undeclared-dependency", "line-bound"}]
     built = 0
     if not final and code_candidates(scope):
+        if not build:
+            return None  # needs builds: the second pass
         code = {}
         with tempfile.TemporaryDirectory(prefix="replay-") as d:
             trees = {"base": export_tree(r, scope.merge_base, Path(d, "b")), "head": export_tree(r, sha, Path(d, "h"))}
@@ -103,20 +105,25 @@ def main(argv=None) -> int:
         done = {json.loads(x)["sha"] for x in args.out.read_text().splitlines()} if args.out.exists() else set()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        for sha in shas:
-            if sha[:12] in done:
-                continue
-            if time.monotonic() - t0 > args.deadline_s:
-                print(f"deadline: stopped before {sha[:12]}", file=sys.stderr)
-                break
-            try:
-                row = scope_commit(r, sha, policy, paths, args.root, args.jobs)
-            except Exception as e:  # an old revision the scope cannot read: recorded, not fatal
-                row = {"sha": sha[:12], "status": "error", "violations": [f"{type(e).__name__}: {e}"[:300]],
-                       "rules": ["error"], "kernels": [], "seconds": 0}
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(f"{row['sha']} {row['status']:<16} {row.get('seconds')}s {','.join(row['rules'])}", flush=True)
+        # First the commits that rules decide without a build (cheap), then those that need builds.
+        for build in (False, True):
+            for sha in shas:
+                if sha[:12] in done:
+                    continue
+                if time.monotonic() - t0 > args.deadline_s:
+                    print(f"deadline: stopped before {sha[:12]}", file=sys.stderr)
+                    break
+                try:
+                    row = scope_commit(r, sha, policy, paths, args.root, args.jobs, build)
+                except Exception as e:  # an old revision the scope cannot read: recorded, not fatal
+                    row = {"sha": sha[:12], "status": "error", "violations": [f"{type(e).__name__}: {e}"[:300]],
+                           "rules": ["error"], "kernels": [], "seconds": 0}
+                if row is None:
+                    continue
+                done.add(row["sha"])
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{row['sha']} {row['status']:<16} {row.get('seconds')}s {','.join(row['rules'])}", flush=True)
     rows = [json.loads(x) for x in args.out.read_text().splitlines()] if args.out.exists() else []
     print(table(rows))
     return 0
