@@ -214,3 +214,27 @@ def commit_bundle(root: Path, bundle: dict, name: str = "change") -> str:
 def shallow_clone(src: Path, dst: Path, depth: int = 1) -> None:
     subprocess.run(["git", "clone", "-q", "--depth", str(depth), f"file://{src}", str(dst)],
                    check=True, capture_output=True)
+
+
+# -- scratch clones of this repository (the real kernels, the real gate) ----------------------
+
+def scratch_clone(dst: Path, *, batches: list[int] | None = (1,), one_problem: tuple[str, ...] = ("rmsnorm",)) -> str:
+    """A shallow clone of this repository's last commit at `dst`, with a base commit on top whose
+    manifest declares only `batches` (and, for the kernels of `one_problem`, only their first
+    problem): the real kernels and gate at a fraction of the variants. Returns the base sha.
+    Builds of unchanged sources are cache hits in the shared build/ (build keys name sources,
+    shape and tunables, not the manifest)."""
+    import re
+
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{REPO}", str(dst)], check=True, capture_output=True)
+    git(dst, "config", "user.email", "gate@test")
+    git(dst, "config", "user.name", "gate test")
+    git(dst, "config", "commit.gpgsign", "false")
+    text = (dst / "kernels/manifest.toml").read_text()
+    if batches is not None:
+        text = re.sub(r"(?m)^batch = \[[0-9, ]+\]$", f"batch = {list(batches)}", text)
+    for k in one_problem:
+        text = re.sub(rf"(\[kernels\.{k}\.shapes\]\nbatch = [^\n]*\nproblems = \[)(\{{[^}}]*\}})[^\]]*\]",
+                      r"\1\2]", text)
+    write(dst, "kernels/manifest.toml", text)
+    return commit(dst, "scratch base: fewer variants")

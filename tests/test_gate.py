@@ -697,3 +697,80 @@ def test_cli_prints_the_risks_beside_the_verdict(signed_repo, tmp_path, monkeypa
     rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(tmp_path / "o")])
     assert rc == EXIT_PASS
     assert "  risk: " in capsys.readouterr().out
+
+
+# -- the done-when cases on a scratch clone of this repository ---------------------------------
+# The real kernels and the real gate, one batch per kernel (gate_fixtures.scratch_clone), built
+# into the shared cache build/ (base builds of unchanged sources are cache hits there).
+
+@pytest.fixture()
+def scratch(tmp_path):
+    from gate_fixtures import scratch_clone
+
+    root = tmp_path / "clone"
+    return root, scratch_clone(root)
+
+
+def _scratch_gate(root, base, head):
+    return run_gate(base, head, repo=root, build_root=REPO / "build", jobs=2)
+
+
+def test_scratch_an_edited_assertion_in_an_existing_test_goes_to_full_review(scratch):
+    root, base = scratch
+    p = root / "tests/test_rmsnorm.py"
+    text = p.read_text()
+    assert "assert " in text
+    write(root, "tests/test_rmsnorm.py", text.replace("assert ", "assert True or ", 1))
+    head = commit(root, "loosen an assertion")
+    v = _scratch_gate(root, base, head)  # answers before anything compiles
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
+    assert any(x["rule"] == "protected-path" and x["path"] == "tests/test_rmsnorm.py" for x in v.policy["violations"])
+    assert v.cause.startswith("not eligible for fast track: [protected-path] tests/test_rmsnorm.py")
+
+
+def test_scratch_an_edit_of_the_reference_goes_to_full_review(scratch):
+    root, base = scratch
+    with open(root / "kernels/reference.py", "a") as f:
+        f.write("\n\ndef helper(x):\n    return x\n")
+    head = commit(root, "reference: a helper")
+    v = _scratch_gate(root, base, head)
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
+    assert any(x["rule"] == "protected-path" and x["path"] == "kernels/reference.py" for x in v.policy["violations"])
+
+
+@pytest.mark.slow
+def test_scratch_a_comment_only_edit_of_router_py_is_no_code_change(scratch):
+    """router.py is a declared source of four kernels (router, moe_w13, moe_w2, router_select):
+    all four are rebuilt at base and head, and their code is the same."""
+    pytest.importorskip("cutlass")
+    root, base = scratch
+    p = root / "kernels/ops/router.py"
+    write(root, "kernels/ops/router.py", p.read_text().replace('"""', '"""A comment-only edit. ', 1)
+          + "\n# a trailing comment\n")
+    head = commit(root, "router: comments")
+    v = _scratch_gate(root, base, head)
+    assert (v.status, v.exit_code) == ("no_code_change", EXIT_PASS), reasons(v)
+    assert "no code change" in reasons(v) and "existing evidence still binds" in reasons(v)
+    assert {"router", "moe_w13", "moe_w2", "router_select"} <= set(v.scope["code"])
+    assert all(c["status"] == "same" for c in v.scope["code"].values())
+
+
+@pytest.mark.slow
+def test_scratch_a_real_change_of_one_kernel_with_a_new_test_file_is_eligible(scratch):
+    """It fails only for the evidence it lacks: the new test file rides along uncounted."""
+    pytest.importorskip("cutlass")
+    root, base = scratch
+    src = (root / "kernels/ops/rmsnorm.py").read_text()
+    assert "EPS = 1e-5" in src
+    write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", "EPS = 1e-6"))
+    write(root, "tests/test_rmsnorm_eps.py", "def test_eps_is_small():\n    from kernels.ops import rmsnorm\n"
+                                             "    assert rmsnorm.EPS < 1e-5\n")
+    head = commit(root, "rmsnorm: eps 1e-6, with a test")
+    v = _scratch_gate(root, base, head)
+    assert v.policy["status"] == "eligible" and v.kernels == ["rmsnorm"], reasons(v)
+    assert v.policy["classification"]["tests/test_rmsnorm_eps.py"] == "companion"
+    assert v.scope["code"]["rmsnorm"]["status"] == "changed"
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
+    assert all("rmsnorm" in r and "evidence" in r for r in v.reasons), reasons(v)
+    assert v.next_command.startswith(f"fasttrack validate rmsnorm --base {base[:12]} --prepare")
+    assert v.audit["rmsnorm"]["status"] == "pass"
