@@ -238,3 +238,36 @@ def scratch_clone(dst: Path, *, batches: list[int] | None = (1,), one_problem: t
                       r"\1\2]", text)
     write(dst, "kernels/manifest.toml", text)
     return commit(dst, "scratch base: fewer variants")
+
+
+PATH_MANIFEST_TAIL = """
+[paths.decode]
+kernels = ["alpha", "beta"]
+composite = "block"
+"""
+
+
+class FakeArtifact:
+    """What kernels.build.build_requests returns, for fake kernels: the 'code hash' is the hash of
+    the source's parsed form (comments and blank lines aside), the cubin hash that of its bytes,
+    as a real build's line tables would make it."""
+
+    def __init__(self, rq):
+        import ast
+
+        src = (Path(rq.repo_root) / rq.spec.sources[0]).read_bytes()
+        tag = json.dumps([rq.shape, rq.tunables], sort_keys=True).encode()
+        self.kernel, self.shape, self.tunables = rq.spec.name, dict(rq.shape), dict(rq.tunables)
+        self.cubin_code_sha256 = hashlib.sha256(ast.dump(ast.parse(src)).encode() + tag).hexdigest()
+        self.cubin_sha256 = hashlib.sha256(src + tag).hexdigest()
+        self.key, self.dir, self.cache_hit = self.cubin_sha256, None, False
+
+
+def fake_code_build(requests):
+    return [FakeArtifact(rq) for rq in requests]
+
+
+def built_of(v) -> list[BuiltVariant]:
+    """The gate's rebuilt variants (verdict.build) as BuiltVariants, to make a bundle bind."""
+    return [BuiltVariant(b["kernel"], b["variant"], b["tunables"], b["cubin_sha256"],
+                         cubin_code_sha256=b.get("cubin_code_sha256")) for b in v.build]

@@ -774,3 +774,92 @@ def test_scratch_a_real_change_of_one_kernel_with_a_new_test_file_is_eligible(sc
     assert all("rmsnorm" in r and "evidence" in r for r in v.reasons), reasons(v)
     assert v.next_command.startswith(f"fasttrack validate rmsnorm --base {base[:12]} --prepare")
     assert v.audit["rmsnorm"]["status"] == "pass"
+
+
+# -- scope by code, decode paths and their composite evidence (fake builds) --------------------
+
+def _code_gate(root, base, head, **kw):
+    from gate_fixtures import fake_code_build
+
+    return run_gate(base, head, repo=root, code_build=fake_code_build,
+                    auditor=lambda k, b: AuditOutcome("pass", "clean"), **kw)
+
+
+@pytest.fixture()
+def path_repo(tmp_path):
+    from gate_fixtures import MANIFEST, PATH_MANIFEST_TAIL
+
+    priv, pem = new_keypair()
+    root = tmp_path / "repo"
+    make_repo(root, public_key_pem=pem)
+    write(root, "kernels/manifest.toml", MANIFEST + PATH_MANIFEST_TAIL)
+    return root, commit(root, "a decode path"), priv
+
+
+def test_a_comment_in_a_kernel_source_is_no_code_change(path_repo):
+    root, base, _ = path_repo
+    with open(root / "kernels/ops/alpha.py", "a") as f:
+        f.write("# why this is so\n")
+    v = _code_gate(root, base, commit(root, "comment"))
+    assert (v.status, v.exit_code) == ("no_code_change", EXIT_PASS), reasons(v)
+    assert "(alpha) builds to the same code at base and head (2 variants" in reasons(v)
+    assert "2 differ in their line tables only" in reasons(v)
+
+
+def test_kernels_of_one_path_need_evidence_for_each_and_for_the_composite(path_repo):
+    root, base, priv = path_repo
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    edit_lines(root, "kernels/ops/beta.py", 1)
+    head = commit(root, "alpha and beta")
+    v = _code_gate(root, base, head)
+    assert v.policy["status"] == "eligible" and v.policy["path"] == "decode" and v.policy["composite"] == "block"
+    assert v.exit_code == EXIT_FAIL
+    text = reasons(v)
+    for what in ("kernel alpha:", "kernel beta:", "the composite block of path decode:"):
+        assert what in text, text
+    assert v.cause.startswith("kernel alpha: no committed evidence") and "fasttrack validate alpha" in v.next_command
+
+    # Evidence for each kernel and a composite bundle (change.kernel "block") that ran both.
+    from gate_fixtures import built_of
+
+    built = built_of(v)
+    val = validator_of(root)
+    for k in ("alpha", "beta"):
+        commit_bundle(root, sign(make_bundle(k, [b for b in built if b.kernel == k], base=base, validator=val), priv), k)
+    block = make_bundle("block", built, base=base, validator=val)
+    commit_bundle(root, sign(block, priv), "block")
+    head2 = commit(root, "evidence")
+    v = _code_gate(root, base, head2)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.evidence["bound"] == {"alpha": "evidence_reports/alpha/bundle.json",
+                                   "beta": "evidence_reports/beta/bundle.json",
+                                   "block": "evidence_reports/block/bundle.json"}
+
+    # A composite bundle that did not run a touched kernel does not bind.
+    stale = make_bundle("block", [b for b in built if b.kernel == "alpha"], base=base, validator=val)
+    commit_bundle(root, sign(stale, priv), "block")
+    v = _code_gate(root, base, commit(root, "a composite without beta"))
+    assert v.exit_code == EXIT_FAIL and "ran no binary of touched kernel beta" in reasons(v)
+
+
+def test_kernels_outside_one_path_go_to_full_review(signed_repo):
+    root, base, _ = signed_repo  # the plain manifest declares no path
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    edit_lines(root, "kernels/ops/beta.py", 1)
+    v = _code_gate(root, base, commit(root, "two kernels"))
+    assert v.exit_code == EXIT_NOT_ELIGIBLE and "multiple-kernels" in {x["rule"] for x in v.policy["violations"]}
+
+
+def test_a_new_tunable_choice_needs_bound_evidence_that_measured_it(path_repo):
+    root, base, priv = path_repo
+    text = (root / "kernels/manifest.toml").read_text()
+    write(root, "kernels/manifest.toml", text.replace("choices = [128, 256]", "choices = [128, 256, 512]"))
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    head = commit(root, "alpha: a new choice")
+    v = _code_gate(root, base, head)
+    from gate_fixtures import built_of
+
+    built = built_of(v)
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base, validator=validator_of(root)), priv), "alpha")
+    v = _code_gate(root, base, commit(root, "evidence of the defaults only"))
+    assert v.exit_code == EXIT_FAIL and "the new choice threads=512 is measured by no bound evidence" in reasons(v)

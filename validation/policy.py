@@ -207,8 +207,9 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
 
     Returns the violations (semantic changes that need full review) and each kernel's own
     changes, which a fast-track change may make: {kernel: {"defaults": [tunable, ...],
-    "new_choices": {tunable: [added choices]}}} (new defaults, and choices added to a tunable
-    without removing any or changing which are explore-only).
+    "new_choices": {tunable: [added choices]}, "new_tunables": [...]}} (new defaults; choices
+    added to a tunable without removing any or changing which are explore-only; new tunables,
+    whose choices other than the default and the explore-only ones count as new choices).
     """
     path = MANIFEST_RELPATH
     if base is None or head is None:
@@ -256,25 +257,31 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
                                  f"kernel {name!r}: declared field(s) {', '.join(keys)} changed "
                                  "(tolerances and other validation settings)"))
         bt, ht = _tunables(b), _tunables(h)
-        if set(bt) != set(ht):
+        if set(bt) - set(ht):
             out.append(Violation("manifest-tunable-range", path,
-                                 f"kernel {name!r}: tunables added or removed "
-                                 f"({', '.join(sorted(set(bt) ^ set(ht)))})"))
+                                 f"kernel {name!r}: tunable(s) removed ({', '.join(sorted(set(bt) - set(ht)))})"))
             continue
-        mine: dict = {"defaults": [], "new_choices": {}}
-        for t in sorted(bt):
+        mine: dict = {"defaults": [], "new_choices": {}, "new_tunables": []}
+        for t in sorted(set(ht) - set(bt)):
+            # A new tunable: its default is the kernel's code now (the code comparison judges
+            # it); its other choices are new choices the evidence must cover.
+            mine["new_tunables"].append(t)
+            others = [c for c in ht[t][0] if c != ht[t][1] and c not in ht[t][2]]
+            if others:
+                mine["new_choices"][t] = others
+        for t in sorted(set(bt)):
             (bc, bd, be), (hc, hd, he) = bt[t], ht[t]
             if not set(bc) <= set(hc) or be != he:
                 out.append(Violation("manifest-tunable-range", path,
                                      f"kernel {name!r}: tunable {t}: choices removed or explore-only "
                                      f"choices changed ({list(bc)} -> {list(hc)})"))
                 continue
-            added = [c for c in hc if c not in bc]
+            added = [c for c in hc if c not in bc and c not in he]
             if added:
                 mine["new_choices"][t] = added
             if bd != hd:
                 mine["defaults"].append(t)
-        if mine["defaults"] or mine["new_choices"]:
+        if mine["defaults"] or mine["new_choices"] or mine["new_tunables"]:
             own[name] = mine
     return out, own
 
