@@ -237,7 +237,9 @@ def scratch_clone(dst: Path, *, batches: list[int] | None = (1,), one_problem: t
         text = re.sub(rf"(\[kernels\.{k}\.shapes\]\nbatch = [^\n]*\nproblems = \[)(\{{[^}}]*\}})[^\]]*\]",
                       r"\1\2]", text)
     write(dst, "kernels/manifest.toml", text)
-    return commit(dst, "scratch base: fewer variants")
+    git(dst, "add", "-A")
+    git(dst, "commit", "-q", "--allow-empty", "-m", "scratch base: fewer variants")
+    return git(dst, "rev-parse", "HEAD")
 
 
 PATH_MANIFEST_TAIL = """
