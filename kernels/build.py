@@ -842,25 +842,22 @@ def build_kernel(kernel: str, *, shapes: list[dict] | None = None, tunables: dic
 
 def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, progress: Callable | None = None,
               force: bool = False, jobs: int | None = None, manifest: Manifest | None = None,
-              repo_root: Path = REPO_ROOT) -> list[BuildArtifact]:
-    """Build every manifest variant of `kernels` (default: all kernels), in manifest order.
+              repo_root: Path = REPO_ROOT, executor: BuildExecutor | None = None) -> list[BuildArtifact]:
+    """Build every manifest variant of `kernels` (default: all kernels), in manifest order, all in
+    one pool (`build_requests`: the variants of every kernel compile side by side).
 
-    `progress(done, total, artifact)` counts over all kernels.
+    `progress(done, total, artifact)` counts over all kernels. Raises the first BuildError.
     """
     man = manifest or load_manifest()
     names = list(kernels) if kernels else list(man.kernels)
-    for n in names:
-        _spec(n, man)  # unknown names fail before anything compiles
-    total = sum(len(man.kernel(n).shapes) for n in names)
-    offset = 0
-    out: list[BuildArtifact] = []
-    for n in names:
-        def sub(done, _total, art, base=offset):
-            if progress:
-                progress(base + done, total, art)
-        arts = build_kernel(n, root=root, progress=sub, force=force, jobs=jobs, manifest=man, repo_root=repo_root)
-        offset += len(arts)
-        out += arts
+    specs = [_spec(n, man) for n in names]  # unknown names fail before anything compiles
+    reqs = [BuildRequest(spec, dict(shape), spec.tunable_defaults(), Path(repo_root))
+            for spec in specs for shape in spec.shapes]
+    out = build_requests(reqs, root=root, force=force, progress=progress, jobs=jobs, executor=executor)
+    errors = [r for r in out if isinstance(r, BuildError)]
+    if errors:
+        more = len(errors) - 1
+        raise BuildError(str(errors[0]) + (f" (and {more} more variant(s) failed)" if more else ""))
     return out
 
 
