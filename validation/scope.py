@@ -469,21 +469,18 @@ def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Pat
     if build is None:
         def build(reqs):
             return kb.build_requests(reqs, root=root, executor=executor, jobs=jobs, progress=progress)
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="fasttrack-code-") as d:
-        trees = {"base": export_tree(r, scope.merge_base, Path(d, "base")),
-                 "head": (export_tree(r, scope.head, Path(d, "head")) if scope.head
-                          else Path(r.working_tree_dir))}
-        reqs, where = [], []
-        for k in names:
-            for side, man in (("base", scope.base_manifest), ("head", scope.head_manifest)):
-                spec = man.kernels[k]
-                tun = spec.tunable_defaults()
-                for shape in spec.shapes:
-                    reqs.append(kb.BuildRequest(spec, dict(shape), dict(tun), trees[side]))
-                    where.append((k, side, _canon_shape(shape)))
-        results = build(reqs)
+    # The exports live for the process (exported_tree): the closures read the same ones.
+    trees = {"base": exported_tree(r, scope.merge_base),
+             "head": exported_tree(r, scope.head) if scope.head else Path(r.working_tree_dir)}
+    reqs, where = [], []
+    for k in names:
+        for side, man in (("base", scope.base_manifest), ("head", scope.head_manifest)):
+            spec = man.kernels[k]
+            tun = spec.tunable_defaults()
+            for shape in spec.shapes:
+                reqs.append(kb.BuildRequest(spec, dict(shape), dict(tun), trees[side]))
+                where.append((k, side, _canon_shape(shape)))
+    results = build(reqs)
     per: dict[str, dict] = {k: {"base": {}, "head": {}, "errors": []} for k in names}
     for (k, side, label), res in zip(where, results):
         if isinstance(res, Exception):
@@ -533,15 +530,25 @@ def kernel_closures(repo, rev: str | None, manifest: Manifest | None) -> dict[st
 
     if rev is None:
         return closures(Path(repo.working_tree_dir))
-    import tempfile
+    return closures(exported_tree(repo, rev))
 
-    with tempfile.TemporaryDirectory(prefix="fasttrack-closure-") as d:
-        for item in repo.commit(rev).tree.traverse():
-            if item.type == "blob" and item.path.endswith(".py") and item.mode != 0o120000:
-                dest = Path(d, item.path)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(item.data_stream.read())
-        return closures(Path(d))
+
+_EXPORTS: dict = {}
+
+
+def exported_tree(repo, rev: str) -> Path:
+    """The Python files of commit `rev`, exported once per process into a temporary folder
+    (removed at exit): the closures and the base and head builds read the same export."""
+    key = (str(Path(repo.git_dir).resolve()), repo.commit(rev).hexsha)
+    if key not in _EXPORTS:
+        import atexit
+        import shutil
+        import tempfile
+
+        d = Path(tempfile.mkdtemp(prefix="fasttrack-tree-"))
+        atexit.register(shutil.rmtree, d, True)
+        _EXPORTS[key] = export_tree(repo, key[1], d)
+    return _EXPORTS[key]
 
 
 def symlink_escapes(path: str, target: str) -> bool:
