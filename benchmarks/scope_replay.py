@@ -31,10 +31,10 @@ sys.path.insert(0, str(REPO))
 def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None, build: bool = True):
     from kernels import build as kb
     from validation.policy import evaluate_policy
-    from validation.scope import code_candidates, compute_scope, export_tree
+    from validation.scope import code_candidates, compute_scope, export_tree, with_closures
 
     t0 = time.monotonic()
-    scope = compute_scope(sha + "^", sha, repo=r.working_tree_dir)
+    scope = compute_scope(sha + "^", sha, repo=r.working_tree_dir, closures=False)
 
     def with_paths(m):
         if m is None:
@@ -45,8 +45,11 @@ def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None, build
 
     scope = dataclasses.replace(scope, base_manifest=with_paths(scope.base_manifest),
                                 head_manifest=with_paths(scope.head_manifest))
-    first = evaluate_policy(scope, policy)
-    final = [v for v in first.violations if v.rule not in {"multiple-kernels", "undeclared-dependency", "line-bound"}]
+    code_rules = {"multiple-kernels", "undeclared-dependency", "line-bound"}
+    final = [v for v in evaluate_policy(scope, policy).violations if v.rule not in code_rules]
+    if not final:  # the closures only matter when no other rule decides
+        scope = with_closures(scope, r)
+        final = [v for v in evaluate_policy(scope, policy).violations if v.rule not in code_rules]
     built = 0
     if not final and code_candidates(scope):
         if not build:

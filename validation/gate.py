@@ -615,14 +615,21 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     t0 = time.monotonic()
     r = open_repo(repo)
     repo_root = Path(r.working_tree_dir)
-    scope: ChangeScope = compute_scope(base, head, repo=r.working_tree_dir)
+    scope: ChangeScope = compute_scope(base, head, repo=r.working_tree_dir, closures=False)
     policy = policy_at(r, scope.merge_base)
     decision: PolicyDecision = evaluate_policy(scope, policy)
     by_code = builder is None or code_build is not None
     timings: dict[str, float] = {"scope_s": 0.0}
     # Rules no build can lift (protected paths, the manifest's semantics, ...) answer before
-    # anything compiles; otherwise the code decides which kernels the change touches.
+    # anything compiles, and before the closures are read; otherwise the code decides which
+    # kernels the change touches.
     final = [x for x in decision.violations if x.rule not in _CODE_DECIDES]
+    if not final:
+        from .scope import with_closures
+
+        scope = with_closures(scope, r)
+        decision = evaluate_policy(scope, policy)
+        final = [x for x in decision.violations if x.rule not in _CODE_DECIDES]
     if by_code and not final:
         from .scope import code_candidates, compare_code
 

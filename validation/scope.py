@@ -291,13 +291,16 @@ def _load_manifest(repo, rev: str | None, side: str, errors: dict) -> Manifest |
         return None
 
 
-def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike = ".") -> ChangeScope:
+def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike = ".",
+                  closures: bool = True) -> ChangeScope:
     """The scope of the change from `base` to `head` (the working tree when `head` is None).
 
     The diff starts at the merge base of the two (a pull request's diff), detects renames, and
     includes untracked, non-ignored files when diffing the working tree. Every file is mapped to
     the kernels whose manifest `sources` (at base or at head) include its path or its old path.
     Raises ScopeError for a missing repository or revision, or history a shallow clone lacks.
+    `closures=False` leaves the kernels' build closures out (`with_closures` adds them): the
+    rules that need no closure can answer first.
     """
     r = open_repo(repo)
     shallow = is_shallow(r)
@@ -375,11 +378,18 @@ def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike
                 files[i] = dataclasses.replace(f, added_tests=test_additions(old, new))
 
     files.sort(key=lambda f: f.path)
-    return ChangeScope(
+    scope = ChangeScope(
         base=base_sha, merge_base=mb, head=head_sha, files=tuple(files),
         base_manifest=base_m, head_manifest=head_m, manifest_errors=errors, shallow=shallow,
-        closures=kernel_closures(r, head_sha, head_m), base_closures=kernel_closures(r, mb, base_m),
     )
+    return with_closures(scope, r) if closures else scope
+
+
+def with_closures(scope: ChangeScope, repo) -> ChangeScope:
+    """`scope` with every kernel's build closure at head and at the merge base."""
+    r = repo if hasattr(repo, "git") else open_repo(repo)
+    return dataclasses.replace(scope, closures=kernel_closures(r, scope.head, scope.head_manifest),
+                               base_closures=kernel_closures(r, scope.merge_base, scope.base_manifest))
 
 
 def test_additions(base: bytes, head: bytes) -> tuple[str, ...] | None:
