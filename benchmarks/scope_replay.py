@@ -88,6 +88,17 @@ def scope_commit(r, sha: str, policy, paths, root: Path, jobs: int | None, build
     }
 
 
+def build_cost(r, sha: str) -> int:
+    """How many variants the comparison of this commit may build (both sides)."""
+    from validation.scope import code_candidates, compute_scope
+
+    try:
+        scope = compute_scope(sha + "^", sha, repo=r.working_tree_dir)
+    except Exception:
+        return 0
+    return sum(2 * len(scope.head_manifest.kernels[k].shapes) for k in code_candidates(scope))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=60)
@@ -110,6 +121,8 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         # First the commits that rules decide without a build (cheap), then those that need builds.
         for build in (False, True):
+            if build:  # cheapest first: the fewest variants to compare
+                shas = sorted((s for s in shas if s[:12] not in done), key=lambda s: build_cost(r, s))
             for sha in shas:
                 if sha[:12] in done:
                     continue
