@@ -16,9 +16,12 @@ manifest's declared sources plus the transitive closure of their repo-local impo
 includes kernels/ops/base.py and any helper module under kernels/ops), found by parsing imports
 statically. A rebuild with the same inputs is a cache hit and compiles nothing.
 
-Compiles run in fresh child processes (`kernels/compile_worker.py`, at most `jobs` at a time)
-over a staging copy of exactly the hashed files with a fixed mtime, imported under repo-relative
-paths. Line info is on (`--generate-line-info`) so the SASS maps back to Python lines; it
+Compiles run in fresh child processes (`kernels/compile_worker.py`) over a staging copy of
+exactly the hashed files with a fixed mtime, imported under repo-relative paths. Each chunk of
+variants is a self-contained task (source bytes in, built files out) run by an executor: the
+local one (`LocalExecutor`, up to `jobs` child processes at a time; the default) or Ray
+(`RayExecutor`, a cluster of build hosts; `make_executor`, $FASTTRACK_BUILD_EXECUTOR);
+`build_requests` builds variants of many kernels and source trees in one pool. Line info is on (`--generate-line-info`) so the SASS maps back to Python lines; it
 embeds source file names and mtimes, which the staging copy makes independent of the checkout,
 so identical inputs give identical cubin bytes on any host. Line info leaves the instructions
 alone (gemv, rmsnorm and prodcons give the same SASS instructions with and without it).
@@ -582,62 +585,223 @@ def _plans(spec: KernelSpec, variants: list[tuple[dict, dict]], root: Path, repo
 
 
 def _build(spec: KernelSpec, variants: list[tuple[dict, dict]], *, root: Path, force: bool,
-           progress: Callable | None, jobs: int | None, repo_root: Path, sandbox=None) -> list[BuildArtifact]:
-    # The compile worker runs in a staging folder: a relative root would resolve there.
+           progress: Callable | None, jobs: int | None, repo_root: Path,
+           executor: "BuildExecutor | None" = None, sandbox=None) -> list[BuildArtifact]:
+    results = build_requests([BuildRequest(spec, shape, tun, Path(repo_root)) for shape, tun in variants],
+                             root=root, force=force, progress=progress, jobs=jobs, executor=executor,
+                             sandbox=sandbox)
+    errors = [r for r in results if isinstance(r, BuildError)]
+    if errors:
+        more = len(errors) - 1
+        raise BuildError(str(errors[0]) + (f" (and {more} more variant(s) failed)" if more else ""))
+    return results
+
+
+# -- executors: where compile tasks run ------------------------------------------------------
+#
+# A compile task is one chunk of variants of one kernel at one source tree, self-contained (the
+# staged source bytes travel with it, the built files come back as bytes), so it runs the same in
+# a local worker thread (each drives one compile child process: a process pool) or on a Ray worker
+# of another host. The driver installs what comes back into the content-addressed cache.
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """One variant to build: a kernel spec, its shape and resolved tunables, the source tree."""
+
+    spec: KernelSpec
+    shape: dict
+    tunables: dict
+    repo_root: Path = REPO_ROOT
+
+
+def _compile_task(task: dict) -> list[dict]:
+    """Compile one chunk (`task`: spec, plans, files {rel: bytes}, sources, version) on this
+    host; per variant {"ok": True, "meta", "blobs": {name: bytes}} or {"ok": False, "error"}.
+    Needs the DSL and nvdisasm/cuobjdump here; touches no cache."""
+    spec, plans = task["spec"], task["plans"]
+    out: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="fasttrack-task-") as td:
+        staging = Path(td) / "src"
+        for rel, data in task["files"].items():
+            dst = staging / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+            os.utime(dst, (STAGED_MTIME, STAGED_MTIME))
+        tmps = [Path(td) / f"v{i}" for i in range(len(plans))]
+        results = _compile_chunk(spec, plans, staging, sorted(task["files"]), tmps, task.get("sandbox"))
+        for plan, tmp, res in zip(plans, tmps, results):
+            if res.get("skipped"):
+                out.append({"ok": False, "skipped": True})
+            elif not res["ok"]:
+                out.append({"ok": False, "error": _error_message(spec, plan, res)})
+            else:
+                try:
+                    meta = _finish(plan, tmp, res, task["sources"], task["version"])
+                except BuildError as e:
+                    out.append({"ok": False, "error": str(e)})
+                    continue
+                out.append({"ok": True, "meta": meta,
+                            "blobs": {f.name: f.read_bytes() for f in tmp.iterdir() if f.is_file()}})
+    return out
+
+
+class BuildExecutor:
+    """Runs compile tasks; `run(tasks)` yields (task index, results) as tasks complete."""
+
+    name = "executor"
+
+    def run(self, tasks: list[dict]):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class LocalExecutor(BuildExecutor):
+    """Up to `jobs` compile child processes at a time on this host (default: the CPU count, at
+    most 4: each child holds the DSL, ~1 GB)."""
+
+    name = "local"
+
+    def __init__(self, jobs: int | None = None):
+        self.jobs = max(1, jobs or min(4, os.cpu_count() or 1))
+
+    def run(self, tasks: list[dict]):
+        with concurrent.futures.ThreadPoolExecutor(min(self.jobs, max(1, len(tasks)))) as pool:
+            futs = {pool.submit(_compile_task, t): i for i, t in enumerate(tasks)}
+            for fut in concurrent.futures.as_completed(futs):
+                yield futs[fut], fut.result()
+
+
+class RayExecutor(BuildExecutor):
+    """Compile tasks as Ray tasks on a cluster of build hosts (`pip install -e '.[ray]'`); each
+    host needs this package importable, the DSL and the CUDA binary tools. `address`: a running
+    cluster ("auto", "ray://host:10001", "127.0.0.1:6379"); None starts a local one."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, num_cpus: float = 1):
+        try:
+            import ray
+        except ImportError:
+            raise BuildError("the ray executor needs ray: pip install -e '.[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
+            ray.init(address=address, runtime_env=env, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
+        self.remote = ray.remote(num_cpus=num_cpus, max_retries=0)(_compile_task)
+
+    def run(self, tasks: list[dict]):
+        refs = {self.remote.remote(t): i for i, t in enumerate(tasks)}
+        pending = list(refs)
+        while pending:
+            done, pending = self.ray.wait(pending, num_returns=1)
+            for ref in done:
+                try:
+                    res = self.ray.get(ref)
+                except Exception as e:  # a lost node, a worker crash: every variant of the task fails
+                    res = [{"ok": False, "error": f"ray task failed: {type(e).__name__}: {e}"}] * len(
+                        tasks[refs[ref]]["plans"])
+                yield refs[ref], res
+
+
+EXECUTOR_ENV = "FASTTRACK_BUILD_EXECUTOR"
+
+
+def make_executor(spec: str | None = None, jobs: int | None = None) -> BuildExecutor:
+    """The executor `spec` names: "local" (default), "ray" (a local Ray cluster, or the one
+    RAY_ADDRESS names) or "ray:ADDRESS"; default from $FASTTRACK_BUILD_EXECUTOR."""
+    spec = spec or os.environ.get(EXECUTOR_ENV) or "local"
+    if spec == "local":
+        return LocalExecutor(jobs)
+    if spec == "ray" or spec.startswith("ray:"):
+        return RayExecutor(spec.partition(":")[2] or os.environ.get("RAY_ADDRESS") or None)
+    raise BuildError(f"unknown build executor {spec!r}: local, ray or ray:ADDRESS")
+
+
+def build_requests(requests: list[BuildRequest], *, root: Path = DEFAULT_ROOT, force: bool = False,
+                   progress: Callable | None = None, jobs: int | None = None,
+                   executor: BuildExecutor | None = None, sandbox=None) -> list["BuildArtifact | BuildError"]:
+    """Build many variants, of any kernels and source trees, at once: cache hits first, then the
+    misses as compile tasks (a chunk of one kernel at one tree each) on `executor` (default: the
+    local one with `jobs` processes), each compile child inside `sandbox` when given. Returns, in
+    request order, each artifact or the BuildError of its variant (nothing raised for a variant's
+    compile error)."""
     root = Path(root).resolve()
-    files, sources, version, plans = _plans(spec, variants, root, repo_root)
-    total = len(plans)
-    done = 0
-    out: dict[int, BuildArtifact] = {}
-    todo: list[int] = []
-    for i, plan in enumerate(plans):
+    out: list = [None] * len(requests)
+    total, done = len(requests), 0
+    groups: dict[tuple, list[int]] = {}
+    prepared: dict[tuple, tuple] = {}
+    for i, rq in enumerate(requests):
+        gkey = (rq.spec.name, str(Path(rq.repo_root).resolve()), id(rq.spec))
+        if gkey not in prepared:
+            try:
+                files = source_closure(rq.spec, rq.repo_root)
+                sources = {f: _sha256_file(Path(rq.repo_root) / f) for f in files}
+                prepared[gkey] = (files, sources, dsl_version())
+            except BuildError as e:
+                prepared[gkey] = e
+        prep = prepared[gkey]
+        if isinstance(prep, BuildError):
+            out[i] = prep
+            continue
+        files, sources, version = prep
+        key = content_key(rq.spec, rq.shape, rq.tunables, sources, version)
+        plan = _Plan(rq.spec, dict(rq.shape), dict(rq.tunables), key, root / rq.spec.name / key[:16])
         hit = None if force else _load_cached(plan)
         if hit is not None:
             out[i] = hit
             done += 1
             if progress:
                 progress(done, total, hit)
-        else:
-            todo.append(i)
-    if todo:
-        find_tool("nvdisasm"), find_tool("cuobjdump")  # fail before compiling, not after
-        workers = max(1, min(jobs or min(2, os.cpu_count() or 1), len(todo)))
-        size = min(MAX_VARIANTS_PER_WORKER, -(-len(todo) // workers))
-        chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
-        (root / spec.name).mkdir(parents=True, exist_ok=True)
-        errors: dict[int, str] = {}
-        with tempfile.TemporaryDirectory(prefix="fasttrack-stage-") as staging:
-            _stage(files, repo_root, Path(staging))
-            tmps = {i: Path(tempfile.mkdtemp(prefix=f".tmp-{plans[i].key[:16]}-", dir=root / spec.name))
-                    for i in todo}
-            try:
-                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                    futs = {
-                        pool.submit(_compile_chunk, spec, [plans[i] for i in c], Path(staging), files,
-                                    [tmps[i] for i in c], sandbox): c
-                        for c in chunks
-                    }
-                    for fut in concurrent.futures.as_completed(futs):
-                        for i, res in zip(futs[fut], fut.result()):
-                            if res.get("skipped"):
-                                continue
-                            if not res["ok"]:
-                                errors[i] = _error_message(spec, plans[i], res)
-                                continue
-                            meta = _finish(plans[i], tmps[i], res, sources, version)
-                            _install(tmps[i], plans[i].dir)
-                            out[i] = _artifact(plans[i], meta, cache_hit=False)
-                            done += 1
-                            if progress:
-                                progress(done, total, out[i])
-            finally:
-                for t in tmps.values():
-                    shutil.rmtree(t, ignore_errors=True)
-        if errors:
-            first = errors[min(errors)]
-            more = len(errors) - 1
-            raise BuildError(first + (f" (and {more} more variant(s) failed)" if more else ""))
-    return [out[i] for i in range(total)]
+            continue
+        out[i] = plan
+        groups.setdefault(gkey, []).append(i)
+    if not groups:
+        return out
+    find_tool("nvdisasm"), find_tool("cuobjdump")  # fail before compiling, not after
+    executor = executor or LocalExecutor(jobs)
+    workers = getattr(executor, "jobs", None) or 8
+    n_missing = sum(len(v) for v in groups.values())
+    size = max(1, min(MAX_VARIANTS_PER_WORKER, -(-n_missing // workers)))
+    tasks, members = [], []
+    for gkey, idx in groups.items():
+        files, sources, version = prepared[gkey]
+        repo_root = Path(requests[idx[0]].repo_root)
+        (root / requests[idx[0]].spec.name).mkdir(parents=True, exist_ok=True)
+        blobs = {f: (repo_root / f).read_bytes() for f in files}
+        for c in range(0, len(idx), size):
+            chunk = idx[c:c + size]
+            tasks.append({"spec": requests[chunk[0]].spec, "plans": [out[i] for i in chunk],
+                          "files": blobs, "sources": sources, "version": version, "sandbox": sandbox})
+            members.append(chunk)
+    for t, results in executor.run(tasks):
+        for i, res in zip(members[t], results):
+            plan = out[i]
+            if res.get("skipped"):
+                out[i] = BuildError(f"kernel {plan.spec.name!r} [{variant_label(plan.shape, plan.tunables)}]: "
+                                    "not compiled (an earlier variant of its batch crashed the compiler)")
+                continue
+            if not res["ok"]:
+                out[i] = BuildError(res["error"])
+                continue
+            out[i] = _install_blobs(plan, res["meta"], res["blobs"])
+            done += 1
+            if progress:
+                progress(done, total, out[i])
+    return out
+
+
+def _install_blobs(plan: _Plan, meta: dict, blobs: dict[str, bytes]) -> BuildArtifact:
+    """Write a task's files into a fresh folder beside the cache entry and install it atomically."""
+    plan.dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{plan.key[:16]}-", dir=plan.dir.parent))
+    try:
+        for name, data in blobs.items():
+            (tmp / Path(name).name).write_bytes(data)
+        _install(tmp, plan.dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _artifact(plan, meta, cache_hit=False)
 
 
 # -- public API -------------------------------------------------------------------------------
@@ -668,43 +832,42 @@ def build_variant(kernel: str, shape: dict, tunables: dict | None = None, *, roo
 def build_kernel(kernel: str, *, shapes: list[dict] | None = None, tunables: dict | None = None,
                  root: Path = DEFAULT_ROOT, progress: Callable | None = None, force: bool = False,
                  jobs: int | None = None, manifest: Manifest | None = None,
-                 repo_root: Path = REPO_ROOT, sandbox=None) -> list[BuildArtifact]:
+                 repo_root: Path = REPO_ROOT, executor: BuildExecutor | None = None,
+                 sandbox=None) -> list[BuildArtifact]:
     """Build `kernel` for `shapes` (default: every manifest variant) with the same tunables.
 
-    Compiles the variants that are not cached in up to `jobs` child processes (default: 2, or
-    fewer CPUs). `progress(done, total, artifact)` is called after each variant. Artifacts come
-    back in the order of `shapes`. With `sandbox` (a kernels.sandbox.Sandbox) each compile
-    child, which imports the sources, runs inside it: it sees the staged sources read-only and
-    writes only its own output folders (the cache's other entries stay out of its reach).
+    Compiles the variants that are not cached on `executor` (default: up to `jobs` local child
+    processes, `LocalExecutor`). `progress(done, total, artifact)` is called after each variant.
+    Artifacts come back in the order of `shapes`. With `sandbox` (a kernels.sandbox.Sandbox)
+    each compile child, which imports the sources, runs inside it: it sees the staged sources
+    read-only and writes only its own output folders (the cache's other entries stay out of
+    its reach).
     """
     spec = _spec(kernel, manifest)
     tun = resolve_tunables(spec, tunables)
     variants = [(dict(s), dict(tun)) for s in (shapes if shapes is not None else spec.shapes)]
     return _build(spec, variants, root=Path(root), force=force, progress=progress, jobs=jobs,
-                  repo_root=Path(repo_root), sandbox=sandbox)
+                  repo_root=Path(repo_root), executor=executor, sandbox=sandbox)
 
 
 def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, progress: Callable | None = None,
               force: bool = False, jobs: int | None = None, manifest: Manifest | None = None,
-              repo_root: Path = REPO_ROOT) -> list[BuildArtifact]:
-    """Build every manifest variant of `kernels` (default: all kernels), in manifest order.
+              repo_root: Path = REPO_ROOT, executor: BuildExecutor | None = None) -> list[BuildArtifact]:
+    """Build every manifest variant of `kernels` (default: all kernels), in manifest order, all in
+    one pool (`build_requests`: the variants of every kernel compile side by side).
 
-    `progress(done, total, artifact)` counts over all kernels.
+    `progress(done, total, artifact)` counts over all kernels. Raises the first BuildError.
     """
     man = manifest or load_manifest()
     names = list(kernels) if kernels else list(man.kernels)
-    for n in names:
-        _spec(n, man)  # unknown names fail before anything compiles
-    total = sum(len(man.kernel(n).shapes) for n in names)
-    offset = 0
-    out: list[BuildArtifact] = []
-    for n in names:
-        def sub(done, _total, art, base=offset):
-            if progress:
-                progress(base + done, total, art)
-        arts = build_kernel(n, root=root, progress=sub, force=force, jobs=jobs, manifest=man, repo_root=repo_root)
-        offset += len(arts)
-        out += arts
+    specs = [_spec(n, man) for n in names]  # unknown names fail before anything compiles
+    reqs = [BuildRequest(spec, dict(shape), spec.tunable_defaults(), Path(repo_root))
+            for spec in specs for shape in spec.shapes]
+    out = build_requests(reqs, root=root, force=force, progress=progress, jobs=jobs, executor=executor)
+    errors = [r for r in out if isinstance(r, BuildError)]
+    if errors:
+        more = len(errors) - 1
+        raise BuildError(str(errors[0]) + (f" (and {more} more variant(s) failed)" if more else ""))
     return out
 
 

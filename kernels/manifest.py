@@ -2,8 +2,9 @@
 
 `kernels/manifest.toml` names, per kernel: its source files, its op class, its reference op,
 the role of every launch parameter (in launch order), its tunables with their ranges, and its
-validation shapes. The gate, the audit and the agent read it through this module; nothing else
-decides a kernel's scope.
+validation shapes; and the decode paths (`[paths.<name>]`: the kernels one model's decode step
+runs, and the composite entry whose evidence covers them end to end). The gate, the audit and the
+agent read it through this module; nothing else decides a kernel's scope.
 
 Roles:
   static      weights: read-only for the whole launch (the only buffers allowed ld.global.nc)
@@ -79,9 +80,27 @@ class KernelSpec:
 
 
 @dataclass(frozen=True)
+class DecodePath:
+    """The kernels one model's decode step runs (`[paths.<name>]`), and its composite entry: the
+    name under which evidence covers the path end to end (an evidence bundle whose
+    `change.kernel` is `composite`, e.g. `fasttrack validate block`). A fast-track change may
+    touch several kernels when they all lie in one path (validation/policy.py)."""
+
+    name: str
+    kernels: tuple[str, ...]
+    composite: str
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class Manifest:
     kernels: dict[str, KernelSpec]
     path: Path
+    paths: dict[str, DecodePath] = field(default_factory=dict)
+
+    def paths_of(self, kernel: str) -> list[str]:
+        """The decode paths that run `kernel`."""
+        return [p.name for p in self.paths.values() if kernel in p.kernels]
 
     def kernel(self, name: str) -> KernelSpec:
         try:
@@ -200,7 +219,34 @@ def parse_manifest(text: str, path: Path = MANIFEST_PATH) -> Manifest:
     kernels = raw.get("kernels")
     if not isinstance(kernels, dict) or not kernels:
         raise ManifestError(f"{path.name}: no [kernels.*] tables")
-    return Manifest({n: _parse_kernel(n, k) for n, k in kernels.items()}, path)
+    specs = {n: _parse_kernel(n, k) for n, k in kernels.items()}
+    return Manifest(specs, path, _parse_paths(raw.get("paths", {}), specs, path))
+
+
+def _parse_paths(raw, specs: dict, path: Path) -> dict[str, DecodePath]:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path.name}: [paths] must be a table of [paths.<name>] tables")
+    out = {}
+    for name, p in raw.items():
+        where = f"{path.name}: path {name!r}"
+        if not isinstance(p, dict):
+            raise ManifestError(f"{where} must be a table")
+        extra = set(p) - {"kernels", "composite", "description"}
+        if extra:
+            raise ManifestError(f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+        ks = p.get("kernels")
+        if not isinstance(ks, list) or not ks or not all(isinstance(k, str) for k in ks):
+            raise ManifestError(f"{where}: kernels must be a non-empty list of kernel names")
+        missing = [k for k in ks if k not in specs]
+        if missing:
+            raise ManifestError(f"{where}: kernel(s) {', '.join(missing)} not declared under [kernels]")
+        comp = p.get("composite")
+        if not isinstance(comp, str) or not comp:
+            raise ManifestError(f"{where}: composite must name the path's end-to-end evidence entry")
+        if comp in specs:
+            raise ManifestError(f"{where}: composite {comp!r} is a kernel's name; it names the whole path")
+        out[name] = DecodePath(name, tuple(ks), comp, str(p.get("description", "")))
+    return out
 
 
 def load_manifest(path: Path | None = None) -> Manifest:

@@ -214,3 +214,62 @@ def commit_bundle(root: Path, bundle: dict, name: str = "change") -> str:
 def shallow_clone(src: Path, dst: Path, depth: int = 1) -> None:
     subprocess.run(["git", "clone", "-q", "--depth", str(depth), f"file://{src}", str(dst)],
                    check=True, capture_output=True)
+
+
+# -- scratch clones of this repository (the real kernels, the real gate) ----------------------
+
+def scratch_clone(dst: Path, *, batches: list[int] | None = (1,), one_problem: tuple[str, ...] = ("rmsnorm",)) -> str:
+    """A shallow clone of this repository's last commit at `dst`, with a base commit on top whose
+    manifest declares only `batches` (and, for the kernels of `one_problem`, only their first
+    problem): the real kernels and gate at a fraction of the variants. Returns the base sha.
+    Builds of unchanged sources are cache hits in the shared build/ (build keys name sources,
+    shape and tunables, not the manifest)."""
+    import re
+
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{REPO}", str(dst)], check=True, capture_output=True)
+    git(dst, "config", "user.email", "gate@test")
+    git(dst, "config", "user.name", "gate test")
+    git(dst, "config", "commit.gpgsign", "false")
+    text = (dst / "kernels/manifest.toml").read_text()
+    if batches is not None:
+        text = re.sub(r"(?m)^batch = \[[0-9, ]+\]$", f"batch = {list(batches)}", text)
+    for k in one_problem:
+        text = re.sub(rf"(\[kernels\.{k}\.shapes\]\nbatch = [^\n]*\nproblems = \[)(\{{[^}}]*\}})[^\]]*\]",
+                      r"\1\2]", text)
+    write(dst, "kernels/manifest.toml", text)
+    git(dst, "add", "-A")
+    git(dst, "commit", "-q", "--allow-empty", "-m", "scratch base: fewer variants")
+    return git(dst, "rev-parse", "HEAD")
+
+
+PATH_MANIFEST_TAIL = """
+[paths.decode]
+kernels = ["alpha", "beta"]
+composite = "block"
+"""
+
+
+class FakeArtifact:
+    """What kernels.build.build_requests returns, for fake kernels: the 'code hash' is the hash of
+    the source's parsed form (comments and blank lines aside), the cubin hash that of its bytes,
+    as a real build's line tables would make it."""
+
+    def __init__(self, rq):
+        import ast
+
+        src = (Path(rq.repo_root) / rq.spec.sources[0]).read_bytes()
+        tag = json.dumps([rq.shape, rq.tunables], sort_keys=True).encode()
+        self.kernel, self.shape, self.tunables = rq.spec.name, dict(rq.shape), dict(rq.tunables)
+        self.cubin_code_sha256 = hashlib.sha256(ast.dump(ast.parse(src)).encode() + tag).hexdigest()
+        self.cubin_sha256 = hashlib.sha256(src + tag).hexdigest()
+        self.key, self.dir, self.cache_hit = self.cubin_sha256, None, False
+
+
+def fake_code_build(requests):
+    return [FakeArtifact(rq) for rq in requests]
+
+
+def built_of(v) -> list[BuiltVariant]:
+    """The gate's rebuilt variants (verdict.build) as BuiltVariants, to make a bundle bind."""
+    return [BuiltVariant(b["kernel"], b["variant"], b["tunables"], b["cubin_sha256"],
+                         cubin_code_sha256=b.get("cubin_code_sha256")) for b in v.build]

@@ -427,3 +427,46 @@ def test_tensor_maps_must_match_the_kernels_tma_copies():
         build._check_tensor_maps("ld.global.b32 %r1, [%rd1];", maps, "k")
     with pytest.raises(BuildError, match=r"rank \[2\] but the PTX's TMA copies are \[2, 3\]-d"):
         build._check_tensor_maps(two_d + "\n" + two_d.replace(".2d", ".3d"), maps, "k")
+
+
+# -- executors ---------------------------------------------------------------------------------
+
+def test_build_requests_builds_several_kernels_in_one_pool_and_reports_each_error(manifest, tmp_path):
+    """Variants of several kernels go to one executor; a variant's compile error is its own result,
+    and the others still build."""
+    from kernels.build import BuildRequest, LocalExecutor, build_requests
+
+    spec, broken = manifest.kernel("scale"), manifest.kernel("broken")
+    reqs = [BuildRequest(spec, dict(SHAPE), spec.tunable_defaults(), REPO_ROOT),
+            BuildRequest(broken, dict(broken.shapes[0]), broken.tunable_defaults(), REPO_ROOT)]
+    got = build_requests(reqs, root=tmp_path, executor=LocalExecutor(2))
+    assert not isinstance(got[0], BuildError) and got[0].kernel == "scale"
+    assert isinstance(got[1], BuildError) and "broken_op.py" in str(got[1])
+
+
+@pytest.mark.slow
+def test_ray_executor_on_a_loopback_cluster_builds_the_same_bytes(built, manifest, tmp_path):
+    """A local Ray cluster on 127.0.0.1 (started and stopped by this test): the task compiles on a
+    Ray worker, the driver installs what comes back, and the cubin is the local build's."""
+    ray = pytest.importorskip("ray")
+    from kernels.build import RayExecutor
+
+    _, art = built
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    try:
+        ex = RayExecutor()
+        other = build_kernel("scale", shapes=[SHAPE], root=tmp_path / "ray", manifest=manifest, executor=ex)[0]
+    finally:
+        ray.shutdown()
+    assert not other.cache_hit and other.key == art.key
+    for name in ("kernel.cubin", "kernel.ptx", "kernel.sass", "meta.json"):
+        assert (other.dir / name).read_bytes() == (art.dir / name).read_bytes(), name
+
+
+def test_unknown_executor_is_a_build_error():
+    from kernels.build import make_executor
+
+    with pytest.raises(BuildError, match="unknown build executor"):
+        make_executor("slurm")
+    assert make_executor("local", 3).jobs == 3

@@ -184,3 +184,52 @@ def test_validator_fingerprint_of_a_checkout_equals_the_gates_reading_of_its_com
     assert validator_at(repo, "HEAD") == B.validator_fingerprint_of_tree(tmp_path)
     (tmp_path / "validation/extra.py").write_text("X = 1\n")  # untracked: it would run, so it counts
     assert validator_at(repo, None) == B.validator_fingerprint_of_tree(tmp_path) != validator_at(repo, "HEAD")
+
+
+# -- `fasttrack sign`: what it refuses, and where keys go ---------------------------------------
+
+def test_generate_key_keeps_the_private_key_outside_the_repository(tmp_path, capsys, monkeypatch):
+    from validation.cli import main
+    from validation import cmd_sign
+    from kernels.manifest import REPO_ROOT
+
+    monkeypatch.setattr(B, "TRUSTED_KEYS_DIR", tmp_path / "trusted")
+    assert main(["sign", "--generate-key", "--key-dir", str(REPO_ROOT / ".fasttrack" / "keys")]) == 2
+    assert "inside the repository" in capsys.readouterr().err
+    assert main(["sign", "--generate-key", "--key-dir", str(tmp_path / "keys")]) == 0
+    assert len(list((tmp_path / "keys").glob("*.pem"))) == 1
+    assert not (tmp_path / "trusted").exists()  # trusted only when asked
+    assert "--trust" in capsys.readouterr().out
+    assert main(["sign", "--generate-key", "--key-dir", str(tmp_path / "keys2"), "--trust"]) == 0
+    assert len(list((tmp_path / "trusted").glob("*.pub"))) == 1
+    assert cmd_sign.USER_KEY_DIR.parts[0] == "~"  # the default is the user's, not the repository's
+
+
+def test_sign_refuses_a_signed_bundle_and_one_that_does_not_match_its_plan(tmp_path, capsys, monkeypatch):
+    from validation.cli import main
+
+    monkeypatch.setattr(B, "TRUSTED_KEYS_DIR", tmp_path / "trusted")
+    priv, _pub, _kid = B.generate_key(tmp_path / "keys", tmp_path / "trusted")
+    p = tmp_path / "bundle.json"
+    B.write_bundle_atomic(p, make())
+    assert main(["sign", str(p), "--key", str(priv)]) == 0
+    signed = p.read_bytes()
+    assert main(["sign", str(p), "--key", str(priv)]) == 2  # verifies: never signed again
+    assert "already signed by trusted key" in capsys.readouterr().err
+    tampered = json.loads(signed)
+    tampered["verdict"] = "pass"
+    tampered["reasons"] = ["edited"]
+    B.write_bundle_atomic(p, tampered)
+    assert main(["sign", str(p), "--key", str(priv)]) == 2  # does not verify: not laundered
+    assert "does not verify" in capsys.readouterr().err
+    # Timed against a base revision: the bundle's binaries must be its plan's.
+    b = make(change={"kernel": "gemv", "base": "a" * 40, "head": "b" * 40, "files": [], "title": "t", "summary": ""})
+    B.write_bundle_atomic(p, b)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"schema": "fasttrack.validate-plan/1", "kernel": "gemv",
+                                "base": {"sha": "a" * 40, "ref": "main"}, "head": {"sha": "b" * 40},
+                                "variants": [{"variant": {"batch": 1}, "head": {"cubin_sha256": "1" * 64},
+                                              "base": {"cubin_sha256": "2" * 64}}]}))
+    assert main(["sign", str(p), "--key", str(priv), "--plan", str(plan)]) == 2
+    assert "does not match its plan" in capsys.readouterr().err
+    assert json.loads(p.read_text())["signature"] is None

@@ -611,13 +611,21 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
     base = commit(root, "scale kernel")
 
     src = (root / "kernels/ops/scale.py").read_text()
+    # Commuting the product generates the same code: no code change, exit 0, nothing to evidence.
     write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha", "alpha * mX[r, c]"))
+    same = commit(root, "scale: commute the product")
+    out = tmp_path / "out"
+    rc = cli.main(["gate", "--base", base, "--head", same, "--repo", str(root), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "NO_CODE_CHANGE" in printed and "builds to the same code" in printed, printed
+
+    write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
+                                                    "mX[r, c] * alpha - n.to(cutlass.Float32)"))
     arts = build_kernel("scale", root=root / "build", repo_root=root, manifest=parse_manifest(SCALE_MANIFEST))
     built = [BuiltVariant(a.kernel, dict(a.shape), dict(a.tunables), a.cubin_sha256) for a in arts]
     commit_bundle(root, sign(make_bundle("scale", built, base=base), priv))
-    head = commit(root, "scale: commute the product")
+    head = commit(root, "scale: sign flip")
 
-    out = tmp_path / "out"
     rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -627,8 +635,8 @@ def test_real_build_binds_signed_evidence_end_to_end(tmp_path, capsys):
 
     # Edit the kernel again without new evidence: the bundle is for another binary now.
     write(root, "kernels/ops/scale.py", src.replace("mX[r, c] * alpha + n.to(cutlass.Float32)",
-                                                    "mX[r, c] * alpha - n.to(cutlass.Float32)"))
-    head2 = commit(root, "scale: sign flip")
+                                                    "mX[r, c] * alpha * n.to(cutlass.Float32)"))
+    head2 = commit(root, "scale: a product")
     rc = cli.main(["gate", "--base", base, "--head", head2, "--repo", str(root), "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 1 and 'kernel scale variant {"cols":64,"rows":4}' in printed, printed
@@ -689,3 +697,169 @@ def test_cli_prints_the_risks_beside_the_verdict(signed_repo, tmp_path, monkeypa
     rc = cli.main(["gate", "--base", base, "--head", head, "--repo", str(root), "--out", str(tmp_path / "o")])
     assert rc == EXIT_PASS
     assert "  risk: " in capsys.readouterr().out
+
+
+# -- the done-when cases on a scratch clone of this repository ---------------------------------
+# The real kernels and the real gate, one batch per kernel (gate_fixtures.scratch_clone), built
+# into the shared cache build/ (base builds of unchanged sources are cache hits there).
+
+@pytest.fixture()
+def scratch(tmp_path):
+    from gate_fixtures import scratch_clone
+
+    root = tmp_path / "clone"
+    return root, scratch_clone(root)
+
+
+def _scratch_gate(root, base, head):
+    return run_gate(base, head, repo=root, build_root=REPO / "build", jobs=2)
+
+
+def test_scratch_an_edited_assertion_in_an_existing_test_goes_to_full_review(scratch):
+    root, base = scratch
+    p = root / "tests/test_rmsnorm.py"
+    text = p.read_text()
+    assert "assert " in text
+    write(root, "tests/test_rmsnorm.py", text.replace("assert ", "assert True or ", 1))
+    head = commit(root, "loosen an assertion")
+    v = _scratch_gate(root, base, head)  # answers before anything compiles
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
+    assert any(x["rule"] == "protected-path" and x["path"] == "tests/test_rmsnorm.py" for x in v.policy["violations"])
+    assert v.cause.startswith("not eligible for fast track: [protected-path] tests/test_rmsnorm.py")
+
+
+def test_scratch_an_edit_of_the_reference_goes_to_full_review(scratch):
+    root, base = scratch
+    with open(root / "kernels/reference.py", "a") as f:
+        f.write("\n\ndef helper(x):\n    return x\n")
+    head = commit(root, "reference: a helper")
+    v = _scratch_gate(root, base, head)
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
+    assert any(x["rule"] == "protected-path" and x["path"] == "kernels/reference.py" for x in v.policy["violations"])
+
+
+@pytest.mark.slow
+def test_scratch_a_comment_only_edit_of_router_py_is_no_code_change(scratch):
+    """router.py is a declared source of four kernels (router, moe_w13, moe_w2, router_select):
+    all four are rebuilt at base and head, and their code is the same."""
+    pytest.importorskip("cutlass")
+    root, base = scratch
+    p = root / "kernels/ops/router.py"
+    write(root, "kernels/ops/router.py", p.read_text().replace('"""', '"""A comment-only edit. ', 1)
+          + "\n# a trailing comment\n")
+    head = commit(root, "router: comments")
+    v = _scratch_gate(root, base, head)
+    assert (v.status, v.exit_code) == ("no_code_change", EXIT_PASS), reasons(v)
+    assert "no code change" in reasons(v) and "existing evidence still binds" in reasons(v)
+    assert {"router", "moe_w13", "moe_w2", "router_select"} <= set(v.scope["code"])
+    assert all(c["status"] == "same" for c in v.scope["code"].values())
+
+
+@pytest.mark.slow
+def test_scratch_a_real_change_of_one_kernel_with_a_new_test_file_is_eligible(scratch):
+    """It fails only for the evidence it lacks: the new test file rides along uncounted."""
+    pytest.importorskip("cutlass")
+    root, base = scratch
+    src = (root / "kernels/ops/rmsnorm.py").read_text()
+    assert "EPS = 1e-5" in src
+    write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", "EPS = 1e-6"))
+    write(root, "tests/test_rmsnorm_eps.py", "def test_eps_is_small():\n    from kernels.ops import rmsnorm\n"
+                                             "    assert rmsnorm.EPS < 1e-5\n")
+    head = commit(root, "rmsnorm: eps 1e-6, with a test")
+    v = _scratch_gate(root, base, head)
+    assert v.policy["status"] == "eligible" and v.kernels == ["rmsnorm"], reasons(v)
+    assert v.policy["classification"]["tests/test_rmsnorm_eps.py"] == "companion"
+    assert v.scope["code"]["rmsnorm"]["status"] == "changed"
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
+    assert all("rmsnorm" in r and "evidence" in r for r in v.reasons), reasons(v)
+    assert v.next_command.startswith(f"fasttrack validate rmsnorm --base {base[:12]} --prepare")
+    assert v.audit["rmsnorm"]["status"] == "pass"
+
+
+# -- scope by code, decode paths and their composite evidence (fake builds) --------------------
+
+def _code_gate(root, base, head, **kw):
+    from gate_fixtures import fake_code_build
+
+    return run_gate(base, head, repo=root, code_build=fake_code_build,
+                    auditor=lambda k, b: AuditOutcome("pass", "clean"), **kw)
+
+
+@pytest.fixture()
+def path_repo(tmp_path):
+    from gate_fixtures import MANIFEST, PATH_MANIFEST_TAIL
+
+    priv, pem = new_keypair()
+    root = tmp_path / "repo"
+    make_repo(root, public_key_pem=pem)
+    write(root, "kernels/manifest.toml", MANIFEST + PATH_MANIFEST_TAIL)
+    return root, commit(root, "a decode path"), priv
+
+
+def test_a_comment_in_a_kernel_source_is_no_code_change(path_repo):
+    root, base, _ = path_repo
+    with open(root / "kernels/ops/alpha.py", "a") as f:
+        f.write("# why this is so\n")
+    v = _code_gate(root, base, commit(root, "comment"))
+    assert (v.status, v.exit_code) == ("no_code_change", EXIT_PASS), reasons(v)
+    assert "(alpha) builds to the same code at base and head (2 variants" in reasons(v)
+    assert "2 differ in their line tables only" in reasons(v)
+
+
+def test_kernels_of_one_path_need_evidence_for_each_and_for_the_composite(path_repo):
+    root, base, priv = path_repo
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    edit_lines(root, "kernels/ops/beta.py", 1)
+    head = commit(root, "alpha and beta")
+    v = _code_gate(root, base, head)
+    assert v.policy["status"] == "eligible" and v.policy["path"] == "decode" and v.policy["composite"] == "block"
+    assert v.exit_code == EXIT_FAIL
+    text = reasons(v)
+    for what in ("kernel alpha:", "kernel beta:", "the composite block of path decode:"):
+        assert what in text, text
+    assert v.cause.startswith("kernel alpha: no committed evidence") and "fasttrack validate alpha" in v.next_command
+
+    # Evidence for each kernel and a composite bundle (change.kernel "block") that ran both.
+    from gate_fixtures import built_of
+
+    built = built_of(v)
+    val = validator_of(root)
+    for k in ("alpha", "beta"):
+        commit_bundle(root, sign(make_bundle(k, [b for b in built if b.kernel == k], base=base, validator=val), priv), k)
+    block = make_bundle("block", built, base=base, validator=val)
+    commit_bundle(root, sign(block, priv), "block")
+    head2 = commit(root, "evidence")
+    v = _code_gate(root, base, head2)
+    assert (v.status, v.exit_code) == ("pass", EXIT_PASS), reasons(v)
+    assert v.evidence["bound"] == {"alpha": "evidence_reports/alpha/bundle.json",
+                                   "beta": "evidence_reports/beta/bundle.json",
+                                   "block": "evidence_reports/block/bundle.json"}
+
+    # A composite bundle that did not run a touched kernel does not bind.
+    stale = make_bundle("block", [b for b in built if b.kernel == "alpha"], base=base, validator=val)
+    commit_bundle(root, sign(stale, priv), "block")
+    v = _code_gate(root, base, commit(root, "a composite without beta"))
+    assert v.exit_code == EXIT_FAIL and "ran no binary of touched kernel beta" in reasons(v)
+
+
+def test_kernels_outside_one_path_go_to_full_review(signed_repo):
+    root, base, _ = signed_repo  # the plain manifest declares no path
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    edit_lines(root, "kernels/ops/beta.py", 1)
+    v = _code_gate(root, base, commit(root, "two kernels"))
+    assert v.exit_code == EXIT_NOT_ELIGIBLE and "multiple-kernels" in {x["rule"] for x in v.policy["violations"]}
+
+
+def test_a_new_tunable_choice_needs_bound_evidence_that_measured_it(path_repo):
+    root, base, priv = path_repo
+    text = (root / "kernels/manifest.toml").read_text()
+    write(root, "kernels/manifest.toml", text.replace("choices = [128, 256]", "choices = [128, 256, 512]"))
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    head = commit(root, "alpha: a new choice")
+    v = _code_gate(root, base, head)
+    from gate_fixtures import built_of
+
+    built = built_of(v)
+    commit_bundle(root, sign(make_bundle("alpha", built, base=base, validator=validator_of(root)), priv), "alpha")
+    v = _code_gate(root, base, commit(root, "evidence of the defaults only"))
+    assert v.exit_code == EXIT_FAIL and "the new choice threads=512 is measured by no bound evidence" in reasons(v)

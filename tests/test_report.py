@@ -133,3 +133,72 @@ def test_report_renders_policies_written_as_plain_strings(bundle):
         b["benchmark"]["policy"] = "default"
     html = render_report(b)
     assert "validation/tolerances.toml" in html
+
+
+# -- what the page says about trust -----------------------------------------------------------
+
+def _signed(bundle, tmp_path):
+    from gate_fixtures import new_keypair, sign
+
+    priv, pem = new_keypair()
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    from gate_fixtures import key_id_from_pem
+
+    (keys / f"{key_id_from_pem(pem)}.pub").write_bytes(pem)
+    return sign(bundle, priv), keys
+
+
+def test_a_tampered_bundle_page_says_its_signature_does_not_verify(bundle, tmp_path, capsys):
+    import copy
+
+    signed, keys = _signed(bundle, tmp_path)
+    p = tmp_path / "bundle.json"
+    B.write_bundle_atomic(p, signed)
+    assert main(["report", str(p), "--trusted", str(keys), "--build-root", str(tmp_path / "nobuild")]) == 0
+    html = (tmp_path / "report.html").read_text()
+    assert 'id="verdict">PASS' in html and "verifies</span>, trusted key" in html
+    tampered = copy.deepcopy(signed)
+    tampered["benchmark"]["cases"][0]["head"]["median"] = 1.0  # a faster head than measured
+    B.write_bundle_atomic(p, tampered)
+    assert main(["report", str(p), "--trusted", str(keys), "--build-root", str(tmp_path / "nobuild")]) == 0
+    html = (tmp_path / "report.html").read_text()
+    assert 'id="verdict">NOT VERIFIED' in html and "does not verify</span>" in html
+    assert "PASS" not in html.split('id="design"')[0]
+    assert "does not verify" in capsys.readouterr().out
+
+
+def test_the_page_never_shows_pass_above_a_stage_that_failed_or_did_not_run(bundle, tmp_path):
+    import copy
+
+    from validation.report import page_verdict
+
+    ok = {"signature": {"status": "ok", "key_id": "k"}, "binding": {"status": "bound", "detail": ""}}
+    assert page_verdict(bundle, ok)["label"] == "PASS"
+    for stage in ("correctness", "defences", "race", "benchmark"):
+        b = copy.deepcopy(bundle)
+        b[stage]["passed"] = False
+        assert page_verdict(b, ok)["label"] == "FAIL", stage
+        b[stage] = None
+        assert page_verdict(b, ok)["label"] in ("INCOMPLETE", "FAIL"), stage
+        html = render_report(b, ok)
+        assert 'id="verdict">PASS' not in html
+    assert page_verdict(bundle, None)["label"] == "NOT VERIFIED"  # nothing checked: not PASS
+    assert page_verdict(bundle, {**ok, "binding": {"status": "unbound", "detail": "x"}})["label"] == "NOT BOUND"
+
+
+def test_first_screen_holds_counts_geomean_reproduce_and_provenance(bundle):
+    ok = {"signature": {"status": "ok", "key_id": "k"}, "binding": {"status": "bound", "detail": "all"}}
+    html = render_report(bundle, ok)
+    top = html.split("<h2>Summary</h2>")[0]
+    assert 'id="batches"' in top and "geomean speedup" in top and "fasttrack verify bundle.json" in top
+    assert "NVIDIA H200" in top and "driver 580" in top and "0123456789ab" in top
+    assert "Design:</b> rmsnorm foundation" in top
+
+
+def test_plot_axis_spans_the_data_and_draws_noise_bands():
+    svg = line_plot({"a": [(1, 0.97), (8, 1.05)]}, title="t", y_label="y", ref_y=1.0,
+                    bands={"a": [(1, 0.95, 0.99), (8, 1.03, 1.07)]})
+    ticks = [float(t) for t in re.findall(r'class="tk">(-?\d+\.\d+)</text>', svg)]
+    assert min(ticks) > 0.9 and max(ticks) < 1.1  # not from zero: the 0.97-1.05 spread is visible
+    assert "<polygon" in svg and "noise band" in svg

@@ -148,9 +148,15 @@ def test_manifest_compared_as_data(repo):
     h2 = commit(root, "comment")
     d = evaluate_policy(compute_scope(base, h2, repo=root), load_policy())
     assert d.status == NO_KERNEL_CHANGE and d.notes
-    # Choices widened, reference swapped, a tolerance added, a kernel added.
+    # New choices for a tunable: that kernel's own change, recorded for the evidence to cover.
     git(root, "reset", "-q", "--hard", base)
-    changed = (text.replace("choices = [128, 256]", "choices = [128, 256, 1024]")
+    write(root, "kernels/manifest.toml", text.replace("choices = [128, 256]", "choices = [128, 256, 1024]"))
+    h5 = commit(root, "widened")
+    d = evaluate_policy(compute_scope(base, h5, repo=root), load_policy())
+    assert d.status == ELIGIBLE and d.kernel == "alpha" and d.new_choices == {"alpha": {"threads": [1024]}}
+    # Choices narrowed, reference swapped, a tolerance added, a kernel added.
+    git(root, "reset", "-q", "--hard", base)
+    changed = (text.replace("choices = [128, 256]", "choices = [128]")
                .replace("kernels.reference:beta", "kernels.reference:alpha")
                .replace('[kernels.beta.shapes]', 'tolerance = 0.5\n[kernels.beta.shapes]')
                + '\n[kernels.gamma]\nop = "a:B"\nreference = "a:c"\nsources = []\nparams = []\n'
@@ -235,3 +241,36 @@ def test_a_file_a_kernel_imports_without_declaring_it_is_that_kernels_change(rep
     edit_lines(root, "kernels/ops/alpha.py", 3)  # its first two lines are the imports
     d = evaluate_policy(compute_scope(b1, None, repo=root), load_policy())
     assert d.status == ELIGIBLE and d.kernel == "alpha"
+
+
+def test_new_tunables_count_as_new_choices_and_removed_ones_go_to_full_review(repo):
+    root, base = repo
+    text = (root / "kernels/manifest.toml").read_text()
+    write(root, "kernels/manifest.toml", text.replace(
+        "threads = { choices = [128, 256], default = 128 }",
+        "threads = { choices = [128, 256], default = 128 }\nunroll = { choices = [1, 2, 4, 8], default = 1, explore_only = [8] }"))
+    h1 = commit(root, "new tunable")
+    d = evaluate_policy(compute_scope(base, h1, repo=root), load_policy())
+    assert d.status == ELIGIBLE and d.new_choices == {"alpha": {"unroll": [2, 4]}}
+    git(root, "reset", "-q", "--hard", base)
+    write(root, "kernels/manifest.toml", text.replace("threads = { choices = [128, 256], default = 128 }\n", ""))
+    h2 = commit(root, "tunable removed")
+    d = evaluate_policy(compute_scope(base, h2, repo=root), load_policy())
+    assert "manifest-tunable-range" in rules(d) and "removed" in str(d.violations)
+
+
+def test_added_test_functions_ride_along_but_edited_ones_do_not(repo):
+    from validation.scope import test_additions
+
+    base = b"import pytest\n\n\ndef test_a():\n    assert 1 == 1\n"
+    assert test_additions(base, base + b"\n\n# why\ndef test_b():\n    assert 2 == 2\n") == ("test_b",)
+    assert test_additions(base, base.replace(b"1 == 1", b"1 == 1 or True")) is None  # edited assertion
+    assert test_additions(base, base + b"\nimport os\n") is None  # not a test function
+    assert test_additions(base, base + b"\ndef test_a():\n    pass\n") is None  # shadows an existing test
+    root, sha = repo
+    write(root, "tests/test_alpha.py", (root / "tests/test_alpha.py").read_text() + "\n\ndef test_more():\n    assert True\n")
+    write(root, "tests/test_new_thing.py", "def test_new():\n    assert True\n")
+    edit_lines(root, "kernels/ops/alpha.py", 1)
+    d = evaluate_policy(compute_scope(sha, commit(root, "tests ride along"), repo=root), load_policy())
+    assert d.status == ELIGIBLE and d.counted_lines == 2, d.violations
+    assert d.classification["tests/test_alpha.py"] == d.classification["tests/test_new_thing.py"] == "companion"

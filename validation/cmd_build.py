@@ -30,7 +30,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--root", type=Path, default=None, help="build cache folder (default: build/ at the repo root)")
     p.add_argument("--force", action="store_true", help="recompile even when the cache holds the variant")
     p.add_argument("--manifest", type=Path, default=None, help="manifest file (default: kernels/manifest.toml)")
-    p.add_argument("-j", "--jobs", type=int, default=None, help="compiler processes at a time (default: 2)")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="local compiler processes at a time (default: the CPU count, at most 4)")
+    p.add_argument("--executor", default=None, metavar="local|ray|ray:ADDRESS",
+                   help="where variants compile (default: $FASTTRACK_BUILD_EXECUTOR, else local processes)")
 
 
 def _display_path(p: Path) -> str:
@@ -102,8 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
         progress_bar.start()
     try:
+        from kernels.build import make_executor
+
         arts = build_all(args.kernels or None, root=root, progress=callback, force=args.force,
-                         jobs=args.jobs, manifest=manifest)
+                         jobs=args.jobs, manifest=manifest,
+                         executor=make_executor(args.executor, args.jobs) if args.executor else None)
     except BuildError as e:
         raise UserError(str(e), code=1) from None
     finally:

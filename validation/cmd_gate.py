@@ -9,7 +9,8 @@ from pathlib import Path
 
 EXIT_CODES = """\
 exit codes:
-  0  pass: eligible, rebuilt, bound to signed evidence that passes (or: no kernel change)
+  0  pass: eligible, rebuilt, bound to signed evidence that passes (or: no kernel change, or
+     no code change: every kernel builds to the same code at base and head)
   1  fail: the kernel does not build, the audit or the evidence fails, or no evidence binds
   2  bad input or infrastructure error (unknown revision, shallow clone, no GPU for --run-gpu)
   3  not eligible for fast track: route to full review (each failing rule is listed)
@@ -44,14 +45,26 @@ def add_parser(sub) -> None:
                    help="the RFC front-matter (TOML) holding the speedup claim "
                         "(default: the rfc.toml the change carries)")
     p.add_argument("--json", action="store_true", help="print verdict.json to stdout")
+    p.add_argument("--executor", metavar="local|ray|ray:ADDRESS", default=None,
+                   help="where variants compile (default: $FASTTRACK_BUILD_EXECUTOR, else local processes)")
+    p.add_argument("--jobs", type=int, default=None, help="local compile processes (default: CPU count, at most 4)")
 
 
 def run(args) -> int:
     from .cli import UserError
     from .gate import DEFAULT_OUT, EXIT_ERROR, GateError, run_gate, write_outputs
 
+    executor = None
+    if args.executor:
+        from kernels.build import BuildError, make_executor
+
+        try:
+            executor = make_executor(args.executor, args.jobs)
+        except BuildError as e:
+            raise UserError(str(e), EXIT_ERROR) from None
     verdict = run_gate(args.base, args.head, repo=args.repo, run_gpu=args.run_gpu,
-                       scope_only=args.scope_only, front_matter=args.front_matter)
+                       scope_only=args.scope_only, front_matter=args.front_matter,
+                       executor=executor, jobs=args.jobs)
     if args.out:
         out = Path(args.out)
     else:
@@ -71,6 +84,10 @@ def run(args) -> int:
         print(json.dumps(verdict.to_dict(), indent=2, sort_keys=True))
     else:
         print(f"fasttrack gate: {verdict.status.upper()} (exit {verdict.exit_code})")
+        if verdict.cause:  # a failure leads with its one cause and the command that addresses it
+            print(f"  cause: {verdict.cause}")
+            if verdict.next_command:
+                print(f"  next: {verdict.next_command}")
         for r in verdict.reasons:
             print(f"  {r}")
         for n in verdict.risks:

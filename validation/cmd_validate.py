@@ -11,9 +11,10 @@ Against a base revision, across hosts (the CPU host has git and the DSL, the GPU
 
 On one host with git, the DSL and a GPU, `fasttrack validate KERNEL --base REV` does both steps.
 
-Without a GPU it says so, runs what needs none (build, hashes, static audit), writes a bundle whose
-`not_covered` says what was not run, and exits 0, unless --require-gpu asks for GPU evidence (exit
-3). With a GPU: exit 0 when the bundle's verdict is pass, 1 when it is fail.
+Without a GPU it refuses (exit 2) and writes nothing: evidence without its GPU stages is no
+evidence, and the default --out is where committed bundles live. Nothing overwrites a signed
+bundle: an --out folder that holds one is refused (exit 2). With a GPU: exit 0 when the bundle's
+verdict is pass, 1 when it is fail.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="folder for bundle.json and report.html (default: evidence_reports/<kernel>/)")
     p.add_argument("--build-root", type=Path, default=None, help="build cache (default: build/)")
-    p.add_argument("--require-gpu", action="store_true", help="fail (exit 3) when there is no GPU")
+    p.add_argument("--require-gpu", action="store_true",
+                   help="(always so: without a GPU validate refuses, exit 2; kept for scripts that pass it)")
     p.add_argument("--quick", action="store_true", help="one seed per variant (less coverage)")
     p.add_argument("--commit", default=None, help="the commit validated (default: git rev-parse HEAD)")
     p.add_argument("--title", default="", help="the change's title")
@@ -99,14 +101,26 @@ def run(args) -> int:
               f"then here: fasttrack sign OUT_DIR/bundle.json")
         return 0
     out = args.out or (REPO_ROOT / "evidence_reports" / args.kernel)
+    refuse_signed_bundle(out / "bundle.json")
+    if args.plan is None:
+        from validation.validate import _kernel_variants
+
+        try:
+            _kernel_variants(args.kernel, args.batch)  # bad input answers before the GPU question
+        except ValidateError as e:
+            raise UserError(str(e), 2) from None
+        if not cuda_available():
+            raise UserError(NO_GPU.format(k=args.kernel), 2)
     try:
         bundle = validate_kernel(args.kernel, base=args.base, batches=args.batch,
                                  build_root=build_root, out_dir=out,
-                                 require_gpu=args.require_gpu, quick=args.quick, commit=args.commit,
+                                 require_gpu=True, quick=args.quick, commit=args.commit,
                                  title=args.title, plan_path=args.plan,
                                  seeds=tuple(args.seeds) if args.seeds else None)
     except ValidateError as e:
-        raise UserError(str(e), 3 if "no CUDA device" in str(e) else 2) from None
+        if "no CUDA device" in str(e):
+            raise UserError(NO_GPU.format(k=args.kernel), 2) from None
+        raise UserError(str(e), 2) from None
     print(f"wrote {out / 'bundle.json'} and {out / 'report.html'}: verdict {bundle['verdict']}")
     for r in bundle["reasons"][:10]:
         print(f"  - {r}", file=sys.stderr)
@@ -115,6 +129,32 @@ def run(args) -> int:
         print("no GPU: GPU stages not covered (see not_covered in the bundle)", file=sys.stderr)
         return 0
     return 0 if bundle["verdict"] == "pass" else 1
+
+
+NO_GPU = ("no CUDA device on this host: fasttrack validate runs numerics, sanitizers and benchmarks on a "
+          "GPU and writes nothing without one. Here: `fasttrack validate {k} --base REV --prepare`; on a GPU "
+          "host: `PYTHONPATH=. python3 -m validation.cli validate {k} --plan build/validate/{k}/plan.json --out DIR`")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def refuse_signed_bundle(path: Path) -> None:
+    """UserError (exit 2) when `path` holds a signed bundle: nothing overwrites one."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict) and data.get("signature"):
+        raise UserError(f"{path} is a signed evidence bundle; nothing overwrites a signed bundle: "
+                        "choose another --out", 2)
 
 
 def _repo_rel(path: Path, root: Path) -> str:

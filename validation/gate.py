@@ -40,7 +40,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from .atomic import write_text_atomic
-from .policy import (ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE, POLICY_RELPATH, PolicyDecision,
+from .policy import (ELIGIBLE, FULL_REVIEW, NO_CODE_CHANGE, NO_KERNEL_CHANGE, POLICY_RELPATH, PolicyDecision,
                      PolicyError, evaluate_policy, load_policy, parse_policy)
 from .rfc import FrontMatter, FrontMatterError, SpeedupClaim, case_batch, find_front_matter
 from .scope import ChangeScope, ScopeError, compute_scope, list_at, open_repo, read_at
@@ -66,6 +66,7 @@ class BuiltVariant:
     cubin_sha256: str
     build_key: str | None = None
     build_dir: str | None = None  # the build folder (kernel.ptx, kernel.sass), for the static audit
+    cubin_code_sha256: str | None = None  # every section but the line tables (kernels/cubin.py)
 
 
 class KernelBuildFailed(Exception):
@@ -111,6 +112,11 @@ class GateVerdict:
     baseline: dict | None = None  # what the bound bundle was timed against, and why it is (not) the base
     risks: list[str] = field(default_factory=list)  # reported to the reviewer, not failures
     not_covered: list[str] = field(default_factory=list)
+    # A failure's one cause (the first thing a reader sees) and the command that addresses it;
+    # `reasons` keeps every failure, `details` what explains them (candidate bundles' problems).
+    cause: str | None = None
+    next_command: str | None = None
+    details: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     bundle: dict | None = field(default=None, repr=False)  # the bound bundle (not in verdict.json)
 
@@ -206,7 +212,7 @@ def bind_bundle(bundle: dict, built: list[BuiltVariant], defaults: dict[str, dic
             continue
         k = b.get("kernel")
         tun = {**defaults.get(k, {}), **(b.get("tunables") or {})}
-        entries[(k, _canon(b.get("variant")), _canon(tun))] = b.get("cubin_sha256")
+        entries[(k, _canon(b.get("variant")), _canon(tun))] = (b.get("cubin_sha256"), b.get("cubin_code_sha256"))
     problems = []
     for v in built:
         tun = {**defaults.get(v.kernel, {}), **(v.tunables or {})}
@@ -216,7 +222,15 @@ def bind_bundle(bundle: dict, built: list[BuiltVariant], defaults: dict[str, dic
             label += f" tunables {_canon(v.tunables)}"
         if key not in entries:
             problems.append(f"{label}: not measured by this bundle")
-        elif entries[key] != v.cubin_sha256:
+            continue
+        sha, code = entries[key]
+        # The code hash binds too: a rebuilt cubin whose line tables alone differ (a comment
+        # moved a line) is the binary the bundle measured.
+        if sha != v.cubin_sha256 and not (code and v.cubin_code_sha256 and code == v.cubin_code_sha256):
+            entries[key] = sha
+        else:
+            continue
+        if entries[key] != v.cubin_sha256:
             problems.append(f"{label}: rebuilt cubin sha256 {v.cubin_sha256[:16]} does not match "
                             f"the bundle's {str(entries[key])[:16]}: the evidence is for another binary")
     return problems
@@ -266,8 +280,10 @@ def baseline_problems(bundle: dict, kernel: str, merge_base: str,
                  f"`fasttrack validate {kernel} --base {_short(merge_base)}`"], {**bl, "holds": False})
     fails: list[str] = []
     sha = str(bl["sha"])
+    # A path's composite bundle (change.kernel "block") records the binaries of the kernels it ran.
+    composite = kernel not in {b.get("kernel") for b in bundle.get("binaries") or [] if isinstance(b, dict)}
     if not [b for b in bundle.get("binaries") or [] if isinstance(b, dict) and b.get("side") == "base"
-            and b.get("kernel") == kernel]:
+            and (composite or b.get("kernel") == kernel)]:
         fails.append(f"the bundle names base {_short(sha)} but records no base binaries of {kernel}")
     if sha == merge_base:
         return fails, {**bl, "holds": not fails, "equivalence": "same commit"}
@@ -550,40 +566,114 @@ def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".
              run_gpu: bool = False, scope_only: bool = False, front_matter: str | None = None,
              builder: Builder | None = None, auditor: Auditor | None = None,
              validator: Callable[[str, str], dict] | None = None,
-             cuda_available: Callable[[], bool] = _cuda_available) -> GateVerdict:
+             cuda_available: Callable[[], bool] = _cuda_available,
+             code_build: Callable | None = None, executor=None, jobs: int | None = None,
+             build_root: str | os.PathLike | None = None) -> GateVerdict:
     """Judge the change from `base` to `head` (the working tree when None). Never raises for a
-    user's error: those become a verdict with status "error" and exit code 2."""
+    user's error: those become a verdict with status "error" and exit code 2.
+
+    The touched kernels are decided by their rebuilt code (`validation.scope.compare_code`: base
+    and head builds into the shared cache `build_root`, default <repo>/build, on `executor`);
+    `code_build(requests) -> results` replaces the build (tests). A `builder(kernel)` without a
+    `code_build` judges by declared-source ownership instead, as before the code was compared."""
     try:
         return _run_gate(base, head, repo=repo, run_gpu=run_gpu, scope_only=scope_only,
                          front_matter=front_matter, builder=builder, auditor=auditor,
-                         validator=validator, cuda_available=cuda_available)
+                         validator=validator, cuda_available=cuda_available, code_build=code_build,
+                         executor=executor, jobs=jobs, build_root=build_root)
     except (GateError, ScopeError, PolicyError, FrontMatterError) as e:
-        return GateVerdict("error", EXIT_ERROR, [str(e)], base=base, head=head)
+        return GateVerdict("error", EXIT_ERROR, [str(e)], base=base, head=head, cause=str(e))
+
+
+# Violations the rebuilt code can lift: which kernels a change touches is the code's to say.
+_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound"}
+
+
+def _built_from_code(scope: ChangeScope, kernels, repo_root: Path) -> tuple[list[BuiltVariant], list[str]]:
+    built, fails = [], []
+    for k in kernels:
+        c = (scope.code or {}).get(k) or {}
+        if c.get("status") == "build_failed":
+            fails.append(f"kernel {k} does not build at head: {(c.get('errors') or ['?'])[0]}")
+            continue
+        for a in c.get("head") or []:
+            built.append(BuiltVariant(kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}),
+                                      cubin_sha256=a.cubin_sha256, build_key=a.key, build_dir=str(a.dir),
+                                      cubin_code_sha256=a.cubin_code_sha256))
+    return built, fails
+
+
+def _validate_command(kernel: str, merge_base: str) -> str:
+    return (f"fasttrack validate {kernel} --base {_short(merge_base)} --prepare   "
+            f"(then on a GPU host: --plan ...; fasttrack sign; commit the bundle under {EVIDENCE_DIR}/)")
 
 
 def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, auditor, validator,
-              cuda_available) -> GateVerdict:
+              cuda_available, code_build, executor, jobs, build_root) -> GateVerdict:
+    import time
+
+    t0 = time.monotonic()
     r = open_repo(repo)
-    scope: ChangeScope = compute_scope(base, head, repo=r.working_tree_dir)
+    repo_root = Path(r.working_tree_dir)
+    scope: ChangeScope = compute_scope(base, head, repo=r.working_tree_dir, closures=False)
     policy = policy_at(r, scope.merge_base)
     decision: PolicyDecision = evaluate_policy(scope, policy)
+    by_code = builder is None or code_build is not None
+    timings: dict[str, float] = {"scope_s": 0.0}
+    # Rules no build can lift (protected paths, the manifest's semantics, ...) answer before
+    # anything compiles, and before the closures are read; otherwise the code decides which
+    # kernels the change touches.
+    final = [x for x in decision.violations if x.rule not in _CODE_DECIDES]
+    if not final:
+        from .scope import with_closures
+
+        scope = with_closures(scope, r)
+        decision = evaluate_policy(scope, policy)
+        final = [x for x in decision.violations if x.rule not in _CODE_DECIDES]
+    if by_code and not final:
+        from .scope import code_candidates, compare_code
+
+        if code_candidates(scope):
+            try:
+                scope = compare_code(scope, repo=r.working_tree_dir, build=code_build, executor=executor,
+                                     jobs=jobs, root=Path(build_root) if build_root else repo_root / "build")
+            except ImportError as e:
+                raise GateError(f"cannot build to compare the code: {e}") from None
+            decision = evaluate_policy(scope, policy)
+    timings["scope_s"] = round(time.monotonic() - t0, 2)
     v = GateVerdict("error", EXIT_ERROR, [], base=scope.base, head=scope.head,
                     merge_base=scope.merge_base, kernels=list(decision.kernels),
                     scope=scope.to_dict(), policy=decision.to_dict())
+    v.scope["timings"] = timings
     if decision.status == FULL_REVIEW:
         v.status, v.exit_code = "not_eligible", EXIT_NOT_ELIGIBLE
         v.reasons = ["not eligible for fast track; route to full review:"] + [str(x) for x in decision.violations]
+        v.cause = f"not eligible for fast track: {decision.violations[0]}" + (
+            f" (and {len(decision.violations) - 1} more rule(s))" if len(decision.violations) > 1 else "")
+        v.next_command = "request a full review (the violations below say why), or split the change"
         return v
     if decision.status == NO_KERNEL_CHANGE:
         v.status, v.exit_code = "no_kernel_change", EXIT_PASS
         v.reasons = ["no kernel change: nothing to fast-track, and nothing protected was touched"]
         return v
+    if decision.status == NO_CODE_CHANGE:
+        same = sorted((scope.code or {}))
+        n = sum(int(scope.code[k].get("variants") or 0) for k in same)
+        lt = sum(int(scope.code[k].get("line_tables_only") or 0) for k in same)
+        v.status, v.exit_code = "no_code_change", EXIT_PASS
+        v.reasons = [f"no code change: every kernel whose build closure the change touches "
+                     f"({', '.join(same)}) builds to the same code at base and head ({n} variants "
+                     f"compared by cubin code hash; {lt} differ in their line tables only), so the "
+                     "existing evidence still binds"]
+        return v
     assert decision.status == ELIGIBLE
+    what = (f"kernels {', '.join(decision.kernels)} of decode path {decision.path} (composite "
+            f"{decision.composite})" if decision.path else f"kernel {decision.kernel}")
     if scope_only:
         v.status, v.exit_code = "pass", EXIT_PASS
-        v.reasons = [f"eligible for fast track: kernel {decision.kernel}, {decision.counted_lines} "
-                     f"lines (scope only: build and evidence not checked)"]
-        v.not_covered.append("--scope-only: build, static audit and evidence were not checked")
+        v.reasons = [f"eligible for fast track: {what}, {decision.counted_lines} lines "
+                     f"(scope only: {'code compared; ' if decision.by_code else ''}audit and evidence not checked)"]
+        v.not_covered.append("--scope-only: static audit and evidence were not checked")
         return v
 
     front: FrontMatter = find_front_matter(r, scope, front_matter)
@@ -591,18 +681,23 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     fails: list[str] = []
 
     # 2. build
-    if builder is None:
-        _check_checkout(r, scope.head)
-        builder = default_builder(Path(r.working_tree_dir), scope.head_manifest)
+    t1 = time.monotonic()
     built: list[BuiltVariant] = []
-    for k in decision.kernels:
-        try:
-            built.extend(builder(k))
-        except KernelBuildFailed as e:
-            fails.append(f"kernel {k} does not build: {e}")
-    v.build = [_repo_relative_build(asdict(b), Path(r.working_tree_dir)) for b in built]
+    if decision.by_code:
+        built, fails = _built_from_code(scope, decision.kernels, repo_root)
+    else:
+        if builder is None:
+            _check_checkout(r, scope.head)
+            builder = default_builder(repo_root, scope.head_manifest)
+        for k in decision.kernels:
+            try:
+                built.extend(builder(k))
+            except KernelBuildFailed as e:
+                fails.append(f"kernel {k} does not build: {e}")
+    v.build = [_repo_relative_build(asdict(b), repo_root) for b in built]
     if fails:
         v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
+        v.cause, v.next_command = fails[0], f"fasttrack build {decision.kernels[0]}   (the compile error, with its file and line)"
         return v
 
     # 3. static audit
@@ -614,16 +709,20 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
             fails.append(f"kernel {k}: {o.detail}: " + "; ".join(o.findings[:5]))
         elif o.status == "not_run":
             v.not_covered.append(f"static race audit of {k}: not run ({o.detail})")
+    timings["build_audit_s"] = round(time.monotonic() - t1, 2)
+    timings["static_s"] = round(time.monotonic() - t0, 2)
 
     # 4. evidence
     manifest = scope.head_manifest or scope.base_manifest
     defaults = {k: manifest.kernel(k).tunable_defaults() for k in decision.kernels} if manifest else {}
+    composites = {p.composite for p in manifest.paths.values()} if manifest else set()
 
     from .bundle import validator_mismatch, validator_recorded
 
     # The evidence must come from the validator as it is at the merge base: a bundle produced
     # before a defence or tolerance fix must not bind because its cubins did not change.
     base_validator = validator_at(r, scope.merge_base)
+    next_cmds: list[str] = []
 
     def judge(bundle: dict, kernel: str, prefix: str = "") -> None:
         if not validator_recorded(bundle):
@@ -633,10 +732,13 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         j = judge_results(bundle, front.claim, kernel=kernel, merge_base=scope.merge_base,
                           read_base_file=lambda path: read_at(r, scope.merge_base, path))
         fails.extend(prefix + x for x in j.failures)
+        if j.failures:
+            next_cmds.append(_validate_command(kernel, scope.merge_base))
         v.risks += j.risks
         v.not_covered += j.not_covered
         v.baseline = j.baseline
 
+    bound_bundles: list[dict] = []
     if run_gpu:
         if not cuda_available():
             raise GateError("--run-gpu needs a CUDA device, and none is visible")
@@ -647,51 +749,168 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
             problems += validator_mismatch(bundle, *base_validator)
             fails += [f"the validator's own bundle: {p}" for p in problems]
             judge(bundle, k)
+            bound_bundles.append(bundle)
         v.bundle = bundle
         v.evidence = {"source": "validator run by this gate (--run-gpu)", "bundle": None, "candidates": [],
                       "validator_sha256": base_validator[0]}
+        if decision.composite:
+            v.not_covered.append(f"--run-gpu: the composite {decision.composite} of path {decision.path} "
+                                 f"is not validated by the gate; commit its signed bundle")
     else:
         keys = trusted_keys_at(r, scope.merge_base)
         bundles = bundles_at(r, scope.head)
         v.evidence = {"source": "committed bundle", "bundle": None, "trusted_keys": len(keys),
-                      "candidates": [], "validator_sha256": base_validator[0]}
-        for k in decision.kernels:
+                      "candidates": [], "validator_sha256": base_validator[0], "bound": {}}
+        entries = [(k, False) for k in decision.kernels] + ([(decision.composite, True)] if decision.composite else [])
+        rebuild = _head_rebuilder(r, scope, code_build, executor, jobs,
+                                  Path(build_root) if build_root else repo_root / "build") if decision.by_code else None
+        for k, is_composite in entries:
             checks: list[BundleCheck] = []
             bound: tuple[str, dict] | None = None
             for path, b in sorted(bundles.items()):
                 if isinstance(b, str):
                     checks.append(BundleCheck(path, "unchecked", problems=[b]))
                     continue
-                if k not in bundle_kernels(b):
+                named = (b.get("change") or {}).get("kernel")
+                if is_composite:
+                    if named != k:
+                        continue
+                elif k not in bundle_kernels(b) or named in composites:
                     continue
                 status, kid, why = check_signature(b, keys)
                 c = BundleCheck(path, status, kid, [why] if why else [])
-                c.problems += bind_bundle(b, [x for x in built if x.kernel == k], defaults)
+                if is_composite:
+                    c.problems += bind_composite(b, decision.kernels, built, defaults, rebuild)
+                else:
+                    c.problems += bind_bundle(b, [x for x in built if x.kernel == k], defaults)
                 c.problems += validator_mismatch(b, *base_validator)
                 checks.append(c)
                 if c.bound and (bound is None or str(b.get("created", "")) > str(bound[1].get("created", ""))):
                     bound = (path, b)
-            v.evidence["candidates"] += [asdict(c) | {"bound": c.bound} for c in checks]
+            v.evidence["candidates"] += [asdict(c) | {"bound": c.bound, "for": k} for c in checks]
+            what_k = f"the composite {k} of path {decision.path}" if is_composite else f"kernel {k}"
             if bound is None:
-                if not [c for c in checks if c.signature != "unchecked"]:
-                    fails.append(f"kernel {k}: no committed evidence bundle under {EVIDENCE_DIR}/ measures it")
-                for c in checks:
-                    for p in c.problems:
-                        fails.append(f"{c.path}: {p}")
+                judged = [c for c in checks if c.signature != "unchecked"]
+                if not judged:
+                    unread = [c for c in checks if c.signature == "unchecked"]
+                    fails.append(f"{what_k}: no committed evidence bundle under {EVIDENCE_DIR}/ measures it"
+                                 + (f" (unreadable: {unread[0].path}: {unread[0].problems[0]}"
+                                    + (f"; +{len(unread) - 1} more" if len(unread) > 1 else "") + ")"
+                                    if unread else ""))
+                    v.details += [f"{c.path}: {p}" for c in unread for p in c.problems]
+                else:
+                    best = min(judged, key=lambda c: len(c.problems))
+                    more = len(best.problems) - 1
+                    fails.append(f"{what_k}: no committed evidence binds; closest {best.path}: {best.problems[0]}"
+                                 + (f" (+{more} more problem(s); {len(judged) - 1} other candidate(s))"
+                                    if more or len(judged) > 1 else ""))
+                    v.details += [f"{c.path}: {p}" for c in checks for p in c.problems]
+                next_cmds.append(_validate_command(k, scope.merge_base))
                 continue
-            v.evidence["bundle"] = bound[0]
-            v.bundle = bound[1]
+            v.evidence["bound"][k] = bound[0]
+            if not is_composite or v.evidence["bundle"] is None:
+                v.evidence["bundle"] = bound[0]
+                v.bundle = bound[1]
+            bound_bundles.append(bound[1])
             judge(bound[1], k, f"{bound[0]}: ")
+
+    # New tunable choices must be measured by bound evidence (or be the new default, which the
+    # binding of the default variants covers).
+    for k, tunables in sorted(decision.new_choices.items()):
+        for t, values in sorted(tunables.items()):
+            for val in values:
+                if defaults.get(k, {}).get(t) == val:
+                    continue
+                seen = any(isinstance(x, dict) and x.get("kernel") == k and x.get("side", "head") == "head"
+                           and {**defaults.get(k, {}), **(x.get("tunables") or {})}.get(t) == val
+                           for bb in bound_bundles for x in bb.get("binaries") or [])
+                if not seen:
+                    fails.append(f"kernel {k}: the new choice {t}={val!r} is measured by no bound evidence")
+                    next_cmds.append(_validate_command(k, scope.merge_base))
 
     if fails:
         v.status, v.exit_code, v.reasons = "fail", EXIT_FAIL, fails
+        v.cause = fails[0] + (f" (and {len(fails) - 1} more failure(s))" if len(fails) > 1 else "")
+        v.next_command = next_cmds[0] if next_cmds else None
     else:
         v.status, v.exit_code = "pass", EXIT_PASS
-        where = v.evidence.get("bundle") or v.evidence["source"]
-        v.reasons = [f"kernel {', '.join(decision.kernels)}: {len(built)} variants rebuilt, bound to "
+        where = ", ".join(sorted(set((v.evidence.get("bound") or {}).values()))) or v.evidence["source"]
+        v.reasons = [f"{what}: {len(built)} variants rebuilt, bound to "
                      f"{where}; correctness, race and benchmark results pass, timed against base "
                      f"{_short(scope.merge_base)} ({(v.baseline or {}).get('equivalence', 'the base')})"]
     return v
+
+
+def _head_rebuilder(r, scope: ChangeScope, code_build, executor, jobs, root: Path):
+    """Builds (kernel, variant, tunables) at head into the shared cache: what a composite bundle
+    ran at other tunables than the manifest defaults."""
+    def rebuild(want: list[tuple[str, dict, dict]]) -> dict:
+        import tempfile
+
+        from kernels import build as kb
+
+        from .scope import export_tree
+
+        man = scope.head_manifest
+        out: dict = {}
+        with tempfile.TemporaryDirectory(prefix="fasttrack-rebuild-") as d:
+            tree = export_tree(r, scope.head, Path(d)) if scope.head else Path(r.working_tree_dir)
+            reqs, keys = [], []
+            for k, variant, tunables in want:
+                spec = man.kernel(k)
+                try:
+                    tun = kb.resolve_tunables(spec, tunables)
+                except kb.BuildError as e:
+                    out[(k, _canon(variant), _canon({**spec.tunable_defaults(), **tunables}))] = str(e)
+                    continue
+                reqs.append(kb.BuildRequest(spec, dict(variant), tun, tree))
+                keys.append((k, _canon(variant), _canon(tun)))
+            results = (code_build or (lambda q: kb.build_requests(q, root=root, executor=executor, jobs=jobs)))(reqs)
+        for kk, a in zip(keys, results):
+            out[kk] = str(a) if isinstance(a, Exception) else BuiltVariant(
+                kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}), cubin_sha256=a.cubin_sha256,
+                build_key=a.key, build_dir=str(a.dir), cubin_code_sha256=a.cubin_code_sha256)
+        return out
+
+    return rebuild
+
+
+def bind_composite(bundle: dict, touched, built: list[BuiltVariant], defaults: dict[str, dict],
+                   rebuild: Callable[[list[tuple[str, dict, dict]]], dict] | None = None) -> list[str]:
+    """Problems binding a decode path's composite bundle (change.kernel = the path's composite,
+    e.g. "block") to the change: it must have run every touched kernel (a head binary of each),
+    and each of its head binaries of a touched kernel must be a cubin this head builds (same
+    kernel, variant and tunables as a rebuilt variant, and the same cubin sha256 or code
+    sha256). Binaries at other tunables than the manifest defaults (the block's own choices per
+    batch) are built at head by `rebuild([(kernel, variant, tunables)]) -> {key: BuiltVariant or
+    error text}`. Binaries of untouched kernels keep their code (the scope shows it)."""
+    def key(k, variant, tunables):
+        return (k, _canon(variant), _canon({**defaults.get(k, {}), **(tunables or {})}))
+
+    rebuilt: dict = {key(b.kernel, b.variant, b.tunables): b for b in built}
+    heads = [x for x in bundle.get("binaries") or [] if isinstance(x, dict) and x.get("side", "head") == "head"]
+    want = [(x["kernel"], x.get("variant") or {}, x.get("tunables") or {}) for x in heads
+            if x.get("kernel") in touched and key(x["kernel"], x.get("variant"), x.get("tunables")) not in rebuilt]
+    if want and rebuild is not None:
+        rebuilt.update(rebuild(want))
+    problems = []
+    for k in touched:
+        mine = [x for x in heads if x.get("kernel") == k]
+        if not mine:
+            problems.append(f"the composite bundle ran no binary of touched kernel {k}")
+            continue
+        for x in mine:
+            tun = {**defaults.get(k, {}), **(x.get("tunables") or {})}
+            label = f"kernel {k} variant {_canon(x.get('variant'))}"
+            b = rebuilt.get((k, _canon(x.get("variant")), _canon(tun)))
+            if b is None or isinstance(b, str):
+                problems.append(f"{label} tunables {_canon(x.get('tunables'))}: not rebuilt at head"
+                                + (f" ({b})" if b else ""))
+            elif x.get("cubin_sha256") != b.cubin_sha256 and not (
+                    x.get("cubin_code_sha256") and x.get("cubin_code_sha256") == b.cubin_code_sha256):
+                problems.append(f"{label}: rebuilt cubin sha256 {b.cubin_sha256[:16]} does not match the "
+                                f"composite bundle's {str(x.get('cubin_sha256'))[:16]}: the evidence is for another binary")
+    return problems
 
 
 # -- outputs -----------------------------------------------------------------------------------
@@ -711,7 +930,14 @@ def render_outputs(v: GateVerdict) -> dict[str, str]:
         except ImportError:
             render_report = None
         if render_report is not None:
-            out["evidence.html"] = render_report(v.bundle)
+            bound = (v.evidence or {}).get("bundle")
+            cand = next((c for c in (v.evidence or {}).get("candidates") or [] if c.get("path") == bound), {})
+            trust = {"signature": {"status": "ok", "key_id": cand.get("key_id"), "reason": ""} if cand.get("bound")
+                     else {"status": "unsigned", "reason": "the validator's own bundle (--run-gpu), not signed"},
+                     "binding": {"status": "bound" if cand.get("bound") else "not_checked",
+                                 "detail": f"the gate bound it to the {len(v.build)} variant(s) it rebuilt"
+                                 if cand.get("bound") else "checked by the gate above"}}
+            out["evidence.html"] = render_report(v.bundle, trust)
             ctx["evidence_page"] = "evidence.html"
     out["report.html"] = env.get_template("gate.html.j2").render(**ctx)
     out["pr_comment.md"] = env.get_template("pr_comment.md.j2").render(**ctx)

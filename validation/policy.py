@@ -4,9 +4,18 @@
 `validation/policy.toml` (the one documented policy file; its header explains the rules) and
 returns a `PolicyDecision`:
 
-  eligible          exactly one kernel touched, within the line bound, nothing protected;
+  eligible          the touched kernels are one kernel, or all lie in one decode path of the
+                    manifest (`[paths]`), within the line bound, nothing protected;
   full_review       at least one rule failed; each `Violation` names the file and why;
+  no_code_change    kernel sources changed but every kernel builds to the same code at base and
+                    head (the scope's `code`, compared by cubin code hash): comments, docstrings,
+                    a refactor that generates the same code; existing evidence still binds;
   no_kernel_change  no kernel and no protected path touched (docs, the proposer, non-oracle tests).
+
+A kernel is touched when its code changed (`ChangeScope.code`, filled by
+`validation.scope.compare_code`); before the code is compared, when it owns a changed declared
+source. Added test files and test functions ride along (companions); a change of an existing
+test's lines does not.
 
 An ineligible change is never passed silently: every failing rule is reported, not just the first.
 """
@@ -27,6 +36,7 @@ POLICY_PATH = Path(__file__).with_name("policy.toml")
 POLICY_RELPATH = "validation/policy.toml"
 
 ELIGIBLE, FULL_REVIEW, NO_KERNEL_CHANGE = "eligible", "full_review", "no_kernel_change"
+NO_CODE_CHANGE = "no_code_change"
 
 
 class PolicyError(ValueError):
@@ -50,7 +60,10 @@ class Policy:
     protected: tuple[ProtectedPath, ...]
     companion: tuple[str, ...]
     free: tuple[str, ...]
-    source: str = POLICY_RELPATH  # where it was read from (repo-relative or "<text>")
+    source: str = POLICY_RELPATH
+    # Added files (status "added") matching these ride along as companions wherever they are
+    # (new test modules); an existing file's change never does.
+    companion_added: tuple[str, ...] = ()  # where it was read from (repo-relative or "<text>")
 
     def protection(self, path: str) -> ProtectedPath | None:
         return next((p for p in self.protected if p.matches(path)), None)
@@ -70,8 +83,8 @@ class Violation:
 
 @dataclass(frozen=True)
 class PolicyDecision:
-    status: str  # eligible | full_review | no_kernel_change
-    kernel: str | None  # the one kernel of an eligible change
+    status: str  # eligible | full_review | no_code_change | no_kernel_change
+    kernel: str | None  # the one kernel of an eligible change (the first, for a path's)
     kernels: tuple[str, ...]  # every kernel the change touches
     counted_lines: int  # lines counted against the bound
     max_changed_lines: int
@@ -79,6 +92,11 @@ class PolicyDecision:
     # path -> how it was classified (protected / manifest / kernel:<name> / companion / free / other)
     classification: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    path: str | None = None  # the decode path an eligible multi-kernel change lies in
+    composite: str | None = None  # that path's composite entry, whose evidence the gate requires
+    # kernel -> tunable -> the choices the change adds (bound evidence must cover each)
+    new_choices: dict = field(default_factory=dict)
+    by_code: bool = False  # whether the touched kernels were decided by their rebuilt code
 
     @property
     def eligible(self) -> bool:
@@ -150,11 +168,11 @@ def parse_policy(text: str, source: str = "<text>") -> Policy:
             raise PolicyError(f"{source}: protected[{i}].except must be a list of patterns")
         protected.append(ProtectedPath(p["pattern"], p["why"], tuple(exc)))
 
-    def patterns(section: str) -> tuple[str, ...]:
+    def patterns(section: str, key: str = "patterns") -> tuple[str, ...]:
         sec = raw.get(section, {})
-        pats = sec.get("patterns", []) if isinstance(sec, dict) else None
+        pats = sec.get(key, []) if isinstance(sec, dict) else None
         if not isinstance(pats, list) or not all(isinstance(x, str) for x in pats):
-            raise PolicyError(f"{source}: [{section}] patterns must be a list of strings")
+            raise PolicyError(f"{source}: [{section}] {key} must be a list of strings")
         return tuple(pats)
 
     return Policy(
@@ -164,6 +182,7 @@ def parse_policy(text: str, source: str = "<text>") -> Policy:
         companion=patterns("companion"),
         free=patterns("free"),
         source=source,
+        companion_added=patterns("companion", "added"),
     )
 
 
@@ -183,22 +202,30 @@ def _tunables(k: KernelSpec) -> dict:
     return {t.name: (tuple(t.choices), t.default, tuple(t.explore_only)) for t in k.tunables}
 
 
-def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list[Violation], set[str]]:
+def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list[Violation], dict]:
     """Compare two parsed manifests.
 
-    Returns the violations (semantic changes that need full review) and the kernels whose only
-    change is their tunable defaults (a kernel's own change, allowed on the fast track).
+    Returns the violations (semantic changes that need full review) and each kernel's own
+    changes, which a fast-track change may make: {kernel: {"defaults": [tunable, ...],
+    "new_choices": {tunable: [added choices]}, "new_tunables": [...]}} (new defaults; choices
+    added to a tunable without removing any or changing which are explore-only; new tunables,
+    whose choices other than the default and the explore-only ones count as new choices).
     """
     path = MANIFEST_RELPATH
     if base is None or head is None:
         side = "added" if base is None else "removed"
-        return [Violation("manifest-kernels", path, f"the manifest was {side}")], set()
+        return [Violation("manifest-kernels", path, f"the manifest was {side}")], {}
     out: list[Violation] = []
-    defaults_only: set[str] = set()
+    own: dict[str, dict] = {}
     for name in sorted(set(base.kernels) - set(head.kernels)):
         out.append(Violation("manifest-kernels", path, f"kernel {name!r} removed from the manifest"))
     for name in sorted(set(head.kernels) - set(base.kernels)):
         out.append(Violation("manifest-kernels", path, f"kernel {name!r} added to the manifest"))
+    if base.paths != head.paths:
+        names = sorted(n for n in set(base.paths) | set(head.paths) if base.paths.get(n) != head.paths.get(n))
+        out.append(Violation("manifest-paths", path,
+                             f"decode path(s) {', '.join(names)} changed: which kernels a change may "
+                             "touch together, and the composite evidence, are the policy's scope"))
     for name in sorted(set(base.kernels) & set(head.kernels)):
         b, h = base.kernels[name], head.kernels[name]
         if b.params != h.params:
@@ -230,20 +257,44 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
                                  f"kernel {name!r}: declared field(s) {', '.join(keys)} changed "
                                  "(tolerances and other validation settings)"))
         bt, ht = _tunables(b), _tunables(h)
-        if set(bt) != set(ht) or any(bt[t][0] != ht[t][0] or bt[t][2] != ht[t][2] for t in bt):
+        if set(bt) - set(ht):
             out.append(Violation("manifest-tunable-range", path,
-                                 f"kernel {name!r}: tunables or their choices changed"))
-        elif any(bt[t][1] != ht[t][1] for t in bt):
-            defaults_only.add(name)
-    # A default change is the kernel's own only when nothing else in the manifest changed.
-    if out:
-        defaults_only = set()
-    return out, defaults_only
+                                 f"kernel {name!r}: tunable(s) removed ({', '.join(sorted(set(bt) - set(ht)))})"))
+            continue
+        mine: dict = {"defaults": [], "new_choices": {}, "new_tunables": []}
+        for t in sorted(set(ht) - set(bt)):
+            # A new tunable: its default is the kernel's code now (the code comparison judges
+            # it); its other choices are new choices the evidence must cover.
+            mine["new_tunables"].append(t)
+            others = [c for c in ht[t][0] if c != ht[t][1] and c not in ht[t][2]]
+            if others:
+                mine["new_choices"][t] = others
+        for t in sorted(set(bt)):
+            (bc, bd, be), (hc, hd, he) = bt[t], ht[t]
+            if not set(bc) <= set(hc) or be != he:
+                out.append(Violation("manifest-tunable-range", path,
+                                     f"kernel {name!r}: tunable {t}: choices removed or explore-only "
+                                     f"choices changed ({list(bc)} -> {list(hc)})"))
+                continue
+            added = [c for c in hc if c not in bc and c not in he]
+            if added:
+                mine["new_choices"][t] = added
+            if bd != hd:
+                mine["defaults"].append(t)
+        if mine["defaults"] or mine["new_choices"] or mine["new_tunables"]:
+            own[name] = mine
+    return out, own
 
 
 # -- the decision ------------------------------------------------------------------------------
 
 def _classify(f: FileChange, policy: Policy) -> tuple[str, ProtectedPath | None]:
+    # Companions first: a new test module, or new test functions added to an existing one
+    # (nothing of it changed: FileChange.added_tests), judge nothing that existed before.
+    if f.kind == "file" and f.status == "added" and any(glob_match(c, f.path) for c in policy.companion_added):
+        return "companion", None
+    if f.added_tests:
+        return "companion", None
     for p in f.paths():
         prot = policy.protection(p)
         if prot:
@@ -260,16 +311,21 @@ def _classify(f: FileChange, policy: Policy) -> tuple[str, ProtectedPath | None]
 
 
 def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyDecision:
-    """Classify every changed path of `scope` and decide: eligible, full_review or no_kernel_change.
+    """Classify every changed path of `scope` and decide: eligible, full_review, no_code_change or
+    no_kernel_change.
 
-    Every failing rule becomes a Violation naming the file and why; none is dropped.
+    Every failing rule becomes a Violation naming the file and why; none is dropped. With
+    `scope.code` (the rebuilt code compared), the touched kernels are those whose code changed;
+    without it, those owning a changed declared source or whose manifest entry changed.
     """
     policy = policy or load_policy()
     violations: list[Violation] = []
     classification: dict[str, str] = {}
-    touched: dict[str, list[str]] = {}
+    owned: dict[str, list[str]] = {}  # kernel -> changed declared sources (and manifest)
     counted = 0
     notes: list[str] = []
+    own_changes: dict = {}
+    kernel_files = False
 
     for side, err in sorted(scope.manifest_errors.items()):
         violations.append(Violation("manifest-parse", MANIFEST_RELPATH,
@@ -281,6 +337,8 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
             classification[f.path] = "kernel:" + ",".join(f.owners)
         else:
             classification[f.path] = cls
+        if cls == "companion" and f.added_tests:
+            notes.append(f"{f.path}: adds test(s) {', '.join(f.added_tests)} (a companion: nothing existing changed)")
 
         # Kinds that defeat line-level review, wherever they are (except pure evidence/docs).
         if "submodule" in (f.kind, f.old_kind):
@@ -301,16 +359,19 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
         elif cls == "manifest":
             if scope.manifest_errors:
                 continue  # already reported as manifest-parse
-            mviol, defaults_only = manifest_changes(scope.base_manifest, scope.head_manifest)
+            mviol, own_changes = manifest_changes(scope.base_manifest, scope.head_manifest)
             violations.extend(mviol)
-            for k in defaults_only:
-                touched.setdefault(k, []).append(f.path)
+            for k in own_changes:
+                owned.setdefault(k, []).append(f.path)
+            if own_changes:
                 counted += f.lines
-            if not mviol and not defaults_only:
+                kernel_files = True
+            if not mviol and not own_changes:
                 notes.append(f"{f.path}: no semantic change (comments, formatting or descriptions)")
         elif cls == "kernel":
+            kernel_files = True
             for k in f.owners:
-                touched.setdefault(k, []).append(f.path)
+                owned.setdefault(k, []).append(f.path)
             counted += f.lines
             if f.binary:
                 violations.append(Violation("binary", f.path,
@@ -330,9 +391,10 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
                                         "effect on the kernels is not bounded"))
 
         # A file a kernel's build compiles (its sources import it) but that the kernel does not
-        # declare: its change is that kernel's change, hidden from the line bound and the kernel
-        # count. Protected and unclassified paths already went to full review above.
-        if cls in ("kernel", "companion", "free"):
+        # declare: its change is that kernel's change, hidden from the line bound. Protected and
+        # unclassified paths already went to full review above; another kernel's declared source
+        # is judged by the rebuilt code once it is compared.
+        if cls in ("companion", "free") or (cls == "kernel" and scope.code is None):
             importers = sorted(k for k, closure in scope.closures.items()
                                if k not in f.owners and any(p in closure for p in f.paths()))
             if importers:
@@ -342,12 +404,35 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
                     "not among their declared sources: declare it in the manifest, or keep kernels "
                     "from importing it"))
 
+    new_choices = {k: c["new_choices"] for k, c in own_changes.items() if c.get("new_choices")}
+    if scope.code is not None:
+        # A kernel given new tunable choices is touched even when its default variants' code is
+        # the same: the evidence must cover the new choices.
+        touched = {k: owned.get(k, []) for k in sorted(set(scope.code_changed()) | set(new_choices))}
+        same = sorted(k for k, c in scope.code.items() if c.get("status") == "same")
+        if same:
+            n = sum(int(scope.code[k].get("variants") or 0) for k in same)
+            notes.append(f"same code at base and head ({n} variants compared): {', '.join(same)}")
+    else:
+        touched = owned
     kernels = tuple(sorted(touched))
+    path_name = composite = None
+    man = scope.head_manifest or scope.base_manifest
     if len(kernels) > policy.max_kernels:
-        detail = "; ".join(f"{k}: {', '.join(sorted(set(v)))}" for k, v in sorted(touched.items()))
-        violations.append(Violation("multiple-kernels", "",
-                                    f"touches {len(kernels)} kernels ({detail}); a fast-track change "
-                                    f"touches at most {policy.max_kernels}"))
+        paths = [p for p in (man.paths.values() if man else ()) if set(kernels) <= set(p.kernels)]
+        if paths:
+            path_name, composite = paths[0].name, paths[0].composite
+        else:
+            detail = "; ".join(f"{k}: {', '.join(sorted(set(v))) or 'its code'}" for k, v in sorted(touched.items()))
+            where = ""
+            if man and man.paths:
+                outside = sorted(k for k in kernels if not man.paths_of(k))
+                where = (f"; not in one decode path ({', '.join(outside)} in none)" if outside
+                         else "; not all in one decode path")
+            violations.append(Violation("multiple-kernels", "",
+                                        f"touches {len(kernels)} kernels ({detail}){where}; a fast-track "
+                                        f"change touches at most {policy.max_kernels}, or kernels of one "
+                                        "decode path"))
     if counted > policy.max_changed_lines:
         biggest = sorted((f for f in scope.files if classification.get(f.path, "").startswith("kernel")),
                          key=lambda f: -f.lines)
@@ -359,7 +444,7 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
     if violations:
         status = FULL_REVIEW
     elif not kernels:
-        status = NO_KERNEL_CHANGE
+        status = NO_CODE_CHANGE if (scope.code is not None and kernel_files) else NO_KERNEL_CHANGE
     else:
         status = ELIGIBLE
     return PolicyDecision(
@@ -371,4 +456,8 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
         violations=tuple(violations),
         classification=classification,
         notes=tuple(notes),
+        path=path_name if status == ELIGIBLE else None,
+        composite=composite if status == ELIGIBLE else None,
+        new_choices={k: v for k, v in new_choices.items() if k in touched},
+        by_code=scope.code is not None,
     )

@@ -6,7 +6,12 @@ reads the same from a CI artifact, an e-mail or a laptop without a server.
 Plots are hand-rolled SVG rather than matplotlib: two small line plots need ~80 lines, add no
 dependency to the CPU venv or the GPU host, and give byte-identical output for the same bundle
 (matplotlib's SVG carries generated ids and a creation date, which would make re-rendered reports
-differ for no reason).
+differ for no reason). Each has a noise band per series and a y axis that spans the data.
+
+What the page says about the bundle's trust comes from `trust` (`fasttrack report` verifies the
+signature against the trusted keys and the cubin binding against the local build cache): the
+verdict at the top is PASS only when the bundle says pass, every stage it needs ran and passed,
+and the signature verifies; a tampered bundle's page says that its signature does not verify.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ def _num(v):
 
 def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_label: str,
               x_label: str = "batch size", ref_y: float | None = None, ref_label: str = "",
-              width: int = 560, height: int = 300, styles: dict[str, tuple[int, bool]] | None = None) -> str:
+              width: int = 560, height: int = 300, styles: dict[str, tuple[int, bool]] | None = None,
+              bands: dict[str, list[tuple[float, float, float]]] | None = None) -> str:
     """An inline SVG line plot, x on a log2 axis (batch sizes), one polyline per series.
 
     `styles` maps a series to (colour index, dashed): a base series takes its head's colour, dashed.
+    `bands` maps a series to (x, low, high) points: its noise band, drawn shaded. The y axis spans
+    the data, its bands and `ref_y` with a small margin, not from zero: a 0.97-1.05 speedup must
+    not look flat.
     """
     pts = [(x, y) for s in series.values() for x, y in s if _num(x) and _num(y) is not None]
     if not pts:
@@ -43,7 +52,11 @@ def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_lab
     lx = [math.log2(x) for x in xs]
     x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
     ys = [y for _, y in pts] + ([ref_y] if ref_y is not None else [])
-    y0, y1 = min(0.0, min(ys)), max(ys) * 1.1 or 1.0
+    for b in (bands or {}).values():
+        ys += [v for _, lo, hi in b for v in (lo, hi) if _num(v) is not None]
+    lo_y, hi_y = min(ys), max(ys)
+    pad = (hi_y - lo_y) * 0.08 or abs(hi_y) * 0.05 or 1.0
+    y0, y1 = lo_y - pad, hi_y + pad
 
     def X(x):
         return left + (math.log2(x) - x0) / (x1 - x0) * pw
@@ -74,6 +87,12 @@ def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_lab
             continue
         ci, dashed = (styles or {}).get(name, (i, False))
         c = PALETTE[ci % len(PALETTE)]
+        band = sorted((x, lo, hi) for x, lo, hi in (bands or {}).get(name, [])
+                      if _num(x) and _num(lo) is not None and _num(hi) is not None)
+        if band:
+            poly = [f"{X(x):.1f},{Y(hi):.1f}" for x, _, hi in band] + [f"{X(x):.1f},{Y(lo):.1f}" for x, lo, _ in reversed(band)]
+            out.append(f'<polygon fill="{c}" fill-opacity="0.15" stroke="none" points="{" ".join(poly)}">'
+                       f'<title>{html.escape(name)}: noise band</title></polygon>')
         dash = ' stroke-dasharray="5 3"' if dashed else ""
         out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="'
                    + " ".join(f"{X(x):.1f},{Y(y):.1f}" for x, y in s) + '"/>')
@@ -135,7 +154,7 @@ def _risks(bundle: dict) -> list[str]:
     if env.get("dirty"):
         risks.append("the kernel's sources had uncommitted changes when validated")
     if not bundle.get("signature"):
-        risks.append("the bundle is unsigned: verify its origin before trusting it (fasttrack sign / verify)")
+        risks.append("the bundle is unsigned: its origin is not shown (fasttrack sign on the runner)")
     for d in (bundle.get("defences") or {}).get("checks") or []:
         if not d.get("passed"):
             risks.append(f"defence {d.get('name')} failed: {d.get('detail')}")
@@ -149,8 +168,76 @@ def _fmt(v, spec=".3g"):
     return "–" if n is None else format(n, spec)
 
 
-def render_report(bundle: dict) -> str:
-    """The report page for `bundle` (a dict following fasttrack.evidence/1)."""
+STAGES = ("correctness", "defences", "race", "benchmark")
+
+
+def page_verdict(bundle: dict, trust: dict | None) -> dict:
+    """{label, css, why}: what the top of the page says. PASS only when the bundle's verdict is
+    pass, every stage ran and passed, and the signature verifies (the binding, when checked,
+    holds); otherwise the first thing that is not so."""
+    trust = trust or {}
+    sig = trust.get("signature") or {"status": "unchecked", "reason": "the signature was not checked"}
+    bind = trust.get("binding") or {"status": "not_checked", "detail": "the cubin binding was not checked"}
+    failed = [n for n in STAGES if isinstance(bundle.get(n), dict) and bundle[n].get("passed") is not True]
+    missing = [n for n in STAGES if not isinstance(bundle.get(n), dict)]
+    if sig["status"] == "invalid":
+        return {"label": "NOT VERIFIED", "css": "fail", "why": f"the signature does not verify: {sig.get('reason')}"}
+    if bundle.get("verdict") != "pass" or failed:
+        return {"label": "FAIL", "css": "fail",
+                "why": "failed: " + ", ".join(failed or ["the bundle's own verdict"])}
+    if missing:
+        return {"label": "INCOMPLETE", "css": "warn", "why": "did not run: " + ", ".join(missing)}
+    if sig["status"] != "ok":
+        return {"label": "NOT VERIFIED", "css": "warn", "why": sig.get("reason") or sig["status"]}
+    if bind["status"] == "unbound":
+        return {"label": "NOT BOUND", "css": "fail", "why": bind.get("detail")}
+    return {"label": "PASS", "css": "pass", "why": f"signed by trusted key {sig.get('key_id')}; "
+            + ("cubins bound to this checkout's builds" if bind["status"] == "bound" else bind.get("detail", ""))}
+
+
+def batch_summary(cases: list[dict]) -> list[dict]:
+    """Per batch: FAST/SAME/SLOW/other counts and the geomean speedup of its cases."""
+    per: dict = defaultdict(list)
+    for c in cases:
+        b = (c.get("variant") or {}).get("batch", c.get("batch"))
+        per[b].append(c)
+    rows = []
+    for b in sorted(per, key=lambda x: (x is None, x if isinstance(x, (int, float)) else 0)):
+        cs = per[b]
+        sp = [_num(c.get("speedup")) for c in cs]
+        sp = [x for x in sp if x and x > 0]
+        verdicts = defaultdict(int)
+        for c in cs:
+            verdicts[c.get("verdict") or "?"] += 1
+        rows.append({"batch": b, "n": len(cs), "FAST": verdicts.pop("FAST", 0), "SAME": verdicts.pop("SAME", 0),
+                     "SLOW": verdicts.pop("SLOW", 0), "other": dict(verdicts),
+                     "geomean": math.exp(sum(math.log(x) for x in sp) / len(sp)) if sp else None})
+    return rows
+
+
+def reproduce_commands(bundle: dict) -> list[str]:
+    """The commands that re-check and re-produce this evidence."""
+    ch = bundle.get("change") or {}
+    k = ch.get("kernel") or "KERNEL"
+    base = ch.get("base")
+    cmds = ["fasttrack verify bundle.json   # the signature, against validation/trusted_keys/",
+            "fasttrack report bundle.json   # this page, with the signature and cubin binding checked"]
+    head = ch.get("head")
+    if head:
+        cmds.append(f"git checkout {str(head)[:12]}")
+    if base and base not in ("torch", "none"):
+        cmds += [f"fasttrack validate {k} --base {str(base)[:12]} --prepare",
+                 f"PYTHONPATH=. python3 -m validation.cli validate {k} --plan build/validate/{k}/plan.json --out DIR   # GPU host"]
+    else:
+        cmds.append(f"fasttrack validate {k}" + (f" --base {base}" if base else "") + "   # on a GPU host")
+    return cmds
+
+
+def render_report(bundle: dict, trust: dict | None = None) -> str:
+    """The report page for `bundle` (a dict following fasttrack.evidence/1). `trust`:
+    {"signature": {status ok|invalid|unsigned|untrusted|unchecked, key_id, reason},
+    "binding": {status bound|unbound|not_checked, detail, problems}} as `fasttrack report`
+    checked them; absent, the page says they were not checked."""
     from jinja2 import ChainableUndefined, Environment, FileSystemLoader, select_autoescape
 
     # Optional bundle keys render as empty (ChainableUndefined): a report of a partial bundle
@@ -162,29 +249,39 @@ def render_report(bundle: dict) -> str:
     bench = bundle.get("benchmark") or {}
     cases = bench.get("cases") or []
     speed, frac_head, frac_base = defaultdict(list), defaultdict(list), defaultdict(list)
+    speed_band, head_band = defaultdict(list), defaultdict(list)
     for c in cases:
         v = c.get("variant") or {}
         label = _problem_label(v)
         b = v.get("batch", c.get("batch"))
         if _num(c.get("speedup")) is not None:
             speed[label].append((b, c["speedup"]))
+            h, bs = c.get("head") or {}, c.get("base") or {}
+            if all(_num(x) for x in (h.get("p10"), h.get("p90"), bs.get("p10"), bs.get("p90"))):
+                speed_band[label].append((b, bs["p10"] / h["p90"], bs["p90"] / h["p10"]))
+            elif _num(c.get("noise")) is not None:
+                speed_band[label].append((b, c["speedup"] * (1 - c["noise"]), c["speedup"] * (1 + c["noise"])))
         hb = (c.get("head_bandwidth") or {}).get("fraction_of_read")
         if _num(hb) is not None:
             frac_head[f"{label}"].append((b, hb))
+            nm = _num((c.get("head_bandwidth") or {}).get("noise_margin"))
+            if nm is not None:
+                head_band[label].append((b, hb * (1 - nm), hb * (1 + nm)))
         bb = (c.get("base_bandwidth") or {}).get("fraction_of_read")
         if _num(bb) is not None:
             frac_base[f"{label} (base)"].append((b, bb))
     plots = []
     if speed:
         plots.append(line_plot(dict(speed), title="Speedup over the base (base median / head median)",
-                               y_label="speedup", ref_y=1.0, ref_label="1.0 = same"))
+                               y_label="speedup", ref_y=1.0, ref_label="1.0 = same", bands=dict(speed_band)))
     if frac_head:
         styles = {}
         for i, label in enumerate(frac_head):
             styles[label] = (i, False)
             styles[f"{label} (base)"] = (i, True)
         plots.append(line_plot({**frac_head, **frac_base}, title="Fraction of the read-only ceiling (dashed: base)",
-                               y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling", styles=styles))
+                               y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling", styles=styles,
+                               bands=dict(head_band)))
     corr = bundle.get("correctness") or {}
     n_cases = len(corr.get("cases") or [])
     tmpl = env.get_template(TEMPLATE)
@@ -194,4 +291,60 @@ def render_report(bundle: dict) -> str:
                        n_cases=n_cases, defences=(bundle.get("defences") or {}).get("checks") or [],
                        race=bundle.get("race"), bench=bench, bench_cases=cases, plots=plots,
                        ceilings=bench.get("ceilings") or {}, risks=_risks(bundle),
-                       binaries=bundle.get("binaries") or [], signature=bundle.get("signature"))
+                       binaries=bundle.get("binaries") or [], signature=bundle.get("signature"),
+                       page=page_verdict(bundle, trust), trust=trust or {}, batches=batch_summary(cases),
+                       reproduce=reproduce_commands(bundle))
+
+
+def check_trust(bundle: dict, trusted_keys_dir, build_root, manifest=None, repo_root=None) -> dict:
+    """The `trust` of `render_report`: the signature verified against `trusted_keys_dir`, and
+    each head binary compared with this checkout's build of it in `build_root` (found, never
+    compiled: `kernels.build.find_artifact`), by cubin sha256 or, when recorded, code sha256."""
+    from .bundle import verify_bundle
+
+    res = verify_bundle(bundle, trusted_keys_dir)
+    if res.ok:
+        sig = {"status": "ok", "key_id": res.key_id, "reason": ""}
+    else:
+        r = res.reason or ""
+        status = ("unsigned" if "not signed" in r else "untrusted" if "not among the trusted" in r
+                  else "invalid")
+        sig = {"status": status, "key_id": res.key_id, "reason": r}
+    heads = [x for x in bundle.get("binaries") or [] if isinstance(x, dict) and x.get("side", "head") == "head"]
+    if not heads:
+        return {"signature": sig, "binding": {"status": "not_checked", "detail": "the bundle records no head binaries"}}
+    try:
+        from kernels.build import BuildError, find_artifact
+        from kernels.manifest import REPO_ROOT, ManifestError
+    except ImportError as e:
+        return {"signature": sig, "binding": {"status": "not_checked", "detail": f"cannot read builds here ({e})"}}
+    mismatched, missing, bound = [], [], 0
+    for x in heads:
+        label = f"{x.get('kernel')} {variant_text(x.get('variant'))}"
+        try:
+            art = find_artifact(x["kernel"], x.get("variant") or {}, x.get("tunables") or {}, root=build_root,
+                                manifest=manifest, repo_root=repo_root or REPO_ROOT)
+        except (BuildError, ManifestError, KeyError, TypeError) as e:
+            missing.append(f"{label}: {str(e).split(': ', 1)[-1][:160]}")
+            continue
+        code = x.get("cubin_code_sha256")
+        if art.cubin_sha256 == x.get("cubin_sha256") or (code and code == art.cubin_code_sha256):
+            bound += 1
+        else:
+            mismatched.append(f"{label}: this checkout builds {art.cubin_sha256[:16]}, the bundle measured "
+                              f"{str(x.get('cubin_sha256'))[:16]}")
+    if mismatched:
+        return {"signature": sig, "binding": {"status": "unbound", "problems": mismatched + missing,
+                                              "detail": f"{len(mismatched)} of {len(heads)} cubin(s) differ from this "
+                                                        f"checkout's builds ({mismatched[0]})"}}
+    if missing:
+        return {"signature": sig, "binding": {"status": "not_checked", "problems": missing,
+                                              "detail": f"{bound} of {len(heads)} cubin(s) bound; {len(missing)} not "
+                                                        f"built here for this checkout ({missing[0]}); "
+                                                        "run `fasttrack build` to check them"}}
+    return {"signature": sig, "binding": {"status": "bound",
+                                          "detail": f"all {len(heads)} cubin(s) equal this checkout's builds"}}
+
+
+def variant_text(variant) -> str:
+    return " ".join(f"{k}={v}" for k, v in (variant or {}).items()) if isinstance(variant, dict) else str(variant)

@@ -16,6 +16,7 @@ lacks the base, a path outside the repository) raise `ScopeError` with one clear
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -47,6 +48,9 @@ class FileChange:
     binary: bool = False
     symlink_target: str | None = None  # for symlinks at head: where the link points
     owners: tuple[str, ...] = ()  # kernels whose declared sources include path or old_path
+    # For a modified Python file under tests/: the test functions it adds, when adding them is
+    # all the change does (every statement of the base file unchanged, in order); else None.
+    added_tests: tuple[str, ...] | None = None
 
     @property
     def lines(self) -> int:
@@ -75,6 +79,10 @@ class ChangeScope:
     # declared sources plus what they import), so that a change to a file a kernel imports without
     # declaring it is seen as a change to that kernel.
     closures: dict = field(default_factory=dict)
+    base_closures: dict = field(default_factory=dict)  # the same at the merge base
+    # Kernel -> how its code compares between the merge base and head (`compare_code`): None until
+    # compared (the policy then falls back to declared-source ownership).
+    code: dict | None = None
 
     @property
     def lines(self) -> int:
@@ -102,7 +110,13 @@ class ChangeScope:
             "files": [asdict(f) for f in self.files],
             "manifest_errors": dict(self.manifest_errors),
             "closures": {k: list(v) for k, v in sorted(self.closures.items())},
+            "code": None if self.code is None else {
+                k: {x: y for x, y in c.items() if x != "head"} for k, c in sorted(self.code.items())},
         }
+
+    def code_changed(self) -> list[str]:
+        """Kernels whose code differs between base and head (status other than "same")."""
+        return sorted(k for k, c in (self.code or {}).items() if c.get("status") != "same")
 
 
 # -- repository and revisions ------------------------------------------------------------------
@@ -277,13 +291,16 @@ def _load_manifest(repo, rev: str | None, side: str, errors: dict) -> Manifest |
         return None
 
 
-def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike = ".") -> ChangeScope:
+def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike = ".",
+                  closures: bool = True) -> ChangeScope:
     """The scope of the change from `base` to `head` (the working tree when `head` is None).
 
     The diff starts at the merge base of the two (a pull request's diff), detects renames, and
     includes untracked, non-ignored files when diffing the working tree. Every file is mapped to
     the kernels whose manifest `sources` (at base or at head) include its path or its old path.
     Raises ScopeError for a missing repository or revision, or history a shallow clone lacks.
+    `closures=False` leaves the kernels' build closures out (`with_closures` adds them): the
+    rules that need no closure can answer first.
     """
     r = open_repo(repo)
     shallow = is_shallow(r)
@@ -354,12 +371,153 @@ def compute_scope(base: str, head: str | None = None, *, repo: str | os.PathLike
             files.append(FileChange(path=path, status="added", kind="file", added=lines,
                                     binary=binary, owners=owners(path)))
 
+    for i, f in enumerate(files):
+        if f.status == "modified" and f.kind == "file" and f.path.startswith("tests/") and f.path.endswith(".py"):
+            old, new = read_at(r, mb, f.path), read_at(r, head_sha, f.path)
+            if old is not None and new is not None:
+                files[i] = dataclasses.replace(f, added_tests=test_additions(old, new))
+
     files.sort(key=lambda f: f.path)
-    return ChangeScope(
+    scope = ChangeScope(
         base=base_sha, merge_base=mb, head=head_sha, files=tuple(files),
         base_manifest=base_m, head_manifest=head_m, manifest_errors=errors, shallow=shallow,
-        closures=kernel_closures(r, head_sha, head_m),
     )
+    return with_closures(scope, r) if closures else scope
+
+
+def with_closures(scope: ChangeScope, repo) -> ChangeScope:
+    """`scope` with every kernel's build closure at head and at the merge base."""
+    r = repo if hasattr(repo, "git") else open_repo(repo)
+    return dataclasses.replace(scope, closures=kernel_closures(r, scope.head, scope.head_manifest),
+                               base_closures=kernel_closures(r, scope.merge_base, scope.base_manifest))
+
+
+def test_additions(base: bytes, head: bytes) -> tuple[str, ...] | None:
+    """The names of the test functions `head` adds to Python module `base`, when that is all it
+    does: every top-level statement of `base` is in `head`, unchanged (as parsed: comments and
+    blank lines aside) and in order, and every other statement of `head` is a new top-level
+    `def test_*` (decorated or not) whose name `base` does not use. None otherwise (an edited
+    assertion, a new import or fixture, a changed helper, a file that does not parse)."""
+    import ast
+
+    try:
+        old, new = ast.parse(base), ast.parse(head)
+    except (SyntaxError, ValueError):
+        return None
+    old_names = {n.name for n in ast.walk(old) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    old_names |= {t.id for n in ast.walk(old) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    want = [ast.dump(n) for n in old.body]
+    added: list[str] = []
+    kept: list[str] = []
+    for n in new.body:
+        d = ast.dump(n)
+        if len(kept) < len(want) and d == want[len(kept)]:
+            kept.append(d)
+        elif (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test")
+              and n.name not in old_names and n.name not in added):
+            added.append(n.name)
+        else:
+            return None
+    if kept != want or not added:
+        return None
+    return tuple(added)
+
+
+# -- code: what each kernel's rebuilt cubins say -------------------------------------------------
+
+def code_candidates(scope: ChangeScope) -> list[str]:
+    """Kernels (declared at both sides) whose build closure, at base or at head, holds a changed
+    path, or whose manifest entry differs: the kernels whose code the change may have changed."""
+    bm, hm = scope.base_manifest, scope.head_manifest
+    if bm is None or hm is None:
+        return []
+    changed = {p for f in scope.files for p in f.paths()}
+    out = set()
+    for closures in (scope.closures, scope.base_closures):
+        out.update(k for k, cl in closures.items() if changed & set(cl))
+    out.update(k for k in set(bm.kernels) & set(hm.kernels) if bm.kernels[k] != hm.kernels[k])
+    # A kernel whose closure cannot be computed at a side (a declared source missing) is built,
+    # and its build says why it fails.
+    for k in set(bm.kernels) & set(hm.kernels):
+        if k not in scope.closures or k not in scope.base_closures:
+            if changed & (set(bm.kernels[k].sources) | set(hm.kernels[k].sources)):
+                out.add(k)
+    return sorted(k for k in out if k in bm.kernels and k in hm.kernels)
+
+
+def export_tree(repo, rev: str, dest: Path) -> Path:
+    """Write the Python files of commit `rev` under `dest` (what a kernel build can import)."""
+    for item in repo.commit(rev).tree.traverse():
+        if item.type == "blob" and item.path.endswith(".py") and item.mode != 0o120000:
+            p = Path(dest, item.path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(item.data_stream.read())
+    return Path(dest)
+
+
+def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Path | None = None,
+                 build=None, executor=None, jobs: int | None = None, progress=None,
+                 kernels: list[str] | None = None) -> ChangeScope:
+    """`scope` with `code` filled: for every kernel of `code_candidates` (or `kernels`), every
+    manifest variant built at the merge base and at head (each side's own default tunables) and
+    compared by cubin code hash (kernels/cubin.py: every ELF section but the line tables).
+
+    code[kernel] = {status, variants, changed, errors, head}: status "same" (every variant's code
+    equal), "changed" (some differ, or the variant sets differ), or "build_failed" (a head variant
+    does not build: its error in `errors`); `changed` names the differing variants; `head` holds
+    the head artifacts (what the gate binds and audits). A base variant that does not build counts
+    as changed. `build(requests) -> results` is `kernels.build.build_requests` by default (the
+    shared cache `root`, the executor); tests pass fakes.
+    """
+    from kernels import build as kb
+
+    r = open_repo(repo)
+    names = code_candidates(scope) if kernels is None else list(kernels)
+    if not names:
+        return dataclasses.replace(scope, code={})
+    root = Path(root) if root is not None else Path(r.working_tree_dir) / "build"
+    if build is None:
+        def build(reqs):
+            return kb.build_requests(reqs, root=root, executor=executor, jobs=jobs, progress=progress)
+    # The exports live for the process (exported_tree): the closures read the same ones.
+    trees = {"base": exported_tree(r, scope.merge_base),
+             "head": exported_tree(r, scope.head) if scope.head else Path(r.working_tree_dir)}
+    reqs, where = [], []
+    for k in names:
+        for side, man in (("base", scope.base_manifest), ("head", scope.head_manifest)):
+            spec = man.kernels[k]
+            tun = spec.tunable_defaults()
+            for shape in spec.shapes:
+                reqs.append(kb.BuildRequest(spec, dict(shape), dict(tun), trees[side]))
+                where.append((k, side, _canon_shape(shape)))
+    results = build(reqs)
+    per: dict[str, dict] = {k: {"base": {}, "head": {}, "errors": []} for k in names}
+    for (k, side, label), res in zip(where, results):
+        if isinstance(res, Exception):
+            per[k]["errors"].append(f"{side}: {res}")
+            per[k][side][label] = None
+        else:
+            per[k][side][label] = res
+    code = {}
+    for k in names:
+        b, h = per[k]["base"], per[k]["head"]
+        head_failed = any(v is None for v in h.values())
+        changed = sorted(lbl for lbl in set(b) | set(h)
+                         if b.get(lbl) is None or h.get(lbl) is None
+                         or b[lbl].cubin_code_sha256 != h[lbl].cubin_code_sha256)
+        status = "build_failed" if head_failed else "changed" if changed else "same"
+        code[k] = {"status": status, "variants": len(h), "changed": changed,
+                   "errors": [e for e in per[k]["errors"] if e.startswith("head")] or per[k]["errors"],
+                   "line_tables_only": sum(1 for lbl in h if lbl not in changed and b.get(lbl) is not None
+                                           and b[lbl].cubin_sha256 != h[lbl].cubin_sha256),
+                   "head": [x for x in h.values() if x is not None]}
+    return dataclasses.replace(scope, code=code)
+
+
+def _canon_shape(shape: dict) -> str:
+    import json
+
+    return json.dumps(shape, sort_keys=True, separators=(",", ":"))
 
 
 def kernel_closures(repo, rev: str | None, manifest: Manifest | None) -> dict[str, tuple[str, ...]]:
@@ -382,15 +540,25 @@ def kernel_closures(repo, rev: str | None, manifest: Manifest | None) -> dict[st
 
     if rev is None:
         return closures(Path(repo.working_tree_dir))
-    import tempfile
+    return closures(exported_tree(repo, rev))
 
-    with tempfile.TemporaryDirectory(prefix="fasttrack-closure-") as d:
-        for item in repo.commit(rev).tree.traverse():
-            if item.type == "blob" and item.path.endswith(".py") and item.mode != 0o120000:
-                dest = Path(d, item.path)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(item.data_stream.read())
-        return closures(Path(d))
+
+_EXPORTS: dict = {}
+
+
+def exported_tree(repo, rev: str) -> Path:
+    """The Python files of commit `rev`, exported once per process into a temporary folder
+    (removed at exit): the closures and the base and head builds read the same export."""
+    key = (str(Path(repo.git_dir).resolve()), repo.commit(rev).hexsha)
+    if key not in _EXPORTS:
+        import atexit
+        import shutil
+        import tempfile
+
+        d = Path(tempfile.mkdtemp(prefix="fasttrack-tree-"))
+        atexit.register(shutil.rmtree, d, True)
+        _EXPORTS[key] = export_tree(repo, key[1], d)
+    return _EXPORTS[key]
 
 
 def symlink_escapes(path: str, target: str) -> bool:

@@ -1,0 +1,70 @@
+"""How long the gate's static verdict takes for a one-kernel change (scope, base and head builds
+of the touched kernel's variants, static audit), on a scratch clone of this repository.
+
+    python benchmarks/gate_static.py [--runs 2] [--jobs N] [--executor local|ray]
+
+The change: rmsnorm's EPS (kernels/ops/rmsnorm.py), a real code change of one kernel, all of
+its manifest variants (7 batches x 2 widths). The first run warms the shared cache (build/) with
+the base builds; each timed run then edits EPS to a value not built before, so the head builds
+are cold and the base builds warm: the cache a gate meets on a pull request. The last line
+repeats a run's head (fully warm). Prints the gate's own timings (verdict.scope.timings) and the
+wall time; the machine's load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--executor", default=None)
+    args = ap.parse_args(argv)
+    from gate_fixtures import commit, scratch_clone, write
+
+    from kernels.build import make_executor
+    from validation.gate import run_gate
+
+    executor = make_executor(args.executor, args.jobs)
+    with tempfile.TemporaryDirectory(prefix="gate-bench-") as d:
+        root = Path(d) / "clone"
+        base = scratch_clone(root, batches=None, one_problem=())
+        src = (root / "kernels/ops/rmsnorm.py").read_text()
+        stamp = int(time.time()) % 100000
+
+        def run(label: str, eps: str, new: bool = True):
+            if new:
+                write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", f"EPS = {eps}"))
+                head = commit(root, f"rmsnorm: eps {eps}")
+            else:
+                head = run.last
+            run.last = head
+            t0 = time.monotonic()
+            v = run_gate(base, head, repo=root, build_root=REPO / "build", executor=executor, jobs=args.jobs)
+            wall = time.monotonic() - t0
+            t = v.scope.get("timings", {})
+            n = (v.scope.get("code") or {}).get("rmsnorm", {}).get("variants")
+            print(f"{label:<34} static {t.get('static_s', float('nan')):6.1f} s (scope+builds {t.get('scope_s')} s, "
+                  f"audit {t.get('build_audit_s')} s), gate wall {wall:6.1f} s, {n} variants, "
+                  f"verdict {v.status}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+
+        run("warm-up (base and head cold)", f"1.{stamp}e-6")
+        for i in range(args.runs):
+            run(f"run {i + 1} (base warm, head cold)", f"{i + 2}.{stamp}e-6")
+        run("repeat (base and head warm)", "", new=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
