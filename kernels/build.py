@@ -629,6 +629,8 @@ def _compile_task(task: dict) -> list[dict]:
             dst.write_bytes(data)
             os.utime(dst, (STAGED_MTIME, STAGED_MTIME))
         tmps = [Path(td) / f"v{i}" for i in range(len(plans))]
+        for t in tmps:  # made here: a sandboxed worker may write only folders that exist
+            t.mkdir()
         results = _compile_chunk(spec, plans, staging, sorted(task["files"]), tmps, task.get("sandbox"))
         for plan, tmp, res in zip(plans, tmps, results):
             if res.get("skipped"):
