@@ -16,6 +16,7 @@ and the rules say so instead of guessing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import ir
@@ -97,10 +98,16 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dic
     if tables:  # constant byte offsets of addresses, for the slots of declared task tables
         if "imm_add" in ins.extra:
             offs = {t for t in src if isinstance(t, tuple) and t[0] == "off"} or {("off", 0)}
-            src = (src - offs) | {("off", t[1] + ins.extra["imm_add"]) for t in offs}
-        elif "scales" in ins.extra:
+            mod = tables.get("<period>") or None  # offsets matter modulo the entry strides
+            src = (src - offs) | {("off", None if t[1] is None else
+                                   (t[1] + ins.extra["imm_add"]) % mod if mod else t[1] + ins.extra["imm_add"])
+                                  for t in offs}
+        elif "scales" in ins.extra:  # a product: only the addend's offset survives
             keep = set().union(*(state.get(r, frozenset()) for r in ins.extra["scales"]))
             src = {t for t in src if not (isinstance(t, tuple) and t[0] == "off") or t in keep}
+        offs = {t for t in src if isinstance(t, tuple) and t[0] == "off"}
+        if len(offs) > 4 or any(t[1] is not None and abs(t[1]) > 1 << 20 for t in offs):
+            src = (src - offs) | {("off", None)}  # widening: a counter, not a slot offset
     if record is not None:
         if ins.addr_regs or ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             a = set()
@@ -119,12 +126,14 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dic
         if ins.kind == ir.ATOM:
             val = val | {TID, WIDE}  # each thread's RMW returns a different old value
         elif tables and ins.kind == ir.LOAD and ins.dests:
-            hit = [t[1] for t in addr if isinstance(t, tuple) and t[1] in tables]
+            hit = [t[1] for t in addr if isinstance(t, tuple) and t[0] == "param" and t[1] in tables]
             if hit:  # a slot of a declared table: the pointer it holds is a buffer of its own
                 stride = tables[hit[0]]
                 offs = {t[1] for t in addr if isinstance(t, tuple) and t[0] == "off"} or {0}
-                offs = {(o + ins.extra.get("addr_imm", 0)) % stride if stride else o + ins.extra.get("addr_imm", 0)
-                        for o in offs}
+                offs = {None if o is None else (o + ins.extra.get("addr_imm", 0)) % stride if stride
+                        else o + ins.extra.get("addr_imm", 0) for o in offs}
+                if None in offs:
+                    offs = {UNKNOWN_SLOT, -1}
                 # paths that disagree on the offset: the slot is unknown (UNKNOWN_SLOT)
                 off = offs.pop() if len(offs) == 1 else UNKNOWN_SLOT
                 val = frozenset({param_tag(slot_index(hit[0], off))} | ({TID, WIDE} & addr))
@@ -145,6 +154,10 @@ def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
     `tables`: declared task-table parameters -> their entry stride in bytes (0: one entry);
     a value loaded from one is tagged with the slot it came from (see `slot_index`)."""
     fn = cfg.fn
+    if tables:
+        tables = dict(tables)
+        strides = [v for v in tables.values() if v]
+        tables["<period>"] = math.lcm(*strides) if strides else 0
     out: dict[int, dict] = {}
     changed = True
     rounds = 0

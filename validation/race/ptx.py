@@ -107,6 +107,8 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     elif op0 in ("bar", "barrier"):
         if any(t in ("sync", "red") for t in tokens[1:]) and "warp" not in tokens:
             ins.kind = ir.BARRIER
+        elif "warp" in tokens:
+            ins.extra["warp_sync"] = True  # __syncwarp (see below)
     elif op0 == "bra":
         ins.kind = ir.BRANCH
         ins.targets = (operands[-1].strip(),) if operands else ()
@@ -114,7 +116,7 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     elif op0 in ("ret", "exit", "trap"):
         ins.kind = ir.EXIT
         ins.conditional = ins.guard is not None
-    elif op0 in ("shfl", "vote", "match", "redux") and "sync" in tokens or ins.opcode.startswith("bar.warp.sync"):
+    elif op0 in ("shfl", "vote", "match", "redux") and "sync" in tokens:
         # warp-synchronous operations: CUDA documents that __syncwarp orders the participating
         # threads' memory accesses, and the audit takes shfl/vote of an acquired value as that
         # too (validation/race/MODEL.md)

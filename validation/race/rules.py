@@ -455,6 +455,7 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
         if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
             continue
         if ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
+            n_before = len(findings)
             for p in sorted(prov.params_of_addr(ins.index)):
                 so = slot_of(p)
                 if so is None:
@@ -477,8 +478,9 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
                         "non-coherent load whose address derives from no kernel parameter: it "
                         "cannot be shown to read static weights"))
                     continue
-                findings.append(RawFinding("unknown-provenance", ins,
-                                           "address derives from no kernel parameter"))
+                if len(findings) == n_before:  # not already a table-slot finding
+                    findings.append(RawFinding("unknown-provenance", ins,
+                                               "address derives from no kernel parameter"))
                 continue
             if ins.writes_memory:
                 for p in sorted(bufs):
@@ -561,6 +563,7 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
     # the same guard is ordered); R: this thread read a sync flag without acquire semantics.
     def order_step(ins: ir.Instr, st: dict, emit) -> None:
         k = ins.kind
+        before = (st["R"] or bool(st["RG"]), st["S"])  # what this load is judged by
         some, lane = divergence(ins)
         graw = ins.extra.get("guard_raw") if some else None
         poll = (k in (ir.LOAD, ir.ATOM) and _touches_sync(ins, prov, roles)
@@ -587,22 +590,24 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
         if ins.extra.get("guard_raw") and ins.extra["guard_raw"] in st["G"]:
             return
         bufs = _buffer_params(prov, ins.index, roles)
+        polled, some_acq = before if k == ir.LOAD and not ins.strong and ins.sem == ir.WEAK else (
+            st["R"] or bool(st["RG"]), st["S"])
         hit = bufs & data
-        if st["R"] or st["RG"] or st["S"]:
+        if polled or some_acq:
             hit |= bufs & mutable  # read after a spin: the other side may be another launch
         weak_sync = bufs & sync_data if (not ins.strong if sass else ins.sem == ir.WEAK) else set()
         hit = sorted(hit | weak_sync)
         if hit:
             names = ", ".join(repr(roles.names.get(p, p)) for p in hit)
-            if st["R"] or st["RG"]:
-                emit(RawFinding("relaxed-spin-no-fence", ins,
-                                f"load of {names} after a relaxed/weak read of a sync flag (a spin or an "
-                                "RMW) with no acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
-            elif st["S"]:
+            if some_acq:
                 emit(RawFinding("load-before-wait", ins,
                                 f"load of {names} after another thread's acquire with no CTA barrier (or, "
                                 "for a lane's acquire, warp sync) after that acquire: the acquire orders "
                                 "only the acquiring thread's reads", tuple(hit)))
+            elif polled:
+                emit(RawFinding("relaxed-spin-no-fence", ins,
+                                f"load of {names} after a relaxed/weak read of a sync flag (a spin or an "
+                                "RMW) with no acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
             else:
                 emit(RawFinding("load-before-wait", ins,
                                 f"load of {names}, written by other CTAs or another launch, is not "

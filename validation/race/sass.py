@@ -152,6 +152,10 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
         ins.kind = ir.GRIDDEP_WAIT
     elif base in ("UTMASTG", "UTMAREDG") or (base == "UBLKCP" and ".G.S" in ins.opcode):
         ins.kind = ir.BULK_STORE
+        if operands and base == "UBLKCP":  # the global destination is the first operand
+            o = operands[0]
+            ins.addr_regs = tuple(_operand_regs(o[o.rfind("["):] if "[" in o else o))
+        return
     elif base in ("LDGSTS", "UTMALDG") or (base == "UBLKCP" and ".S.G" in ins.opcode):
         # Global -> shared copies (cp.async, TMA and bulk loads) read global memory: weak loads
         # whose address is the second (global) operand, not the shared destination.
@@ -335,7 +339,9 @@ def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
         if len(imms) == 1 and len([r for r in srcs if not r.startswith(("P", "UP"))]) == 1:
             ins.extra["imm_add"] = int(imms[0].strip(), 16)
     elif base in ("IMAD", "UIMAD", "SHF", "USHF", "IMUL", "LEA", "ULEA") and "MOV" not in toks:
-        ins.extra["scales"] = []
+        # the addend keeps its offset: IMAD d, a, b, c (operand c), LEA d, a, b (operand b)
+        k = {"IMAD": 2, "UIMAD": 2, "LEA": 1, "ULEA": 1}.get(base)
+        ins.extra["scales"] = _operand_regs(src_ops[k]) if k is not None and k < len(src_ops) else []
     ins.reads_tid = any(s.startswith(_THREAD_VARYING) for s in srcs)
     if ins.reads_tid and all(s.startswith("SR_LANEID") for s in srcs if s.startswith(_THREAD_VARYING)):
         ins.extra["lane_src"] = True  # varies only between the lanes of a warp
