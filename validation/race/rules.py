@@ -14,7 +14,14 @@ analyses are small data-flows over the CFG:
   data since the last CTA barrier?
 * undeclared handshake (forward, per loop, any kernel): does a loop's exit depend on a value
   it loads from an activation or scratch buffer? That is a wait on memory; the ordering rules
-  above run only on buffers the manifest declares `sync`, so such a loop must be declared.
+  above run only on buffers the manifest declares `sync`, so such a loop must be declared;
+* per access (any kernel): writes to read-only buffers (static, inputs, declared task tables),
+  nc loads of anything written during the launch, accesses through task-table slots the
+  declaration does not name.
+
+Pointers loaded from memory are buffers of their own (dataflow.LOADED_PTR, or a declared
+table slot), so every rule above applies to them. Where the rules follow the PTX memory model
+strictly and where they rely on documented CUDA guarantees: MODEL.md beside this file.
 """
 
 from __future__ import annotations
