@@ -319,7 +319,6 @@ from validation.numerics import Case, DECODE_BATCHES  # noqa: E402
 from validation.check import CHECK_BATCHES, sampled_unseen, unseen_for  # noqa: E402
 
 CFG = get_config("tiny")
-POL = D.load_policy() if hasattr(D, "load_policy") else None
 
 
 def _policy():
