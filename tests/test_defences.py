@@ -249,7 +249,7 @@ def test_fp16_inputs_are_caught_on_large_values():
 
     report = check_callable("rmsnorm", attack, quick=True)
     failed = [c for c in report.cases if not c.passed]
-    assert failed and all(c.case.distribution == "large" for c in failed)
+    assert failed and all(c.case.distribution in ("large", "beyond_fp16") for c in failed)
 
 
 # -- determinism ----------------------------------------------------------------------------------
@@ -310,3 +310,100 @@ def test_raising_candidate_fails_with_its_message():
     assert not report.passed
     assert "illegal memory access" in report.failure_reasons()[0] or any(
         "illegal memory access" in r for c in report.cases for r in c.reasons)
+
+
+# -- issue 23: the dishonest corpus (tests/fixtures/dishonest/impls.py) --------------------------
+
+from tests.fixtures.dishonest import impls as X  # noqa: E402
+from validation.numerics import Case, DECODE_BATCHES  # noqa: E402
+from validation.check import CHECK_BATCHES, sampled_unseen, unseen_for  # noqa: E402
+
+CFG = get_config("tiny")
+
+
+def _policy():
+    from validation.numerics import load_policy
+
+    return load_policy()
+
+
+def _case(op, batch, dist="normal", seed=0, routing=None):
+    return Case(op, {}, batch, seed, dist, routing, {"gpu": "cpu", "gpu_count": 0, "sm_count": 0})
+
+
+def _run(fn, case):
+    op = op_def(case.op)
+    subject = D.CallableSubject(fn, fn.__name__, "cpu")
+    return D.evaluate(subject, op, case, D.build_inputs(op, case, CFG, "cpu"), _policy())[0]
+
+
+def test_matrix_checks_every_decode_batch_and_unpredictable_shapes():
+    op = op_def("linear")
+    batches = {c.batch for c in matrix_for(op, CFG, torch.device("cpu"))}
+    assert set(DECODE_BATCHES) <= batches and set(CHECK_BATCHES) <= batches
+    gpu = {"gpu": "cpu", "gpu_count": 0, "sm_count": 0}
+    draws = {tuple(c.batch for c in sampled_unseen(op, gpu)) for _ in range(6)}
+    assert len(draws) > 1  # drawn per run
+    assert all(c.batch not in CHECK_BATCHES for c in unseen_for(op, torch.device("cpu")))
+
+
+def test_batch_specialised_candidate_fails_at_a_decode_batch():
+    assert _run(X.honest_linear, _case("linear", 2)).passed
+    assert _run(X.linear_only_checked_batches, _case("linear", 8)).passed  # the old matrix's batches
+    for b in (2, 4, 16, 32):
+        assert not _run(X.linear_only_checked_batches, _case("linear", b)).passed, b
+
+
+def test_refill_through_an_unversioned_alias_keeps_pointer_and_version():
+    t = torch.randn(4, 8).to(torch.bfloat16)
+    ptr, ver = t.data_ptr(), t._version
+    D.refill_unversioned(t, torch.ones(4, 8))
+    assert (t.data_ptr(), t._version) == (ptr, ver) and bool((t == 1).all())
+
+
+def test_version_keyed_cache_fails_reshuffled_inputs():
+    op = op_def("linear")
+    probe = _case("linear", 3)
+    X._CACHE.clear()
+    bad = D.check_reshuffled(D.CallableSubject(X.linear_version_cache, "cache", "cpu"), op, probe, CFG, _policy())
+    assert not bad.passed and "new values in the same buffers" in bad.detail
+    good = D.check_reshuffled(D.CallableSubject(X.honest_linear, "honest", "cpu"), op, probe, CFG, _policy())
+    assert good.passed, good.detail
+
+
+def test_input_used_as_scratch_and_restored_is_caught():
+    res = _run(X.linear_scratch_input, _case("linear", 3))
+    assert not res.passed
+    assert any("input_mutation" in d and "restored before return" in d for d in res.defects), res.defects
+    assert _run(X.honest_linear, _case("linear", 3)).defects == []
+
+
+def test_values_past_fp16_range_fail_an_fp16_path():
+    assert _run(X.linear_fp16_accumulate, _case("linear", 4)).passed  # ordinary values hide it
+    assert not _run(X.linear_fp16_accumulate, _case("linear", 4, "beyond_fp16")).passed
+    assert _run(X.honest_linear, _case("linear", 4, "beyond_fp16")).passed
+    assert any(c.distribution == "beyond_fp16" for c in matrix_for(op_def("linear"), CFG, torch.device("cpu")))
+
+
+def test_exact_ties_broken_toward_the_higher_index_fail():
+    case = _case("route_logits", 16, "ties", routing="uniform")
+    assert _run(X.honest_route_logits, case).passed
+    bad = _run(X.route_logits_ties_high, case)
+    assert not bad.passed and any("exact tie" in r for r in bad.reasons), bad.reasons
+    assert any(c.distribution == "ties" for c in matrix_for(op_def("route_logits"), CFG, torch.device("cpu")))
+
+
+def test_non_finite_scores_are_minus_infinity():
+    case = _case("route_logits", 16, "nonfinite", routing="uniform")
+    assert _run(X.honest_route_logits, case).passed
+    assert not _run(X.route_logits_nan_first, case).passed
+    assert any(c.distribution == "nonfinite" for c in matrix_for(op_def("route_logits"), CFG, torch.device("cpu")))
+
+
+def test_a_candidate_that_always_raises_gets_no_measurement_reported():
+    rep = check_callable("linear", X.linear_raises, quick=True)
+    assert not rep.passed
+    for name in ("precision_vs_oracle", "input_mutation", "output_aliasing", "work_after_return"):
+        d = defence(rep, name)
+        assert not d.passed and "not measured" in d.detail, (name, d.detail)
+    assert "within the policy" not in defence(rep, "precision_vs_oracle").detail

@@ -100,10 +100,10 @@ def test_nan_inf_shape_and_dtype_fail():
     assert not m.passed and "dtype" in m.reasons[0]
 
 
-def test_expert_ids_accept_ties_and_reject_wrong_choices():
-    scores = torch.tensor([[0.9, 0.8, 0.8, 0.1]], dtype=torch.float64)
-    ref = torch.tensor([[0, 1]], dtype=torch.int32)
-    assert N.compare_expert_ids("ids", torch.tensor([[2, 0]]), scores, ref, POLICY).passed  # tie 1 ~ 2
+def test_expert_ids_accept_near_ties_and_reject_wrong_choices():
+    scores = torch.tensor([[0.9, 0.8, 0.80002, 0.1]], dtype=torch.float64)
+    ref = torch.tensor([[0, 2]], dtype=torch.int32)
+    assert N.compare_expert_ids("ids", torch.tensor([[1, 0]]), scores, ref, POLICY).passed  # near-tie 1 ~ 2
     m = N.compare_expert_ids("ids", torch.tensor([[0, 3]]), scores, ref, POLICY)
     assert not m.passed and m.mismatch_fraction == 1.0
     assert not N.compare_expert_ids("ids", torch.tensor([[0, 0]]), scores, ref, POLICY).passed  # duplicate
@@ -170,3 +170,31 @@ def test_the_oracle_rounded_to_the_output_dtype_passes_every_op(name):
 
     rep = check_callable(name, oracle, quick=True)
     assert all(c.passed for c in rep.cases), rep.failure_reasons()
+
+
+def test_exact_ties_go_to_the_lower_index_and_the_tolerance_does_not_forgive_them():
+    scores = torch.tensor([[0.9, 0.8, 0.8, 0.1], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    ref = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+    assert N.compare_expert_ids("ids", torch.tensor([[1, 0], [1, 0]]), scores, ref, POLICY).passed
+    m = N.compare_expert_ids("ids", torch.tensor([[2, 0], [0, 1]]), scores, ref, POLICY)  # 2 over tied 1
+    assert not m.passed and "exact tie" in m.reasons[0] and m.mismatch_fraction == 0.5
+    assert not N.compare_expert_ids("ids", torch.tensor([[0, 1], [2, 3]]), scores, ref, POLICY).passed
+
+
+def test_non_finite_scores_count_as_minus_infinity():
+    """vLLM's rule: a NaN (or inf) score is never chosen ahead of a finite one."""
+    scores = torch.tensor([[float("nan"), 0.8, 0.7, 0.1], [0.9, float("inf"), 0.2, 0.3]], dtype=torch.float64)
+    ref = torch.tensor([[1, 2], [0, 3]], dtype=torch.int32)
+    assert N.compare_expert_ids("ids", ref, scores, ref, POLICY).passed
+    assert not N.compare_expert_ids("ids", torch.tensor([[0, 1], [0, 3]]), scores, ref, POLICY).passed
+    assert not N.compare_expert_ids("ids", torch.tensor([[1, 2], [1, 0]]), scores, ref, POLICY).passed
+
+
+def test_beyond_fp16_distribution_exceeds_65504_and_fits_bf16():
+    g = torch.Generator().manual_seed(0)
+    t = N.fill_distribution((64, 64), "beyond_fp16", g, "cpu", torch.bfloat16)
+    assert torch.isfinite(t).all() and t.abs().max().item() > 65504
+    assert (t.abs() > 65504).double().mean().item() > 0.1
+    assert torch.isinf(t.to(torch.float16)).any()  # an fp16 path overflows on it
+    ties = N.fill_distribution((8, 16), "ties", torch.Generator().manual_seed(0), "cpu", torch.float32)
+    assert all(len(set(r.tolist())) < 16 for r in ties)  # exact ties in every row

@@ -101,3 +101,22 @@ def test_bad_input_exit_2_one_message(tmp_path, capsys, args, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_standalone_audit_takes_directions_and_a_task_table(tmp_path, capsys):
+    """--param NAME=ROLE:DIRECTION and --points-to reach the audit (fixtures from tests/fixtures/race)."""
+    from pathlib import Path
+
+    from validation.cli import main
+
+    fx = Path(__file__).parent / "fixtures" / "race"
+    roles = ["flags=sync:inout", "data=activation:inout", "out=activation:out", "table=static:in",
+             "weights=static:in", "x=activation:in"]
+    idx = [f"--param={i}={r.split('=', 1)[1]}" for i, r in enumerate(roles)]
+    assert main(["audit", "--ptx", str(fx / "store_to_input.ptx")] + idx) == 1
+    assert "store-to-readonly" in capsys.readouterr().out
+    assert main(["audit", "--ptx", str(fx / "store_to_static_twin.ptx")] + idx) == 0
+    table = "--points-to=3=32:0=activation,8=static,16=scalar"
+    assert main(["audit", "--ptx", str(fx / "tableslot_undeclared.ptx"), table] + idx) == 1
+    assert "points-to-undeclared" in capsys.readouterr().out
+    assert main(["audit", "--ptx", str(fx / "tableslot_undeclared.ptx"), "--points-to=3=32:oops"] + idx) == 2

@@ -6,7 +6,6 @@ and the motivating bug (an invariant load hoisted above an acquire spin) must re
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -131,13 +130,12 @@ def test_nc_finding_located_in_ptx_sass_and_source():
     assert not any("'w'" in x.message for x in rep.findings)
 
 
-def test_static_audit_of_every_kernel_under_60s(tmp_path):
-    """Cold: a fresh build folder, so the time includes compiling every kernel."""
+@pytest.mark.slow
+def test_static_audit_of_every_kernel_cold(tmp_path):
+    """Cold: a fresh build folder, so every kernel is compiled and audited from scratch (its
+    time goes to benchmarks/race_audit_rules.py, not here)."""
     man = load_manifest()
-    t0 = time.perf_counter()
     reports = [audit_kernel(name, manifest=man, root=tmp_path) for name in man.kernels]
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, f"static audit of {len(reports)} kernels took {elapsed:.1f} s"
     assert all(r.clean for r in reports), [str(f) for r in reports for f in r.findings]
 
 

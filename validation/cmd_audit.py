@@ -2,7 +2,8 @@
 
     fasttrack audit KERNEL [--mutant M] [--json]
     fasttrack audit --all [--json]
-    fasttrack audit --ptx F.ptx [--cubin F.cubin] [--param NAME_OR_INDEX=ROLE ...] [--json]
+    fasttrack audit --ptx F.ptx [--cubin F.cubin] [--param NAME_OR_INDEX=ROLE[:DIRECTION] ...]
+                    [--points-to TABLE=STRIDE:OFFSET=ROLE,OFFSET=ROLE...] [--json]
 
 Exit 0 when clean, 1 when any finding has severity error, 2 for bad input.
 """
@@ -24,21 +25,49 @@ def add_parser(sub) -> None:
     p.add_argument("--mutant", help="audit a planted mutant of KERNEL (tests and evidence)")
     p.add_argument("--ptx", type=Path, help="standalone PTX file to audit")
     p.add_argument("--cubin", type=Path, help="its cubin (audits the SASS too)")
-    p.add_argument("--param", action="append", default=[], metavar="NAME_OR_INDEX=ROLE",
-                   help="role of a PTX parameter (static, activation, sync, scratch, scalar); "
+    p.add_argument("--param", action="append", default=[], metavar="NAME_OR_INDEX=ROLE[:DIRECTION]",
+                   help="role of a PTX parameter (static, activation, sync, scratch, scalar, tagged), "
+                        "optionally its direction (in, out, inout: a store to an input is an error); "
                         "parameters not named are activation")
+    p.add_argument("--points-to", action="append", default=[], metavar="TABLE=STRIDE:OFF=ROLE,...",
+                   help="a task table parameter: entries of STRIDE bytes whose 8 bytes at each OFF "
+                        "hold a pointer to a buffer of ROLE (scalar: not a pointer); see "
+                        "validation/race/MODEL.md")
     p.add_argument("--entry", help="PTX entry to audit when the file has several")
     p.add_argument("--json", action="store_true", help="print machine-readable findings")
 
 
-def _parse_params(items: list[str]) -> dict:
-    roles = {}
+def _parse_params(items: list[str]) -> tuple[dict, dict]:
+    roles, dirs = {}, {}
     for it in items:
         key, sep, role = it.partition("=")
         if not sep or not key or not role:
-            raise UserError(f"--param {it!r}: expected NAME_OR_INDEX=ROLE")
+            raise UserError(f"--param {it!r}: expected NAME_OR_INDEX=ROLE[:DIRECTION]")
+        role, _, direction = role.partition(":")
         roles[key.strip()] = role.strip()
-    return roles
+        if direction.strip():
+            dirs[key.strip()] = direction.strip()
+    return roles, dirs
+
+
+def _parse_points_to(items: list[str]) -> dict | None:
+    out = {}
+    for it in items:
+        table, sep, rest = it.partition("=")
+        stride, sep2, slots = rest.partition(":")
+        try:
+            decl = {"stride": int(stride, 0), "slots": {}}
+            for part in slots.split(","):
+                off, sep3, role = part.partition("=")
+                if not sep3:
+                    raise ValueError
+                decl["slots"][int(off, 0)] = role.strip()
+        except ValueError:
+            raise UserError(f"--points-to {it!r}: expected TABLE=STRIDE:OFFSET=ROLE[,OFFSET=ROLE...]") from None
+        if not sep or not sep2 or not table:
+            raise UserError(f"--points-to {it!r}: expected TABLE=STRIDE:OFFSET=ROLE[,OFFSET=ROLE...]")
+        out[table.strip()] = decl
+    return out or None
 
 
 def _standalone(args):
@@ -55,9 +84,10 @@ def _standalone(args):
             sass = disassemble(args.cubin)
         except SassError as e:
             raise UserError(str(e)) from None
+    roles, dirs = _parse_params(args.param)
     try:
-        return [audit_ptx(text, _parse_params(args.param), sass_text=sass, entry=args.entry,
-                          kernel=args.ptx.name)]
+        return [audit_ptx(text, roles, sass_text=sass, entry=args.entry, kernel=args.ptx.name,
+                          directions=dirs or None, points_to=_parse_points_to(args.points_to))]
     except AuditInputError as e:
         raise UserError(str(e)) from None
 
@@ -67,8 +97,8 @@ def _manifest(args):
     from kernels.manifest import ManifestError, load_manifest
     from validation.race.artifacts import audit_kernel
 
-    if args.param or args.cubin or args.entry:
-        raise UserError("--param, --cubin and --entry go with --ptx")
+    if args.param or args.cubin or args.entry or args.points_to:
+        raise UserError("--param, --points-to, --cubin and --entry go with --ptx")
     try:
         man = load_manifest()
         names = list(man.kernels) if args.all else [args.kernel]

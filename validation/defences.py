@@ -8,12 +8,16 @@ same guarded call, `invoke`, and the same defences:
   poisoned_outputs    outputs are poisoned (NaN, then a finite sentinel) before every run and every
                       element must be overwritten; for callables, the allocator's free memory of the
                       output sizes is poisoned first, so a stale buffer cannot pass for a result
-  input_mutation      every input (weights included) is cloned before the call and compared bitwise
+  input_mutation      every input (weights included) is cloned before the call and compared bitwise;
+                      during the call every torch op that writes memory is watched (a dispatch
+                      mode), so an input used as scratch and restored before return fails too
   output_aliasing     an output may not share memory with an input or with the reference's output
   both_orders         reference-then-candidate and candidate-then-reference, fresh allocations each:
                       an output reused from a freed or still-live reference buffer fails
-  reshuffled_inputs   the same shapes with permuted rows, new values in the old buffers, and one
-                      changed row: caching by pointer or by a weak value key fails
+  reshuffled_inputs   the same shapes with permuted rows, new values in the old buffers (written
+                      through an alias with its own version counter, so the tensors the candidate
+                      sees keep their `_version`), and one changed row: caching by pointer, by
+                      (pointer, version) or by a weak value key fails
   unseen_shapes       batches and widths the declared matrix never showed: shape specialisation fails
   precision_vs_oracle the float64 oracle, not the bf16 reference, is the target: an error more than
                       the policy's factor above the bf16 reference's (fp16/bf16 accumulation) fails
@@ -35,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .numerics import (Case, OutputMetrics, TolerancePolicy, compare_expert_ids, compare_output)
 from .opinputs import OpDef, build_inputs, flatten_outputs, iter_tensors, map_tensors
@@ -167,6 +172,46 @@ class Invocation:
         return d
 
 
+class InputWriteWatch(TorchDispatchMode):
+    """Records every torch op, during the call, that writes into memory of an input (its schema
+    marks the argument written: in-place ops, `out=`, copy_, set_, index_put_, ...), whatever the
+    input holds at return. Writes that bypass torch (a raw pointer through ctypes, a cubin) are
+    not seen here; for kernels the static audit's `store-to-readonly` covers them."""
+
+    def __init__(self, inputs: dict):
+        super().__init__()
+        self.spans = [(p, *_span(t)) for p, t in iter_tensors(inputs) if t.numel()]
+        self.hits: list[str] = []
+
+    def _note(self, val) -> None:
+        for t in (val if isinstance(val, (list, tuple)) else (val,)):
+            if isinstance(t, torch.Tensor) and t.numel():
+                try:
+                    a0, a1 = _span(t)
+                except RuntimeError:  # no storage (a functional or sparse tensor)
+                    continue
+                for p, b0, b1 in self.spans:
+                    if a0 < b1 and b0 < a1 and p not in self.hits:
+                        self.hits.append(p)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                self._note(args[i] if i < len(args) else kwargs.get(arg.name))
+        return func(*args, **kwargs)
+
+
+def refill_unversioned(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Write `src`'s values into `dst`'s memory through an alias with its own version counter:
+    `dst` keeps its identity, pointer and `_version`, only the bytes change. What an ordinary
+    kernel writing by pointer does, and what a cache keyed by (identity or pointer, version)
+    cannot see."""
+    alias = torch.empty(0, dtype=dst.dtype, device=dst.device)
+    alias.set_(dst.untyped_storage(), dst.storage_offset(), dst.size(), dst.stride())
+    alias.copy_(src)
+
+
 def invoke(subject, inputs: dict, *, poison: float = NAN_POISON, delay_s: float = DEFAULT_DELAY_S,
            forbidden: dict[str, torch.Tensor] | None = None) -> Invocation:
     """Call `subject` on `inputs` with the defences that apply to every single call.
@@ -182,8 +227,10 @@ def invoke(subject, inputs: dict, *, poison: float = NAN_POISON, delay_s: float 
     _sync(device)
     threads_before = threading.active_count()
     t0 = time.perf_counter()
+    watch = InputWriteWatch(inputs)
     try:
-        outs = subject.run(inputs, poison)
+        with watch:
+            outs = subject.run(inputs, poison)
     except Exception as e:  # the candidate's failure is a verdict, not a crash of the judge
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         return Invocation({}, error=tb, seconds=time.perf_counter() - t0)
@@ -198,6 +245,8 @@ def invoke(subject, inputs: dict, *, poison: float = NAN_POISON, delay_s: float 
     inv.extra_threads = max(0, threading.active_count() - threads_before)
     befores = dict(iter_tensors(before))
     inv.mutated_inputs = [p for p, t in iter_tensors(inputs) if not same_bits(t, befores[p])]
+    inv.mutated_inputs += [f"{p} (written during the call, restored before return)"
+                           for p in watch.hits if p not in inv.mutated_inputs]
     for oname, o in outs.items():
         for p, t in iter_tensors(inputs):
             if o.numel() and t.numel() and _overlaps(o, t):
@@ -225,6 +274,20 @@ class References:
 SELECTING_OPS = ("router", "route_logits")
 
 
+def _finite_selection(op: OpDef, inputs: dict, ref):
+    """The selection rule for non-finite scores: vLLM's router treats a non-finite score as -inf
+    (never chosen ahead of a finite one), and so does the check (numerics.compare_expert_ids).
+    Where the bf16 path's scores hold a non-finite value, its selection is redone under that rule
+    (ties still to the lower index) and pinned."""
+    logits = ref.logits if op.name == "router" else inputs["logits"].to(F32)
+    s = torch.sigmoid(logits.to(F32)) + inputs["bias"].to(F32)
+    if bool(torch.isfinite(s).all()):
+        return ref
+    s = torch.where(torch.isfinite(s), s, torch.full_like(s, -float("inf")))
+    ids = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, : inputs["top_k"]].to(torch.int32)
+    return op.reference(**inputs, ids=ids, compute_dtype=F32)
+
+
 def compute_references(op: OpDef, inputs: dict) -> References:
     """The bf16 path (float32 compute) and the float64 oracle of `op` on `inputs`.
 
@@ -233,6 +296,7 @@ def compute_references(op: OpDef, inputs: dict) -> References:
     ref = op.reference(**inputs, compute_dtype=F32)
     extra = {}
     if op.name in SELECTING_OPS:
+        ref = _finite_selection(op, inputs, ref)
         oracle = op.reference(**inputs, ids=ref.ids, compute_dtype=F64)
         logits = oracle.logits if op.name == "router" else inputs["logits"].to(F64)
         extra["scores"] = torch.sigmoid(logits) + inputs["bias"].to(F64)
@@ -349,13 +413,31 @@ def _summary(name: str, results: list[CaseResult], what: str, ok_detail: str) ->
     return DefenceResult(name, True, True, ok_detail, ids)
 
 
+def ran(r: CaseResult) -> bool:
+    """The candidate's call returned (a call that raised measured nothing)."""
+    return not any(d.startswith("raised:") for d in r.defects)
+
+
+def not_measured(name: str, results: list[CaseResult]) -> DefenceResult:
+    """A defence whose measurement never happened: it fails and says so."""
+    return DefenceResult(name, False, True,
+                         f"not measured: the candidate raised on every one of {len(results)} calls "
+                         f"(e.g. {results[0].defects[0] if results and results[0].defects else 'no calls'})",
+                         [r.case.case_id for r in results])
+
+
 def defence_from_matrix(name: str, results: list[CaseResult], prefix: str, ok_detail: str) -> DefenceResult:
-    """A per-call defence summarised over the whole matrix: fails if any case shows `prefix`."""
+    """A per-call defence summarised over the whole matrix: fails if any case shows `prefix`, or
+    if no call returned (nothing was measured). `{n}` in `ok_detail` counts the calls that ran."""
     hits = [f"{r.case.case_id}: {d}" for r in results for d in r.reasons if d.startswith(prefix)]
     ids = [r.case.case_id for r in results]
     if hits:
         return DefenceResult(name, False, True, hits[0] + (f" (+{len(hits) - 1} more)" if len(hits) > 1 else ""), ids)
-    return DefenceResult(name, True, True, ok_detail.format(n=len(results)), ids)
+    done = [r for r in results if ran(r)]
+    if not done:
+        return not_measured(name, results)
+    extra = f" ({len(results) - len(done)} call(s) raised, not measured)" if len(done) < len(results) else ""
+    return DefenceResult(name, True, True, ok_detail.format(n=len(done)) + extra, ids)
 
 
 def check_coverage(subject, op: OpDef, case: Case, inputs: dict, policy: TolerancePolicy) -> DefenceResult:
@@ -439,9 +521,9 @@ def check_reshuffled(subject, op: OpDef, case: Case, base_cfg, policy: Tolerance
     steps.append(("last row changed", one_row))
     results = []
     for label, inputs in steps:
-        if inputs is None:  # overwrite the first call's buffers in place, pointers unchanged
+        if inputs is None:  # the first call's tensors, refilled: same objects, pointers, versions
             for (p, dst), (_, src) in zip(iter_tensors(a), iter_tensors(other)):
-                dst.copy_(src)
+                refill_unversioned(dst, src)
             inputs = a
         res = evaluate(subject, op, case, inputs, policy)[0]
         res.order = label

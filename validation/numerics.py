@@ -26,8 +26,13 @@ import torch
 POLICY_PATH = Path(__file__).with_name("tolerances.toml")
 
 DISTRIBUTIONS = ("normal", "uniform", "large", "near_zero", "outliers")
+# Distributions `fasttrack check` adds (validation.check): magnitudes past fp16's 65504 (an fp16
+# intermediate overflows; bf16 and fp32 hold them), and values on a coarse grid so that router
+# scores tie exactly (the reference breaks exact ties toward the lower expert index).
+EXTRA_DISTRIBUTIONS = ("beyond_fp16", "ties", "nonfinite")  # nonfinite: router logits with NaN/±inf
 ROUTINGS = ("uniform", "hot", "same", "distinct")
 DEFAULT_BATCHES = (1, 3, 8, 64)  # 3: an odd batch that fills no power-of-two tile
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)  # every batch the decode block serves
 DEFAULT_SEEDS = (0, 1)
 
 
@@ -225,7 +230,11 @@ def compare_output(name: str, cand: torch.Tensor, oracle: torch.Tensor, ref: tor
 def compare_expert_ids(name: str, cand_ids: torch.Tensor, oracle_scores: torch.Tensor,
                        ref_ids: torch.Tensor, policy: TolerancePolicy) -> OutputMetrics:
     """Expert ids [T, k]: each token's chosen set must be a valid top-k of the oracle's biased
-    scores, up to ties within `policy.tie_tolerance` (order within a token does not matter)."""
+    scores, up to near-ties within `policy.tie_tolerance` (order within a token does not
+    matter). Exact ties are not forgiven: of experts with bitwise-equal scores the lower index
+    wins (the reference's rule), so choosing a higher index over a tied lower one fails.
+    Non-finite scores count as -inf (vLLM's rule): such an expert is chosen only when fewer than
+    k finite ones exist."""
     reasons = []
     if tuple(cand_ids.shape) != tuple(ref_ids.shape):
         reasons.append(f"{name}: shape {tuple(cand_ids.shape)} != reference {tuple(ref_ids.shape)}")
@@ -233,6 +242,7 @@ def compare_expert_ids(name: str, cand_ids: torch.Tensor, oracle_scores: torch.T
     else:
         ids = cand_ids.detach().to("cpu").long()
         s = oracle_scores.detach().to("cpu").double()
+        s = torch.where(torch.isfinite(s), s, torch.full_like(s, -math.inf))
         T, k = ids.shape
         in_range = (ids >= 0) & (ids < s.shape[1])
         dup = torch.zeros(T, dtype=torch.bool)
@@ -242,9 +252,19 @@ def compare_expert_ids(name: str, cand_ids: torch.Tensor, oracle_scores: torch.T
         kth = s.sort(dim=1, descending=True).values[:, k - 1: k]
         chosen = torch.gather(s, 1, ids.clamp(0, s.shape[1] - 1))
         ok = in_range.all(dim=1) & ~dup & (chosen >= kth - policy.tie_tolerance).all(dim=1)
+        # an exact tie broken the other way: an expert not chosen with a lower index and the
+        # same score as a chosen one
+        picked = torch.zeros_like(s, dtype=torch.bool).scatter_(1, ids.clamp(0, s.shape[1] - 1), True)
+        idx = torch.arange(s.shape[1])
+        same = (s.unsqueeze(2) == s.unsqueeze(1))  # [T, i, j]: score i == score j
+        lower = idx.view(1, -1, 1) < idx.view(1, 1, -1)  # i < j
+        flipped = (same & lower & ~picked.unsqueeze(2) & picked.unsqueeze(1)).any(dim=(1, 2))
+        ties_bad = int((ok & flipped).sum())
+        ok = ok & ~flipped
         bad_frac = 1.0 - ok.double().mean().item()
         if bad_frac > 0:
-            reasons.append(f"{name}: {int((~ok).sum())} of {T} tokens chose experts outside the top-{k}")
+            reasons.append(f"{name}: {int((~ok).sum())} of {T} tokens chose experts outside the top-{k}"
+                           + (f" ({ties_bad} broke an exact tie toward the higher index)" if ties_bad else ""))
     return OutputMetrics(name, "int32", ref_ids.numel(), math.nan, math.nan, math.nan, math.nan,
                          math.nan, math.nan, math.nan, math.nan, bad_frac, 0.0, 0.0, 0, 0,
                          not reasons, reasons)
@@ -344,8 +364,22 @@ def fill_distribution(shape, distribution: str, gen: torch.Generator, device,
     elif distribution == "outliers":
         mask = torch.rand(shape, generator=gen, device=device) < 0.005
         t = torch.where(mask, t * 64.0, t)
+    elif distribution == "beyond_fp16":
+        # |x| in [2^16, 2^19] for a quarter of the elements, N(0,1) x 4096 elsewhere: past
+        # 65504, the largest fp16, yet a small fraction of bf16's and fp32's range
+        mag = torch.exp2(16 + 3 * torch.rand(shape, generator=gen, device=device))
+        big = torch.rand(shape, generator=gen, device=device) < 0.25
+        t = torch.where(big, torch.sign(t) * mag, t * 4096.0)
+    elif distribution == "nonfinite":
+        u = torch.rand(shape, generator=gen, device=device)
+        t = torch.where(u < 0.03, torch.full_like(t, math.nan), t)
+        t = torch.where((u >= 0.03) & (u < 0.04), torch.full_like(t, math.inf), t)
+        t = torch.where((u >= 0.04) & (u < 0.05), torch.full_like(t, -math.inf), t)
+    elif distribution == "ties":
+        t = torch.round(t.clamp(-2, 2) * 2) / 2  # {-2, -1.5, ..., 2}: many exact ties per row
     elif distribution != "normal":
-        raise ValueError(f"unknown distribution {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
+        raise ValueError(f"unknown distribution {distribution!r}; "
+                         f"known: {', '.join(DISTRIBUTIONS + EXTRA_DISTRIBUTIONS)}")
     return t.to(dtype)
 
 

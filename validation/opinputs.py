@@ -63,6 +63,8 @@ def _router_bias(case, cfg, device):
     """Routing patterns for the router itself, through its selection-only bias."""
     g = case_generator(case, "bias", device)
     b = 0.02 * torch.randn(cfg.n_experts, generator=g, device=device)
+    if case.distribution == "ties":
+        b = torch.zeros_like(b)  # tied logits stay tied scores
     if case.routing == "hot":
         b[: max(1, cfg.top_k // 2)] += 1.0
     elif case.routing == "same":

@@ -64,8 +64,13 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     built = {q["name"]: q.get("spec", {}) for q in _meta(art).get("params", [])}
     roles = ["tagged" if r == "sync" and built.get(n, {}).get("protocol") == "tagged" else r
              for r, n in zip(roles, names)]
+    directions = [getattr(p, "direction", None) or "in" for p in spec.params]
+    # a task table's declaration of what each slot points to (the manifest's `points_to`, when
+    # the kernel has one: {param: {"stride": BYTES, "slots": {OFFSET: ROLE}}})
+    points_to = getattr(spec, "points_to", None) or None
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
-                     syncs=spec.syncs_across_ctas or None, source_root=REPO_ROOT)  # None: from the roles
+                     syncs=spec.syncs_across_ctas or None, source_root=REPO_ROOT,  # None: from the roles
+                     directions=directions, points_to=points_to)
 
 
 def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import ir
 from .cfg import CFG
-from .dataflow import analyze
+from .dataflow import LOADED_PTR, UNKNOWN_SLOT, analyze, slot_index
 from .ptx import parse_ptx
 from .rules import ERROR, RULES, RawFinding, Roles, check_function
 from .sass import parse_sass
@@ -58,6 +58,7 @@ class AuditReport:
     checked: list[str]  # "ptx", "sass"
     instructions: dict[str, int]
     seconds: float
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per analysis (parse, cfg, rules)
 
     @property
     def errors(self) -> list[Finding]:
@@ -125,18 +126,78 @@ def resolve_roles(params: list[ir.ParamDecl], spec: dict | list | None,
     return roles, disp
 
 
+DIRECTIONS = ("in", "out", "inout")
+
+
+def _resolve_directions(params, spec, disp: dict[int, str]) -> dict[int, str]:
+    """Directions by PTX index from a list in parameter order or a dict keyed by name/index.
+    Parameters not named have no direction (not checked)."""
+    if spec is None:
+        return {}
+    by_name = {nm: i for i, nm in disp.items()}
+    items = list(enumerate(spec)) if isinstance(spec, (list, tuple)) else list(spec.items())
+    out = {}
+    for key, d in items:
+        if d not in DIRECTIONS:
+            raise AuditInputError(f"unknown direction {d!r} for parameter {key!r}; directions are {', '.join(DIRECTIONS)}")
+        idx = int(key) if isinstance(key, int) or str(key).isdigit() else by_name.get(key)
+        if idx is None or idx not in disp:
+            raise AuditInputError(f"unknown parameter {key!r} in the directions")
+        out[idx] = d
+    return out
+
+
+def _resolve_tables(points_to: dict | None, disp: dict[int, str], roles: dict[int, str]):
+    """Declared task tables: `points_to` maps a table parameter (name or index) to
+    {"stride": BYTES, "slots": {OFFSET: ROLE}}: every entry of the table is `stride` bytes, and
+    the 8 bytes at `OFFSET` of each entry hold a pointer to a buffer of role ROLE (or, for role
+    "scalar", a number that is not an address). Returns (tables: param -> stride, slot roles by
+    virtual index, slot display names)."""
+    if not points_to:
+        return {}, {}, {}
+    by_name = {nm: i for i, nm in disp.items()}
+    tables, slot_roles, slot_names = {}, {}, {}
+    for key, decl in points_to.items():
+        idx = int(key) if isinstance(key, int) or str(key).isdigit() else by_name.get(key)
+        if idx is None or idx not in disp:
+            raise AuditInputError(f"points-to: unknown table parameter {key!r}")
+        if not isinstance(decl, dict) or not isinstance(decl.get("slots"), dict) or not decl["slots"]:
+            raise AuditInputError(f"points-to {key!r}: expected {{'stride': BYTES, 'slots': {{OFFSET: ROLE}}}}")
+        try:
+            stride = int(decl.get("stride", 0))
+            slots = {int(o): r for o, r in decl["slots"].items()}
+        except (TypeError, ValueError):
+            raise AuditInputError(f"points-to {key!r}: stride and slot offsets must be integers") from None
+        if stride < 0 or any(not 0 <= o < (stride or UNKNOWN_SLOT) for o in slots):
+            raise AuditInputError(f"points-to {key!r}: every slot offset must lie inside one entry (0..stride-1)")
+        for o, r in slots.items():
+            if r not in BUFFER_ROLES + ("scalar",):
+                raise AuditInputError(f"points-to {key!r} slot {o}: unknown role {r!r}")
+        tables[idx] = stride
+        for o, r in slots.items():
+            slot_roles[slot_index(idx, o)] = r
+            slot_names[slot_index(idx, o)] = f"{disp[idx]}[+{o}]"
+    return tables, slot_roles, slot_names
+
+
 def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str | None = None,
               param_names: list[str] | None = None, kernel: str | None = None,
               entry: str | None = None, syncs: bool | None = None,
-              source_root: Path | None = None) -> AuditReport:
+              source_root: Path | None = None, directions: dict | list | None = None,
+              points_to: dict | None = None) -> AuditReport:
     """Audit one PTX entry (and its SASS when `sass_text` is given) against parameter roles.
 
     `roles`: a list in parameter order, or a dict keyed by name/index (unnamed: activation).
     `syncs`: whether the kernel synchronizes across CTAs (default: it has a `sync` or `tagged`
     parameter).
+    `directions`: "in" / "out" / "inout" per parameter (list or dict; the manifest's): a store
+    to an "in" buffer is an error.
+    `points_to`: task tables whose entries hold pointers (see `_resolve_tables`): a pointer
+    loaded from a declared slot is audited as a buffer of the slot's role.
     Raises AuditInputError when the PTX has no entry (or not `entry`), or roles do not fit.
     """
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
     try:
         funcs = parse_ptx(ptx_text)
     except ValueError as e:
@@ -151,32 +212,44 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     by_index, disp = resolve_roles(fn.params, roles, param_names)
     if syncs is None:
         syncs = bool({"sync", "tagged"} & set(by_index.values()))
+    dirs = _resolve_directions(fn.params, directions, disp)
+    tables, slot_roles, slot_names = _resolve_tables(points_to, disp, by_index)
+    timings["parse"] = time.perf_counter() - t0
 
+    def lap(key: str, t: float) -> None:
+        timings[key] = timings.get(key, 0.0) + time.perf_counter() - t
+
+    t = time.perf_counter()
     cfg = CFG(fn)
-    prov = analyze(cfg)
-    r = Roles(by_index, disp)
-    for ins in fn.instrs:
-        ps = {p for p in prov.params_of_addr(ins.index) if by_index.get(p) != "scalar"}
-        if ins.writes_memory:
-            r.written |= ps
-        if ins.kind in (ir.LOAD, ir.ATOM):
-            r.loaded |= ps
-    raw = [(fn, f) for f in check_function(cfg, prov, r, syncs=syncs)]
+    prov = analyze(cfg, tables)
+    lap("cfg+provenance", t)
+    all_roles = dict(by_index)
+    all_roles[LOADED_PTR] = "activation"  # a pointer loaded from memory, undeclared: audited as data
+    all_roles.update(slot_roles)
+    names = dict(disp)
+    names[LOADED_PTR] = "<pointer loaded from memory>"
+    names.update(slot_names)
+    r = Roles(all_roles, names, directions=dirs, tables=set(tables))
+    r.note_accesses(fn, prov)
+    raw = [(fn, f) for f in check_function(cfg, prov, r, syncs=syncs, timings=timings)]
     checked = ["ptx"]
     counts = {"ptx": len(fn.instrs)}
     if sass_text is not None:
+        t = time.perf_counter()
         sfuncs = [f for f in parse_sass(sass_text, fn.params) if f.name == fn.name] or parse_sass(sass_text, fn.params)
         sfn = sfuncs[0]
         scfg = CFG(sfn)
-        sprov = analyze(scfg)
-        raw += [(sfn, f) for f in check_function(scfg, sprov, r, syncs=syncs)]
+        sprov = analyze(scfg, tables)
+        lap("cfg+provenance", t)
+        raw += [(sfn, f) for f in check_function(scfg, sprov, r, syncs=syncs, timings=timings)]
         checked.append("sass")
         counts["sass"] = len(sfn.instrs)
-    findings = _merge(raw, disp, source_root)
+    findings = _merge(raw, names, source_root)
     return AuditReport(
         kernel=kernel or fn.name, entry=fn.name,
         params=[{"index": p.index, "name": disp[p.index], "role": by_index[p.index]} for p in fn.params],
         findings=findings, checked=checked, instructions=counts, seconds=time.perf_counter() - t0,
+        timings={k: round(v, 4) for k, v in timings.items()},
     )
 
 
@@ -189,7 +262,7 @@ def _merge(raw: list[tuple[ir.Function, RawFinding]], disp: dict[int, str], root
         where = f"{fn.location(rf.instr)}: {rf.instr.text}"
         f = merged.get(key)
         if f is None:
-            f = Finding(rule.id, rule.severity, rf.message, [disp[p] for p in rf.params], source=src)
+            f = Finding(rule.id, rule.severity, rf.message, [disp.get(p, str(p)) for p in rf.params], source=src)
             merged[key] = f
         if fn.dialect == "sass":
             f.sass = f.sass or where

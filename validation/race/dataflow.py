@@ -4,7 +4,11 @@ Every register holds a set of provenance tags:
   ("param", i)  derived (through any arithmetic: cvta, add, mad, mul.wide, shifts, moves, ...)
                 from kernel parameter i (`ld.param` in PTX, `c[0x0][..]` in SASS);
   "tid"         varies between threads of one CTA (tid, laneid, or loaded through such an address);
-  "mem"         loaded from memory (its provenance beyond that is unknown).
+  "wide"        varies between the warps of a CTA too (or may: a value without it but with "tid"
+                varies only between lanes: %laneid, elect.sync, tid & 31, tid % 32);
+  "mem"         loaded from memory (its provenance beyond that is unknown);
+  ("param", v)  with v >= SLOT_BASE: a pointer loaded from a declared slot of a task table
+                (`Tables`), a buffer of its own with the role the declaration gives it.
 The join is set union, so the answer is conservative: an address may derive from a parameter
 whenever some path makes it so. An address whose tags hold no parameter has unknown provenance,
 and the rules say so instead of guessing.
@@ -12,14 +16,34 @@ and the rules say so instead of guessing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import ir
 from .cfg import CFG
 
 TID = "tid"
+WIDE = "wide"
 MEM = "mem"
 Prov = frozenset
+# Virtual buffer indices: a pointer loaded from memory is a buffer of its own. LOADED_PTR: loaded
+# from anywhere the audit has no declaration for; SLOT_BASE + table * SLOT_SPAN + offset: loaded
+# from byte `offset` (modulo the entry stride) of the entries of declared table parameter `table`.
+LOADED_PTR = 99_999
+SLOT_BASE = 100_000
+SLOT_SPAN = 1 << 16
+UNKNOWN_SLOT = SLOT_SPAN - 1
+
+
+def slot_index(table: int, offset: int) -> int:
+    return SLOT_BASE + table * SLOT_SPAN + offset
+
+
+def slot_of(index: int) -> tuple[int, int] | None:
+    """(table parameter, byte offset) of a virtual slot buffer, else None."""
+    if index < SLOT_BASE:
+        return None
+    return (index - SLOT_BASE) // SLOT_SPAN, (index - SLOT_BASE) % SLOT_SPAN
 
 
 def param_tag(i: int) -> tuple[str, int]:
@@ -35,10 +59,21 @@ class Provenance:
     dest: dict[int, frozenset]  # instr index -> tags of the value it defines
 
     def params_of_addr(self, index: int) -> set[int]:
-        return {t[1] for t in self.addr.get(index, ()) if isinstance(t, tuple)}
+        """Buffers the address may point into: parameters, declared table slots, and LOADED_PTR
+        for an address loaded from memory the audit has no declaration for."""
+        tags = self.addr.get(index, ())
+        out = {t[1] for t in tags if isinstance(t, tuple) and t[0] == "param"}
+        if not out and MEM in tags:
+            out.add(LOADED_PTR)
+        return out
 
     def guard_is_thread_varying(self, index: int) -> bool:
         return TID in self.guard.get(index, frozenset())
+
+    def guard_is_lane_only(self, index: int) -> bool:
+        """The guard varies between threads, but only between the lanes of one warp."""
+        g = self.guard.get(index, frozenset())
+        return TID in g and WIDE not in g
 
 
 def _is_load_like(ins: ir.Instr) -> bool:
@@ -46,7 +81,7 @@ def _is_load_like(ins: ir.Instr) -> bool:
     return ins.kind in (ir.LOAD, ir.ATOM) or op in ("ld", "ldu", "LDS", "LDG", "LD", "LDL", "LDSM", "ATOMS", "ldmatrix")
 
 
-def _transfer(ins: ir.Instr, state: dict, record: Provenance | None) -> None:
+def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dict | None = None) -> None:
     src = set()
     for r in ins.srcs:
         src |= state.get(r, frozenset())
@@ -54,6 +89,25 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None) -> None:
         src.add(param_tag(p))
     if ins.reads_tid:
         src.add(TID)
+        if not ins.extra.get("lane_src"):
+            src.add(WIDE)
+    if ins.extra.get("lane_src") and ins.opcode.startswith("elect"):
+        src.add(TID)
+    if ins.extra.get("lane_of") and TID in src:
+        src.discard(WIDE)
+    if tables:  # constant byte offsets of addresses, for the slots of declared task tables
+        if "imm_add" in ins.extra:
+            offs = {t for t in src if isinstance(t, tuple) and t[0] == "off"} or {("off", 0)}
+            mod = tables.get("<period>") or None  # offsets matter modulo the entry strides
+            src = (src - offs) | {("off", None if t[1] is None else
+                                   (t[1] + ins.extra["imm_add"]) % mod if mod else t[1] + ins.extra["imm_add"])
+                                  for t in offs}
+        elif "scales" in ins.extra:  # a product: only the addend's offset survives
+            keep = set().union(*(state.get(r, frozenset()) for r in ins.extra["scales"]))
+            src = {t for t in src if not (isinstance(t, tuple) and t[0] == "off") or t in keep}
+        offs = {t for t in src if isinstance(t, tuple) and t[0] == "off"}
+        if len(offs) > 4 or any(t[1] is not None and abs(t[1]) > 1 << 20 for t in offs):
+            src = (src - offs) | {("off", None)}  # widening: a counter, not a slot offset
     if record is not None:
         if ins.addr_regs or ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             a = set()
@@ -68,9 +122,21 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None) -> None:
         addr = set()
         for r in ins.addr_regs:
             addr |= state.get(r, frozenset())
-        val = frozenset({MEM} | ({TID} if TID in addr else set()))
+        val = frozenset({MEM} | ({TID, WIDE} & addr))
         if ins.kind == ir.ATOM:
-            val = val | {TID}  # each thread's RMW returns a different old value
+            val = val | {TID, WIDE}  # each thread's RMW returns a different old value
+        elif tables and ins.kind == ir.LOAD and ins.dests:
+            hit = [t[1] for t in addr if isinstance(t, tuple) and t[0] == "param" and t[1] in tables]
+            if hit:  # a slot of a declared table: the pointer it holds is a buffer of its own
+                stride = tables[hit[0]]
+                offs = {t[1] for t in addr if isinstance(t, tuple) and t[0] == "off"} or {0}
+                offs = {None if o is None else (o + ins.extra.get("addr_imm", 0)) % stride if stride
+                        else o + ins.extra.get("addr_imm", 0) for o in offs}
+                if None in offs:
+                    offs = {UNKNOWN_SLOT, -1}
+                # paths that disagree on the offset: the slot is unknown (UNKNOWN_SLOT)
+                off = offs.pop() if len(offs) == 1 else UNKNOWN_SLOT
+                val = frozenset({param_tag(slot_index(hit[0], off))} | ({TID, WIDE} & addr))
     else:
         val = frozenset(src)
     if "param_exact" in ins.extra:  # an address known to be exactly this parameter's (sass.py)
@@ -83,9 +149,15 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None) -> None:
         state[d] = val
 
 
-def analyze(cfg: CFG) -> Provenance:
-    """Run the provenance analysis to a fixed point and record per-instruction tags."""
+def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
+    """Run the provenance analysis to a fixed point and record per-instruction tags.
+    `tables`: declared task-table parameters -> their entry stride in bytes (0: one entry);
+    a value loaded from one is tagged with the slot it came from (see `slot_index`)."""
     fn = cfg.fn
+    if tables:
+        tables = dict(tables)
+        strides = [v for v in tables.values() if v]
+        tables["<period>"] = math.lcm(*strides) if strides else 0
     out: dict[int, dict] = {}
     changed = True
     rounds = 0
@@ -100,7 +172,7 @@ def analyze(cfg: CFG) -> Provenance:
                     for r, t in out[p].items():
                         state[r] = state.get(r, frozenset()) | t
             for k in range(blk.start, blk.end):
-                _transfer(fn.instrs[k], state, None)
+                _transfer(fn.instrs[k], state, None, tables)
             if out.get(b) != state:
                 out[b] = state
                 changed = True
@@ -115,5 +187,5 @@ def analyze(cfg: CFG) -> Provenance:
                 for r, t in out[p].items():
                     state[r] = state.get(r, frozenset()) | t
         for k in range(blk.start, blk.end):
-            _transfer(fn.instrs[k], state, rec)
+            _transfer(fn.instrs[k], state, rec, tables)
     return rec

@@ -107,6 +107,8 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     elif op0 in ("bar", "barrier"):
         if any(t in ("sync", "red") for t in tokens[1:]) and "warp" not in tokens:
             ins.kind = ir.BARRIER
+        elif "warp" in tokens:
+            ins.extra["warp_sync"] = True  # __syncwarp (see below)
     elif op0 == "bra":
         ins.kind = ir.BRANCH
         ins.targets = (operands[-1].strip(),) if operands else ()
@@ -114,11 +116,18 @@ def _classify(ins: ir.Instr, tokens: list[str], operands: list[str]) -> None:
     elif op0 in ("ret", "exit", "trap"):
         ins.kind = ir.EXIT
         ins.conditional = ins.guard is not None
+    elif op0 in ("shfl", "vote", "match", "redux") and "sync" in tokens:
+        # warp-synchronous operations: CUDA documents that __syncwarp orders the participating
+        # threads' memory accesses, and the audit takes shfl/vote of an acquired value as that
+        # too (validation/race/MODEL.md)
+        ins.extra["warp_sync"] = True
     elif ins.opcode == "griddepcontrol.wait":
         ins.kind = ir.GRIDDEP_WAIT
     elif op0 in ("cp", "cp.reduce") or ins.opcode.startswith("cp.reduce.async.bulk"):
         opc = ins.opcode
-        if opc.startswith("cp.async.bulk.wait_group"):
+        if "prefetch" in tokens:
+            pass  # cp.async.bulk.prefetch[.tensor].L2: warms L2, neither reads into nor writes anything
+        elif opc.startswith("cp.async.bulk.wait_group"):
             if ".read" not in opc:
                 ins.kind = ir.BULK_WAIT
                 ins.extra["pending_allowed"] = int(operands[0]) if operands and operands[0].isdigit() else 0
@@ -245,10 +254,11 @@ def _parse_body(name, params, body, files) -> ir.Function:
 
 
 def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
-    guard = None
+    guard = guard_raw = None
     if stmt.startswith("@"):
         g, _, stmt = stmt.partition(" ")
-        guard = g[1:].lstrip("!")
+        guard_raw = g[1:]
+        guard = guard_raw.lstrip("!")
         stmt = stmt.strip()
     parts = stmt.split(None, 1)
     if not parts:
@@ -259,6 +269,8 @@ def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
     tokens = opcode.split(".")
     ins = ir.Instr(index=index, text=stmt, opcode=opcode, guard=guard, line=lineno, loc=loc)
     _classify(ins, tokens, operands)
+    if guard_raw:
+        ins.extra["guard_raw"] = guard_raw
     op0 = tokens[0]
     dests: list[str] = []
     src_ops = operands
@@ -284,7 +296,22 @@ def _parse_instr(stmt, index, lineno, loc, by_name) -> ir.Instr | None:
     ins.dests = tuple(dests)
     ins.srcs = tuple(srcs)
     ins.addr_regs = tuple(addr)
+    if addr and "addr_operand" not in ins.extra:
+        im = re.search(r"\+\s*(-?(?:0x[0-9a-fA-F]+|\d+))\s*\]", next((o for o in operands if o.startswith("[")), ""))
+        ins.extra["addr_imm"] = int(im.group(1), 0) if im else 0
+    if op0 in ("and", "rem") and len(src_ops) == 2 and src_ops[1].strip() in (("31", "0x1f", "0x1F") if op0 == "and" else ("32",)):
+        ins.extra["lane_of"] = True  # tid & 31, tid % 32: the lane (blockDim.x a multiple of 32)
+    if op0 == "elect":
+        ins.extra["lane_src"] = True
+    # constant offsets for task-table slots (dataflow.py): add of an immediate, or a scaling
+    if op0 in ("add", "sub") and len(src_ops) == 2 and re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", src_ops[1].strip()):
+        k = int(src_ops[1].strip(), 0)
+        ins.extra["imm_add"] = -k if op0 == "sub" else k
+    elif op0 in ("mul", "shl", "mad"):
+        ins.extra["scales"] = _regs(src_ops[2]) if op0 == "mad" and len(src_ops) > 2 else []
     ins.reads_tid = any(_THREAD_VARYING.match(r) for r in srcs)
+    if ins.reads_tid and all(r.startswith(("%laneid", "%lanemask")) for r in srcs if _THREAD_VARYING.match(r)):
+        ins.extra["lane_src"] = True  # varies only between the lanes of a warp
     if op0 == "ld" and "param" in tokens:
         for o in src_ops:
             pm = re.match(r"\[\s*([\w$]+)", o)

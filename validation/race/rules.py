@@ -14,16 +14,25 @@ analyses are small data-flows over the CFG:
   data since the last CTA barrier?
 * undeclared handshake (forward, per loop, any kernel): does a loop's exit depend on a value
   it loads from an activation or scratch buffer? That is a wait on memory; the ordering rules
-  above run only on buffers the manifest declares `sync`, so such a loop must be declared.
+  above run only on buffers the manifest declares `sync`, so such a loop must be declared;
+* per access (any kernel): writes to read-only buffers (static, inputs, declared task tables),
+  nc loads of anything written during the launch, accesses through task-table slots the
+  declaration does not name.
+
+Pointers loaded from memory are buffers of their own (dataflow.LOADED_PTR, or a declared
+table slot), so every rule above applies to them. Where the rules follow the PTX memory model
+strictly and where they rely on documented CUDA guarantees: MODEL.md beside this file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 from . import ir
 from .cfg import CFG
-from .dataflow import Provenance
+from .dataflow import LOADED_PTR, UNKNOWN_SLOT, Provenance, slot_of
 
 ERROR = "error"
 WARNING = "warning"
@@ -71,6 +80,12 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("tagged-weak-access", ERROR,
          "access to a tagged sync buffer (each word its own flag) that is not a strong, gpu- or "
          "sys-scope load or store of whole words: weak, cp.async, cta/cluster-scope or atomic"),
+    Rule("store-to-readonly", ERROR,
+         "a write to a buffer declared read-only for the launch: a `static` parameter (weights), an "
+         "input (direction \"in\"), or a declared task table"),
+    Rule("points-to-undeclared", ERROR,
+         "an access through a pointer loaded from a declared task table at a slot the declaration "
+         "does not name (or declares scalar), or an offset the audit cannot tell"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -93,6 +108,27 @@ class Roles:
     names: dict[int, str]
     written: set[int] = field(default_factory=set)  # buffers some instruction writes
     loaded: set[int] = field(default_factory=set)  # buffers some instruction reads
+    directions: dict[int, str] = field(default_factory=dict)  # "in" / "out" / "inout" (declared)
+    tables: set[int] = field(default_factory=set)  # declared task-table parameters
+
+    def note_accesses(self, fn: ir.Function, prov: Provenance) -> None:
+        """Record which buffers `fn` writes and reads (scalars excepted)."""
+        for ins in fn.instrs:
+            ps = {p for p in prov.params_of_addr(ins.index) if self.by_index.get(p) != "scalar"}
+            if ins.writes_memory:
+                self.written |= ps
+            if ins.kind in (ir.LOAD, ir.ATOM):
+                self.loaded |= ps
+
+    def readonly(self, p: int) -> str | None:
+        """Why buffer `p` may not be written during the launch, or None."""
+        if self.by_index.get(p) == "static":
+            return "declared static (weights, read-only for the launch)"
+        if p in self.tables:
+            return "a declared task table (the pointers it holds must not change during the launch)"
+        if self.directions.get(p) == "in":
+            return "an input (direction \"in\")"
+        return None
 
     def of(self, role: str) -> set[int]:
         return {i for i, r in self.by_index.items() if r == role}
@@ -112,6 +148,12 @@ class Roles:
     def data(self) -> set[int]:
         """Activation/scratch buffers written by this kernel: reads of them may race."""
         return {i for i in self.written if self.by_index.get(i) in ("activation", "scratch")}
+
+    @property
+    def mutable(self) -> set[int]:
+        """Every activation/scratch buffer, written by this kernel or not: after a spin, a read
+        of one reads what the other side of the handshake (maybe another launch) wrote."""
+        return {i for i, r in self.by_index.items() if r in ("activation", "scratch")}
 
     @property
     def xcta_data(self) -> set[int]:
@@ -391,51 +433,92 @@ def _replay(cfg: CFG, ins_state: dict, step, emit) -> None:
             step(cfg.fn.instrs[k], st, emit)
 
 
-def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> list[RawFinding]:
+def _names(roles: Roles, ps) -> str:
+    return ", ".join(f"{roles.names.get(p, p)!r} (role {roles.by_index.get(p, 'activation')})" for p in ps)
+
+
+def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
+                   timings: dict | None = None) -> list[RawFinding]:
     """All rules on one function. PTX and SASS differ only in how acquires look (SASS: a
-    strong load of a sync flag followed by CCTL.IVALL) and in which rules apply."""
+    strong load of a sync flag followed by CCTL.IVALL) and in which rules apply. `timings`,
+    when given, accumulates the seconds each rule group takes (benchmarks/race_audit_rules.py)."""
     fn = cfg.fn
     sass = fn.dialect == "sass"
     findings: list[RawFinding] = []
-    td = thread_dependent_blocks(cfg, prov)
+    clock = [time.perf_counter()]
 
-    # -- nc loads, unknown provenance and tagged buffers' accesses (any kernel) ---------------
+    def lap(key: str) -> None:
+        now = time.perf_counter()
+        if timings is not None:
+            timings[key] = timings.get(key, 0.0) + now - clock[0]
+        clock[0] = now
+
+    td = thread_dependent_blocks(cfg, prov)
+    ctx = thread_contexts(cfg, prov)
+    lap("thread-contexts")
+
+    # -- nc loads, unknown provenance, read-only buffers, table slots, tagged buffers ---------
     for ins in fn.instrs:
         if cfg.block_of and cfg.block_of[ins.index] not in cfg.reachable:
             continue
         if ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
+            n_before = len(findings)
+            for p in sorted(prov.params_of_addr(ins.index)):
+                so = slot_of(p)
+                if so is None:
+                    continue
+                role = roles.by_index.get(p)
+                if so[1] == UNKNOWN_SLOT or role in (None, "scalar"):
+                    what = ("an offset the audit cannot tell (paths disagree, or it is not a constant)"
+                            if so[1] == UNKNOWN_SLOT else
+                            f"slot +{so[1]}, which the declaration " + ("declares scalar (not a pointer)" if role else "does not name"))
+                    findings.append(RawFinding(
+                        "points-to-undeclared", ins,
+                        f"access through a pointer loaded from task table {roles.names.get(so[0], so[0])!r} at {what}: "
+                        "declare what each slot points to", (p,)))
             bufs = _buffer_params(prov, ins.index, roles)
             if not bufs:
                 if ins.kind == ir.LOAD and ins.nc:
                     # nc is allowed only where the buffer is proven static; unknown is not proven.
                     findings.append(RawFinding(
                         "nc-load-mutable", ins,
-                        "non-coherent load whose address derives from no kernel parameter (e.g. a "
-                        "pointer loaded from memory): it cannot be shown to read static weights"))
+                        "non-coherent load whose address derives from no kernel parameter: it "
+                        "cannot be shown to read static weights"))
                     continue
-                findings.append(RawFinding("unknown-provenance", ins,
-                                           "address derives from no kernel parameter"))
+                if len(findings) == n_before:  # not already a table-slot finding
+                    findings.append(RawFinding("unknown-provenance", ins,
+                                               "address derives from no kernel parameter"))
                 continue
+            if ins.writes_memory:
+                for p in sorted(bufs):
+                    why = roles.readonly(p)
+                    if why:
+                        findings.append(RawFinding(
+                            "store-to-readonly", ins,
+                            f"write to {roles.names.get(p, p)!r}, {why}: nothing may write it during the "
+                            "launch (a buffer used as scratch and restored still races every reader)", (p,)))
             if roles.tagged:  # a tagged buffer: only strong, cross-CTA-scope loads and stores
                 f = _tagged_weak(ins, prov, roles)
                 if f is not None:
                     findings.append(f)
             if ins.kind == ir.LOAD and ins.nc:
-                bad = sorted(p for p in bufs if roles.by_index.get(p) != "static")
+                bad = sorted(p for p in bufs if roles.by_index.get(p) != "static" or p in roles.written)
                 if bad:
                     findings.append(RawFinding(
                         "nc-load-mutable", ins,
-                        "non-coherent load from " + ", ".join(
-                            f"{roles.names[p]!r} (role {roles.by_index.get(p, 'activation')})" for p in bad)
-                        + ": valid only for data read-only for the whole launch", tuple(bad)))
+                        "non-coherent load from " + _names(roles, bad)
+                        + ": valid only for data nothing writes during the launch", tuple(bad)))
+    lap("per-access")
 
     # -- programmatic dependent launch: nothing but static loads before griddepcontrol.wait ---
     if any(ins.kind == ir.GRIDDEP_WAIT for ins in fn.instrs):
         findings += _before_griddep_wait(cfg, prov, roles)
+    lap("griddep")
 
     # -- distributed shared memory: peers started before, and still there during, any access --
     if not sass and any(ins.extra.get("dsmem") for ins in fn.instrs):
         findings += _dsmem_order(cfg)
+    lap("dsmem")
 
     # -- barriers under thread-dependent control ----------------------------------------------
     if not sass:
@@ -448,46 +531,99 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
 
     # -- handshakes through buffers not declared sync (any kernel) -----------------------------
     findings += _undeclared_spins(cfg, prov, roles)
+    lap("undeclared-sync")
 
     if not syncs:
         return findings
 
     heads = _sync_loops(cfg, prov, roles)
     data = roles.data
+    mutable = roles.mutable
+    sync_data = roles.sync - roles.tagged
+    lane_blocks = {b for b in td if ctx.get(b) and all(
+        prov.guard_is_lane_only(cfg.branch_instr(x).index) for x in ctx[b])}
+
+    def divergence(ins: ir.Instr) -> tuple[bool, bool]:
+        """(only some threads of the CTA execute `ins` on this path although the path model
+        does not show it: a thread-varying guard; only lanes of each warp differ)."""
+        if ins.guard and prov.guard_is_thread_varying(ins.index):
+            b = cfg.block_of[ins.index]
+            return True, prov.guard_is_lane_only(ins.index) and (b not in td or b in lane_blocks)
+        return False, False
+
+    def acquired(st: dict, ins: ir.Instr, guard_raw: str | None, lane: bool) -> None:
+        """An acquire by this thread; `guard_raw`: the thread-varying predicate it ran under
+        (only threads holding it acquired), `lane`: that predicate varies only within warps."""
+        st["S"] = True
+        b = cfg.block_of[ins.index]
+        if lane or b in lane_blocks:
+            st["L"] = True
+        if guard_raw is None:
+            st["A"] = True
+        else:
+            st["G"] = st["G"] | {guard_raw}
 
     # -- ordering: loads of cross-CTA data after a wait ---------------------------------------
+    # A (must): this thread acquired (or a barrier followed some thread's acquire) since the
+    # iteration began; S: some thread did; L: a lane of this warp did (a warp sync then orders
+    # it for the warp: MODEL.md); G: guards under which a predicated acquire ran (a load under
+    # the same guard is ordered); R: this thread read a sync flag without acquire semantics.
     def order_step(ins: ir.Instr, st: dict, emit) -> None:
         k = ins.kind
-        if sass:
-            if k in (ir.LOAD, ir.ATOM) and ins.strong and _touches_sync(ins, prov, roles):
+        before = (st["R"] or bool(st["RG"]), st["S"])  # what this load is judged by
+        some, lane = divergence(ins)
+        graw = ins.extra.get("guard_raw") if some else None
+        poll = (k in (ir.LOAD, ir.ATOM) and _touches_sync(ins, prov, roles)
+                and (ins.strong if sass else not _is_acquire(ins)))
+        if poll:  # a read of a sync flag without acquire semantics (SASS: every one)
+            if graw:
+                st["RG"] = st["RG"] | {graw}
+                st["Rl"] = st["Rl"] or lane
+            else:
                 st["R"] = True
-            elif k == ir.INVALIDATE and st["R"]:
-                st["A"] = st["S"] = True
-        else:
-            if _is_acquire(ins):
-                st["A"] = st["S"] = True
-            elif k in (ir.LOAD, ir.ATOM) and _touches_sync(ins, prov, roles):
-                st["R"] = True
-            elif k == ir.FENCE and st["R"]:
-                st["A"] = st["S"] = True
+        elif not sass and _is_acquire(ins):
+            acquired(st, ins, graw, lane)
+        elif (k == ir.INVALIDATE if sass else k == ir.FENCE) and (st["R"] or st["RG"]):
+            if st["R"]:
+                acquired(st, ins, graw, lane)
+            for g in st["RG"]:
+                acquired(st, ins, g, st["Rl"])
         if k == ir.BARRIER and st["S"]:
             st["A"] = True
-        if emit is not None and k == ir.LOAD and not st["A"] and not _is_acquire(ins):
-            hit = sorted(_buffer_params(prov, ins.index, roles) & data)
-            if hit:
-                names = ", ".join(repr(roles.names[p]) for p in hit)
-                if st["R"]:
-                    emit(RawFinding("relaxed-spin-no-fence", ins,
-                                    f"load of {names} after a relaxed/weak read of a sync flag (a spin or an "
-                                    "RMW) with no acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
-                else:
-                    emit(RawFinding("load-before-wait", ins,
-                                    f"load of {names}, written by other CTAs of this launch, is not "
-                                    "ordered by a gpu-scope acquire earlier in its iteration", tuple(hit)))
+        if ins.extra.get("warp_sync") and st["L"]:
+            st["A"] = True
+        if emit is None or k != ir.LOAD or st["A"] or _is_acquire(ins):
+            return
+        if ins.extra.get("guard_raw") and ins.extra["guard_raw"] in st["G"]:
+            return
+        bufs = _buffer_params(prov, ins.index, roles)
+        polled, some_acq = before if k == ir.LOAD and not ins.strong and ins.sem == ir.WEAK else (
+            st["R"] or bool(st["RG"]), st["S"])
+        hit = bufs & data
+        if polled or some_acq:
+            hit |= bufs & mutable  # read after a spin: the other side may be another launch
+        weak_sync = bufs & sync_data if (not ins.strong if sass else ins.sem == ir.WEAK) else set()
+        hit = sorted(hit | weak_sync)
+        if hit:
+            names = ", ".join(repr(roles.names.get(p, p)) for p in hit)
+            if some_acq:
+                emit(RawFinding("load-before-wait", ins,
+                                f"load of {names} after another thread's acquire with no CTA barrier (or, "
+                                "for a lane's acquire, warp sync) after that acquire: the acquire orders "
+                                "only the acquiring thread's reads", tuple(hit)))
+            elif polled:
+                emit(RawFinding("relaxed-spin-no-fence", ins,
+                                f"load of {names} after a relaxed/weak read of a sync flag (a spin or an "
+                                "RMW) with no acquire fence (fence.acq_rel.gpu) in between", tuple(hit)))
+            else:
+                emit(RawFinding("load-before-wait", ins,
+                                f"load of {names}, written by other CTAs or another launch, is not "
+                                "ordered by a gpu-scope acquire earlier in its iteration", tuple(hit)))
 
-    zero = {"A": False, "S": False, "R": False}
+    zero = {"A": False, "S": False, "R": False, "L": False, "G": frozenset(), "RG": frozenset(), "Rl": False}
     st_in = _forward(cfg, zero, heads, zero, {"A"}, order_step)
     _replay(cfg, st_in, order_step, findings.append)
+    lap("ordering")
 
     # -- release: writes to sync params after a fence or with release semantics ---------------
     def release_step(ins: ir.Instr, st: dict, emit) -> None:
@@ -509,6 +645,7 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
 
     st_in = _forward(cfg, {"F": False}, set(), {"F": False}, {"F"}, release_step)
     _replay(cfg, st_in, release_step, findings.append)
+    lap("release")
 
     if sass:
         return findings
@@ -517,40 +654,68 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool) -> 
     xdata = roles.xcta_data
     if xdata:
         findings += _unpublished_writes(cfg, prov, roles, heads, td, xdata)
+    lap("publish-ahead")
 
     # -- publish-before-writes (b) and bulk drains: forward over the iteration ----------------
-    # U holds the thread-dependent contexts (sets of divergent branches) of cross-CTA data
-    # accesses since the last CTA barrier. An elected publish orders only accesses made under
-    # (at least) its own guards, i.e. by the publishing thread itself.
-    ctx = thread_contexts(cfg, prov)
+    # U holds (context, warp-synced) of the data writes (this kernel's, whoever reads them: the
+    # reader may be another launch) and the cross-CTA data reads since the last CTA barrier,
+    # a context being the set of thread-varying branches the access ran under. A publish orders
+    # only accesses made under (at least) its own guards, i.e. by the publishing thread itself,
+    # or, after a warp sync, by its warp when the publisher's further guards vary by lane only.
+    # B: contexts of bulk stores not drained (wait_group, not .read) by their thread; X: those
+    # still pending at the last barrier (a drain after it orders nothing for other threads).
+    lane_branch = {x for b in cfg.rpo for x in ctx.get(b, ())
+                   if prov.guard_is_lane_only(cfg.branch_instr(x).index)}
 
     def pub_step(ins: ir.Instr, st: dict, emit) -> None:
         k = ins.kind
         b = cfg.block_of[ins.index]
+        here = ctx.get(b, frozenset())
         if k == ir.BARRIER:
             st["U"] = frozenset()
-        elif k in ir.MEMORY_KINDS and not _is_publish(ins, prov, roles):
-            if _buffer_params(prov, ins.index, roles) & xdata:
-                st["U"] = st["U"] | {ctx.get(b, frozenset())}
+            st["X"] = st["B"]
+        elif ins.extra.get("warp_sync") and ins.kind != ir.BARRIER:
+            st["U"] = frozenset((c, True) for c, _ in st["U"])
+        elif (k in ir.MEMORY_KINDS or k == ir.BULK_STORE) and not _is_publish(ins, prov, roles):
+            bufs = _buffer_params(prov, ins.index, roles)
+            if (ins.writes_memory and bufs & (data | sync_data)) or bufs & xdata:
+                st["U"] = st["U"] | {(here, False)}
         if k == ir.BULK_STORE:
-            st["B"] = True
+            st["B"] = st["B"] | {here}
         elif k == ir.BULK_WAIT and ins.extra.get("pending_allowed", 0) == 0:
-            st["B"] = False
-        if emit is not None and _is_publish(ins, prov, roles):
-            mine = ctx.get(b, frozenset())
-            if b in td and any(not c >= mine for c in st["U"]):
+            st["B"] = frozenset()
+        if emit is None or not _is_publish(ins, prov, roles):
+            return
+        some, _ = divergence(ins)
+        elected = b in td or some
+        if elected:
+            def covered(c, synced):
+                extra = here - c
+                return not extra or (synced and extra <= lane_branch)
+            if any(not covered(c, w) for c, w in st["U"]):
                 emit(RawFinding("publish-before-writes", ins,
                                 "publish by an elected thread with no CTA barrier (bar.sync) after the "
                                 "other threads' accesses to cross-CTA data: their writes (or reads) "
                                 "are not ordered before it"))
-            if st["B"]:
-                emit(RawFinding("bulk-store-not-drained", ins,
-                                "bulk-async global store still in flight at this publish: "
-                                "cp.async.bulk.wait_group 0 must come first"))
+        elif ins.kind == ir.STORE and st["U"]:
+            emit(RawFinding("publish-before-writes", ins,
+                            "every thread stores the flag, with no CTA barrier after the data writes: "
+                            "the first thread's release signals the other threads' data before it is "
+                            "written (a barrier between, or a counter each thread adds to)"))
+        if st["B"]:
+            emit(RawFinding("bulk-store-not-drained", ins,
+                            "bulk-async global store still in flight at this publish: "
+                            "cp.async.bulk.wait_group 0 must come first"))
+        elif any(not c <= here for c in st["X"]):
+            emit(RawFinding("bulk-store-not-drained", ins,
+                            "bulk-async global store by another thread was drained after the last CTA "
+                            "barrier (or not at all): its cp.async.bulk.wait_group 0 must come before "
+                            "the barrier that orders it before this publish"))
 
-    init = {"U": frozenset(), "B": False}
+    init = {"U": frozenset(), "B": frozenset(), "X": frozenset()}
     st_in = _forward(cfg, init, set(), init, set(), pub_step)
     _replay(cfg, st_in, pub_step, findings.append)
+    lap("publish-order")
     return findings
 
 

@@ -143,6 +143,8 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
         ins.conditional = ins.guard is not None
         if not m:
             ins.extra["indirect"] = True
+    elif base in ("WARPSYNC", "SHFL", "VOTE", "MATCH", "REDUX"):
+        ins.extra["warp_sync"] = True  # see ptx.py: warp-synchronous operations
     elif base in ("EXIT", "RET", "KILL"):
         ins.kind = ir.EXIT
         ins.conditional = ins.guard is not None
@@ -150,6 +152,10 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
         ins.kind = ir.GRIDDEP_WAIT
     elif base in ("UTMASTG", "UTMAREDG") or (base == "UBLKCP" and ".G.S" in ins.opcode):
         ins.kind = ir.BULK_STORE
+        if operands and base == "UBLKCP":  # the global destination is the first operand
+            o = operands[0]
+            ins.addr_regs = tuple(_operand_regs(o[o.rfind("["):] if "[" in o else o))
+        return
     elif base in ("LDGSTS", "UTMALDG") or (base == "UBLKCP" and ".S.G" in ins.opcode):
         # Global -> shared copies (cp.async, TMA and bulk loads) read global memory: weak loads
         # whose address is the second (global) operand, not the shared destination.
@@ -169,6 +175,8 @@ def _classify(ins: ir.Instr, toks: list[str], operands: list[str]) -> None:
             if "[" in o and not o.lstrip().startswith("c["):
                 last = o[o.rfind("[") :]
                 ins.addr_regs = tuple(_operand_regs(last))
+                im = re.search(r"\+\s*(-?0x[0-9a-f]+)\s*\]", last)
+                ins.extra["addr_imm"] = int(im.group(1), 16) if im else 0
                 break
 
 
@@ -272,13 +280,14 @@ def _param_at(offset: int, params: list[ir.ParamDecl]) -> int | None:
 
 def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
     body = body.strip().rstrip(";").strip()
-    guard = None
+    guard = guard_raw = None
     if body.startswith("@"):
         g, _, body = body.partition(" ")
-        guard = g[1:].lstrip("!")
+        guard_raw = g[1:]
+        guard = guard_raw.lstrip("!")
         body = body.strip()
         if guard in ("PT", "UPT"):
-            guard = None
+            guard = guard_raw = None
     parts = body.split(None, 1)
     if not parts:
         return None
@@ -287,6 +296,8 @@ def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
     toks = opcode.split(".")
     ins = ir.Instr(index=index, text=body, opcode=opcode, guard=guard, address=address, line=lineno, loc=loc)
     _classify(ins, toks, operands)
+    if guard_raw:
+        ins.extra["guard_raw"] = guard_raw
     base = toks[0]
     dest_ops: list[str] = []
     if base not in _NO_DEST and ins.kind not in (ir.STORE, ir.RED, ir.BULK_STORE) and operands:
@@ -323,5 +334,15 @@ def _parse_instr(body, index, address, lineno, loc, params) -> ir.Instr | None:
     ins.dests = tuple(dests)
     ins.srcs = tuple(srcs)
     ins.params_read = tuple(pread)
+    if base in ("IADD3", "IADD", "UIADD3") and not guard:
+        imms = [o for o in src_ops if re.fullmatch(r"-?0x[0-9a-f]+", o.strip())]
+        if len(imms) == 1 and len([r for r in srcs if not r.startswith(("P", "UP"))]) == 1:
+            ins.extra["imm_add"] = int(imms[0].strip(), 16)
+    elif base in ("IMAD", "UIMAD", "SHF", "USHF", "IMUL", "LEA", "ULEA") and "MOV" not in toks:
+        # the addend keeps its offset: IMAD d, a, b, c (operand c), LEA d, a, b (operand b)
+        k = {"IMAD": 2, "UIMAD": 2, "LEA": 1, "ULEA": 1}.get(base)
+        ins.extra["scales"] = _operand_regs(src_ops[k]) if k is not None and k < len(src_ops) else []
     ins.reads_tid = any(s.startswith(_THREAD_VARYING) for s in srcs)
+    if ins.reads_tid and all(s.startswith("SR_LANEID") for s in srcs if s.startswith(_THREAD_VARYING)):
+        ins.extra["lane_src"] = True  # varies only between the lanes of a warp
     return ins
