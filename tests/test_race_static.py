@@ -117,7 +117,7 @@ def test_planted_mutant_flagged_by_its_rule(kernel, mutant, rule):
     assert rule in rep.rules_hit(), [str(f) for f in rep.findings]
     hit = [f for f in rep.findings if f.rule == rule]
     # Locations: the Python line always; the PTX location unless only the SASS shows it.
-    assert all(f.source and f.source.startswith("kernels/ops/") for f in hit)
+    assert all(f.source and f.source.startswith("validation/race/specimens/") for f in hit)
     assert all(f.ptx or f.sass for f in hit)
 
 
