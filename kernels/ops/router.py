@@ -78,14 +78,17 @@ SM90_SMEM_PER_SM = 228 * 1024  # the largest shared-memory carveout of an H100/H
 
 
 def _tunables(kernel: str, names: tuple, given: dict) -> dict:
-    """`given`, which must name exactly `names` (the manifest declares them and their defaults:
-    kernels/manifest.toml [kernels.<kernel>.tunables]); a ValueError says what is missing or
-    unknown."""
-    unknown, missing = set(given) - set(names), set(names) - set(given)
-    if unknown or missing:
-        raise ValueError(f"{kernel}: tunables {sorted(names)} are required (the manifest's defaults: "
-                         f"KernelSpec.tunable_defaults()); unknown {sorted(unknown)}, missing {sorted(missing)}")
-    return dict(given)
+    """`given` over the manifest's defaults (kernels/manifest.toml [kernels.<kernel>.tunables],
+    read only for a tunable `given` lacks: the build always passes every one); a ValueError
+    names a tunable the op does not know."""
+    unknown = set(given) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel}: unknown tunables {sorted(unknown)}; known: {sorted(names)}")
+    if set(names) <= set(given):
+        return dict(given)
+    from kernels.manifest import load_manifest
+
+    return {**load_manifest().kernel(kernel).tunable_defaults(), **given}
 
 
 def _nanosleep(ns: int) -> None:
@@ -378,7 +381,7 @@ class _Routing(OpBase):
 
 class RouterOp(_Routing):
     """One variant of the router (module docstring): shape {"batch", "n_experts", "hidden",
-    "top_k", "latent"} plus the manifest's tunables (all of them); `scale` (routed_scale) is
+    "top_k", "latent"} plus tunables (the manifest's defaults where not given); `scale` (routed_scale) is
     baked in (default 1.0)."""
 
     kernel_name = "router"
@@ -792,7 +795,7 @@ class RouterOp(_Routing):
 class RouterSelectOp(_Routing):
     """router_select (module docstring): the router's phase 2 alone, from fp32 logits another
     launch computed, with the router's rules and tie-breaking (kernels.reference.route_logits).
-    Shape {"batch", "n_experts", "top_k"} plus the manifest's tunables (all of them).
+    Shape {"batch", "n_experts", "top_k"} plus tunables (the manifest's defaults where not given).
 
     One warp per token and `warps_per_cta` tokens per CTA, so the top-k runs on
     batch / warps_per_cta SMs at once. Each work item copies its tokens' logits and the bias
