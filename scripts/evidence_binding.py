@@ -85,10 +85,24 @@ def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[
     """(case, (cubin sha256, code sha256) this checkout builds) for every case, built in groups
     of one kernel and one set of tunables."""
     from kernels.build import BuildError, build_kernel
+    from kernels.manifest import ManifestError, load_manifest
+
+    man = load_manifest()
+
+    def declared(kernel: str, tunables: dict) -> dict:
+        # A tunable the manifest no longer declares (its design deleted, docs/decisions.md) is
+        # dropped: the rebuild takes the current code, and the code hash judges whether it is
+        # still what the evidence ran.
+        try:
+            names = {t.name for t in man.kernel(kernel).tunables}
+        except ManifestError:  # the build names the unknown kernel
+            return tunables
+        return {k: v for k, v in tunables.items() if k in names}
 
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(cases):
-        groups.setdefault(json.dumps([c["kernel"], c["tunables"]], sort_keys=True), []).append(i)
+        key = [c["kernel"], declared(c["kernel"], c["tunables"])]
+        groups.setdefault(json.dumps(key, sort_keys=True), []).append(i)
     built: dict[int, tuple[str, str]] = {}
     for key, idx in groups.items():
         kernel, tunables = json.loads(key)

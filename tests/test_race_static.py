@@ -117,7 +117,7 @@ def test_planted_mutant_flagged_by_its_rule(kernel, mutant, rule):
     assert rule in rep.rules_hit(), [str(f) for f in rep.findings]
     hit = [f for f in rep.findings if f.rule == rule]
     # Locations: the Python line always; the PTX location unless only the SASS shows it.
-    assert all(f.source and f.source.startswith("kernels/ops/") for f in hit)
+    assert all(f.source and f.source.startswith("validation/race/specimens/") for f in hit)
     assert all(f.ptx or f.sass for f in hit)
 
 
@@ -126,7 +126,7 @@ def test_nc_finding_located_in_ptx_sass_and_source():
     (f,) = [f for f in rep.findings if f.rule == "nc-load-mutable"]
     assert f.params == ["stage"]
     assert "ld.global.nc" in f.ptx and "LDG.E.128.CONSTANT" in f.sass
-    assert f.source.startswith("kernels/ops/prodcons.py:")
+    assert f.source.startswith("validation/race/specimens/prodcons.py:")
     # The static weight is read through nc loads too, and that is allowed.
     assert not any("'w'" in x.message for x in rep.findings)
 
@@ -187,7 +187,7 @@ def test_prodcons_handshake_through_an_undeclared_buffer_is_flagged():
     rep = audit_ptx(ptx, {**roles, "flags": "activation"}, sass_text=sass, param_names=names)
     hits = [f for f in rep.findings if f.rule == "undeclared-sync"]
     assert hits and {tuple(f.params) for f in hits} == {("flags",)}, [str(f) for f in rep.findings]
-    assert all(f.ptx and f.sass and f.source.startswith("kernels/ops/prodcons.py:") for f in hits)
+    assert all(f.ptx and f.sass and f.source.startswith("validation/race/specimens/prodcons.py:") for f in hits)
 
 
 @pytest.mark.slow
