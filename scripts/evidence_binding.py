@@ -7,7 +7,7 @@ Every file is a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and
 `cubin_sha256` it measured (what `scripts/gpu_proof.py` and `scripts/block_proof.py` write, plans
 and results alike). Each case is rebuilt on this host (cached builds under `--root`) and its
 cubin compared. A cubin carries line tables for every source it was built from (an edit to a
-shared module such as `kernels/ops/common.py`, even a comment, moves lines and changes the
+shared module such as `kernels/ops/parts/common.py`, even a comment, moves lines and changes the
 cubins of every kernel that imports it), so this is the way to know whether a figure in a README
 still describes the code at HEAD.
 

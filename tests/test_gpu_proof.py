@@ -12,10 +12,10 @@ from scripts import gpu_proof as P
 
 def test_sweep_variants_keep_only_the_listed_problems():
     spec = load_manifest().kernel("gemv")
-    got = list(P._sweep_variants(spec, [1, 64], {"prefetch": [2]}, [{"n": 896, "k": 7168}]))
+    got = list(P._sweep_variants(spec, [1, 64], {"k_unroll": [4]}, [{"n": 896, "k": 7168}]))
     assert [(s["batch"], s["n"]) for s, _ in got] == [(1, 896), (64, 896)]
-    assert all(t == {"prefetch": 2} for _, t in got)
-    every = list(P._sweep_variants(spec, [1], {"prefetch": [2]}))
+    assert all(t == {"k_unroll": 4} for _, t in got)
+    every = list(P._sweep_variants(spec, [1], {"k_unroll": [4]}))
     assert len(every) == len({(p["n"], p["k"]) for p in (dict(s) for s in spec.shapes)})
 
 

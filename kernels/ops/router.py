@@ -103,10 +103,10 @@ Grouping by expert, a counting sort, deterministic: warp 0 scans the experts' to
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops.parts import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
-from kernels.ops.decode_mma import (
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.parts.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
     MmaPlan,
@@ -120,7 +120,7 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
-from kernels.ops.stream import StreamPlan
+from kernels.ops.parts.stream import StreamPlan
 
 MAX_BATCH = 64
 WEIGHT_EPS = 1e-20  # kernels.reference.router
