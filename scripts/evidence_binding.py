@@ -8,7 +8,7 @@ Every file is an evidence bundle (`bundle.json`, schema fasttrack.evidence/1: it
 or a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the `cubin_sha256` it
 measured (the plans and results of the proof scripts older evidence came from). Each case is rebuilt on this host (cached builds under `--root`) and its
 cubin compared. A cubin carries line tables for every source it was built from (an edit to a
-shared module such as `kernels/ops/common.py`, even a comment, moves lines and changes the
+shared module such as `kernels/ops/parts/common.py`, even a comment, moves lines and changes the
 cubins of every kernel that imports it), so this is the way to know whether a figure in a README
 still describes the code at HEAD.
 

@@ -112,7 +112,7 @@ def test_load_errors(tmp_path):
 # The op contract every op imports and no kernel owns (a change to it is a change to every kernel),
 # and its TMA part (what the launcher encodes for a TMA-read buffer): no kernel's source either,
 # so a change to it is never a fast-track kernel change.
-SHARED = {"kernels/ops/__init__.py", "kernels/ops/base.py", "kernels/ops/tma.py"}
+SHARED = {"kernels/ops/__init__.py", "kernels/ops/base.py", "kernels/ops/parts/__init__.py", "kernels/ops/parts/tma.py"}
 
 
 def test_repository_manifest_is_consistent():

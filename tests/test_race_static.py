@@ -57,8 +57,8 @@ def test_pdl_gemv_passes_and_its_hoisted_x_load_is_flagged():
     bad = _gemv_pdl_report("x_before_wait")
     hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
     assert hits and {tuple(f.params) for f in hits} == {("x",)}, [str(f) for f in bad.findings]
-    # batch 1 is the stream design: the copy is issued in kernels/ops/stream.py's copy_row
-    assert all(f.ptx and f.sass and f.source.startswith(("kernels/ops/gemv.py:", "kernels/ops/stream.py:"))
+    # batch 1 is the stream design: the copy is issued in kernels/ops/parts/stream.py's copy_row
+    assert all(f.ptx and f.sass and f.source.startswith(("kernels/ops/gemv.py:", "kernels/ops/parts/stream.py:"))
                for f in hits), [f.source for f in hits]
     assert "griddepcontrol.wait" in hits[0].message
 
@@ -236,14 +236,14 @@ TMA_PDL_SHAPE = {"batch": 8, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
 
 @pytest.mark.slow
 def test_pdl_tma_gemv_passes_and_its_early_x_copy_is_flagged():
-    """gemv's TMA path (wg_tma 1) with pdl: x and w are read through tensor maps (by-value
+    """gemv's warpgroup design (TMA) with pdl: x and w are read through tensor maps (by-value
     128-byte parameters), and the audit attributes each `cp.async.bulk.tensor` to the map's
     parameter: the correct kernel (only W tiles before griddepcontrol.wait) is clean in PTX and
     SASS; the mutant that issues x's tiles before the wait is flagged, naming x only."""
     from validation.race.artifacts import audit_artifact
 
     spec = load_manifest().kernel("gemv")
-    tun = {"pdl": 1, "wg_tma": 1}
+    tun = {"pdl": 1}
     good_art = build_variant_of(spec, TMA_PDL_SHAPE, tun)
     assert "cp.async.bulk.tensor" in Path(good_art.paths["ptx"]).read_text()
     assert [p["size"] for p in good_art.meta["params"][:2]] == [128, 128]

@@ -8,7 +8,7 @@ down-projection z = h @ W_down.T (bf16 out). Both projections read h, and the do
 the SMs streaming while phase 2 selects and groups, so phase 2 costs nothing when it ends
 before the streaming.
 
-The grid is one stream of short CTAs (kernels/ops/stream.py): work item 0 is the selector, items
+The grid is one stream of short CTAs (kernels/ops/parts/stream.py): work item 0 is the selector, items
 1 .. ctas own whole rows of W_g (`stream_cta_kib` KiB of weights, at least one row; at k3 two
 rows of 128 threads each), the rest whole rows of W_down. The router rows come first so that
 they are dispatched first. A streaming item
@@ -57,11 +57,11 @@ work item, given the thread's index and shared-memory tensors the caller allocat
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops.parts import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
-from kernels.ops.decode_mma import sigmoid
-from kernels.ops.stream import StreamPlan
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.parts.decode_mma import sigmoid
+from kernels.ops.parts.stream import StreamPlan
 
 MAX_BATCH = 64  # router_select (a bit per token in 32-bit mask words, up to two)
 ROUTER_MAX_BATCH = 4  # the router's one-selector-CTA design: past it, the block routes by gemv
@@ -413,7 +413,7 @@ class RouterOp(_Routing):
 
     def _plan(self) -> None:
         """The router's rows and W_down's as one grid of short whole-row CTAs of the same thread
-        count (kernels/ops/stream.py), after the selector; shared memory holds h, or, in the
+        count (kernels/ops/parts/stream.py), after the selector; shared memory holds h, or, in the
         selector, phase 2's arrays (`phase2_offsets`, int32 words)."""
         t = self.tunables
         threads, cta_bytes = int(t["stream_threads"]), int(t["stream_cta_kib"]) * 1024
