@@ -13,9 +13,11 @@ GPU host only and DSL-free: every kernel is an AOT-built cubin found with
     7 shared_gate_up  a_s = SiTU(h @ W_sgu.T)
     8 latent_out      out = x + n @ W_up.T + a_s @ W_sd.T
 
-At the batches of GEMV_ROUTER the router's projections, and at those of GEMV_DENSE the output
-side's, are instead foundation GEMM launches (kernels/ops/gemv.py, its own defaults) with small
-kernels for what followed them in the fused launches; same semantics and roundings:
+Which of them run at which batch, and with which tunables, is declared once in
+kernels/block_plan.toml (`load_block_plan`; the reasons: docs/decisions.md). At its batches with
+router = "gemv" the router's projections, and at those with output = "gemv" the output side's,
+are foundation GEMM launches (kernels/ops/gemv.py, its own defaults) with small kernels for what
+followed them in the fused launches; same semantics and roundings:
 
     2  gemv  logits = h @ W_g.T (fp32)      router_select  top-k, weights, grouping
                                              beside them: gemv  z = h @ W_down.T
@@ -38,103 +40,50 @@ from pathlib import Path
 from kernels.build import DEFAULT_ROOT, find_artifact
 from kernels.config import ModelConfig
 
-# The routed experts' pipelined path (32-row items), chosen on an H200 by scripts/block_explore.py
-# (evidence_reports/moe_block/round2) for batches up to one 16-row mma tile of tokens. Since round 3
-# the stream path (STREAM_EXPERTS, below) serves every batch up to STREAM_EXPERTS_MAX_BATCH (16),
-# so block_tunables reaches these only if that bound is lowered; from batch 16 both kernels take
-# their warpgroup paths (WG_EXPERTS, below).
-PIPELINED_EXPERTS = {
-    "moe_w13": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
-    # 4 warps: 165 registers at most up to batch 16 keep 3 CTAs of 128 threads per SM (with 8
-    # warps batches 2 and 4 need 130: one CTA per SM, half the persistent grid waiting)
-    "moe_w2": {"pipeline": 1, "row_tiles": 4, "warps_per_cta": 4, "k_unroll": 2, "ctas_per_sm": 3},
-}
+PLAN_PATH = Path(__file__).with_name("block_plan.toml")
+ROUTER_CHOICES = ("kernel", "gemv")
+OUTPUT_CHOICES = ("fused", "gemv")
 
 
-# moe_w2 from batch 2: the TMA-fed warpgroup path (`wg`, kernels/ops/moe_experts.py; the stream
-# path yields to it with stream 0), 4 stages of 128 k, 8-token tiles. Measured on an H200 by
-# scripts/experts_batch_explore.py --wg-sweep against the block's previous choice in the same
-# call (evidence_reports/moe_block/round6/moe_w2_wg/): batch 2 162.6 -> 157.8 us (93.8 -> 96.7%
-# of read), 4 311.3 -> 300.7 (95.7 -> 99.0%), 8 600 -> 571 (95.4 -> 100.3%), 16 1152 -> 1071
-# (93.5 -> 100.6%), 32 2114 -> 1901 (90.3 -> 100.4%), 64 3610 -> 2990 (81.9 -> 98.8%). Before it:
-# the stream path to 16, at 32 the persistent path with 4 row tiles, at 64 with 4 warps and 4 CTAs
-# per SM. Batch 1 keeps the stream path: wg measured 85.5 -> 83.9 us alone, but the stream path
-# launches with pdl, which overlaps its start with moe_w13's end in the block, and wg does not.
-# moe_w13 from batch 16 (its cp.async-fed form; the same sweep, evidence_reports/moe_block/round6/
-# w13_wg/): batch 16 2246 -> 2159 us (97.7 -> 101.6% of read), 32 4020 -> 3756 (94.9 -> 101.6%),
-# 64 6452 -> 5827 (91.6 -> 101.4%). Up to batch 8 its stream path reads 99-100% already. Before
-# it: the stream path to 16; at 32 the stream path on a persistent grid of 6 CTAs per SM (round 5,
-# evidence_reports/moe_block/round5/experts_stream/), at 64 the persistent per-item path (round 4).
-WG_EXPERTS = {"moe_w2": (2, 4, 8, 16, 32, 64), "moe_w13": (16, 32, 64)}
+class BlockPlanError(ValueError):
+    """A block plan file that does not declare what kernels/block_plan.toml declares."""
 
 
-# Up to STREAM_EXPERTS_MAX_BATCH tokens the routed experts take the stream design where
-# WG_EXPERTS does not take them
-# (kernels/ops/moe_experts.py: a short CTA per expert and block of whole weight rows, every cp.async
-# issued before one wait; past batch 1 a group's tokens go through `stream_slots` activation rows
-# in shared memory a chunk at a time), chosen on an H200 by scripts/experts_b1_explore.py
-# (evidence_reports/moe_block/round3/experts) and, past batch 1, scripts/experts_batch_explore.py
-# (evidence_reports/moe_block/round3/experts_b8).
-STREAM_EXPERTS = {
-    # 2 (gate, up) row pairs per CTA; 1 pair measured the same (99.7-100% of read)
-    "moe_w13": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1},
-    # 4 rows per CTA: 91.7% of read, 2 rows 87.9%, 1 row 82.9% (fewer arrivals and combines)
-    "moe_w2": {"stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1},
-}
-STREAM_EXPERTS_MAX_BATCH = 16
-# One activation row per CTA past batch 1 (at batch 8 almost every group has 1 token, a few 2-3:
-# those take a second short round trip). H200, per op at batch 8: 1 slot moe_w13 99.8% / moe_w2
-# 95.5% of read, 2 slots 93.4% / 83.9%, 4 slots 67.8% / 58.4% (fewer CTAs per SM by shared memory).
-STREAM_SLOTS = 1
+def load_block_plan(path: Path = PLAN_PATH) -> dict[int, dict]:
+    """The block's per-batch choices, {batch: {"router", "output", "tunables": {kernel: {...}}}},
+    from `path` (default kernels/block_plan.toml; its header says what the fields mean)."""
+    import tomllib
+
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise BlockPlanError(f"{path}: {e}") from None
+    plan = {}
+    for key, entry in raw.get("batch", {}).items():
+        where = f"{path}: [batch.{key}]"
+        if not key.isdigit() or int(key) < 1:
+            raise BlockPlanError(f"{where}: the key must be a positive batch size")
+        if entry.get("router") not in ROUTER_CHOICES or entry.get("output") not in OUTPUT_CHOICES:
+            raise BlockPlanError(f"{where}: router must be one of {ROUTER_CHOICES} and output one of {OUTPUT_CHOICES}")
+        tunables = entry.get("tunables", {})
+        if set(entry) - {"router", "output", "tunables"} or not all(isinstance(t, dict) for t in tunables.values()):
+            raise BlockPlanError(f"{where}: only router, output and tunables.KERNEL = {{...}} are declared")
+        plan[int(key)] = {"router": entry["router"], "output": entry["output"],
+                          "tunables": {k: dict(t) for k, t in tunables.items()}}
+    if not plan:
+        raise BlockPlanError(f"{path}: no [batch.N] table")
+    return dict(sorted(plan.items()))
 
 
-# The router's stream design is its default up to batch 2. Round 3 kept the block's batch 2 on
-# the mma router (the step took 1000 us against 644 with the stream router,
-# evidence_reports/moe_block/round3/final/, when batch 2's experts were the persistent pipelined
-# kernels); round 7 moved it to the gemv path (GEMV_ROUTER); round 8 (the radix selection, 18.8
-# us alone against the gemv path's 29.6-30.2 in the block) brings batch 2 back to the router's
-# stream design (evidence_reports/moe_block/round8/b2/: the block beside round 8's final on the
-# same steps).
-# Batches 8-64: the mma design's CTA shape, swept in one call (evidence_reports/moe_block/round5/
-# router_widths/; round 4 had 16 warps at 32 and 64): 16 warps with 16-row router and 32-row down
-# CTAs from batch 16 (router+down 52.4 -> 40.7 us at 16, 69.2 -> 62.8 at 32, 124.1 -> 109.3 at 64
-# against 16 warps of 8- and 16-row CTAs); at batch 8 8 warps with 32-row router and 64-row down
-# CTAs (36.6 -> 34.6 us).
-_WIDE_ROUTER = {"warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
-ROUTER_IN_BLOCK = {8: {"row_tiles": 4, "down_row_tiles": 8},
-                   16: _WIDE_ROUTER, 32: _WIDE_ROUTER, 64: _WIDE_ROUTER}
+BLOCK_PLAN = load_block_plan()
+# The batches at which the router's, and the output side's, projections are gemv launches
+GEMV_ROUTER = tuple(b for b, e in BLOCK_PLAN.items() if e["router"] == "gemv")
+GEMV_DENSE = tuple(b for b, e in BLOCK_PLAN.items() if e["output"] == "gemv")
 
 
-# The batches at which the router's projections are foundation GEMM launches (kernels/ops/gemv.py,
-# its own defaults): the logits h @ W_g.T in fp32, then `router_select` (kernels/ops/router.py:
-# the router's selection and grouping alone, a warp per token across CTAs), and beside them on
-# the side stream z = h @ W_down.T; instead of the router launch that computes both projections
-# on its mma (or stream) design and selects in one CTA. And the batches at which the output
-# side's projections (W_sgu, W_sd, W_up) are foundation GEMM launches with kernels/ops/
-# epilogue.py's epilogues instead of the fused shared_gate_up / latent_out kernels (module
-# docstring). Alone, at batch 64, the foundation GEMM (evidence_reports/foundation/final/) takes
-# 7.0 us for W_g, 15.8 for W_down, 43.8 for W_sgu, 15.0 + 23.6 for W_up and W_sd, where the
-# block's ops took 109.6 (router+down), 89.0 and 80.6 (evidence_reports/moe_block/round6/
-# w13_wg/); at batch 8 5.7, 14.3, 41.6 and 13.6 + 21.7 against 34.9, 46.8 and 39.1
-# (round6/block/final/).
-#
-# Chosen on an H200 in one call, each batch's block beside the block before on the same steps
-# (evidence_reports/moe_block/round7/gemv_ab/, read ceiling 4.602-4.603 TB/s), us per step (fraction of
-# read), router+down alone: batch 1 329.4 -> 344.3 (94.8 -> 90.7%; router+down 19.5 -> 26.7 us:
-# the stream router's one launch stays), 2 583.7 -> 569.6 (92.5 -> 94.8%; 34.6 -> 29.6), 4
-# 1007.6 -> 994.4 (96.0 -> 97.2%; 34.6 -> 29.9), 8 1836.5 -> 1805.2 (97.3 -> 99.0%; 34.9 -> 25.2),
-# 16 3211.5 -> 3173.2 (99.9 -> 101.1%; 41.0 -> 28.7), 32 5462.5 -> 5381.5 (99.8 -> 101.3%; 63.4 ->
-# 29.5), 64 8284.4 -> 8114.0 (98.8 -> 100.9%; 108.9 -> 33.7). The output side at batch 64:
-# shared_gate_up 88.9 -> 46.2 us, latent_out 80.4 -> 41.5. GEMV_DENSE stops at 8: alone, the
-# foundation GEMM's W_up + W_sd at batches 2 and 4 take 39.3 and 39.7 us where latent_out takes 37, and
-# W_sgu's 45.1 where shared_gate_up takes 45.2-45.4. A router split that kept the router's own
-# mma launch for the logits and moved only z to a gemv (commit 281903a, round7/split_down_281903a/)
-# was no faster: the router's launch itself, not its down CTAs, took the time.
-# Round 8 (evidence_reports/moe_block/round8/) made the router's stream design faster: alone,
-# 16.7-16.9 us at batch 1 and 18.8 at batch 2 (round 7's: 19.4 and 24.4), where the block's
-# gemv path at batch 2 takes 29.6-30.2 us: batch 2 is back on the router kernel (above).
-GEMV_ROUTER = (4, 8, 16, 32, 64)
-GEMV_DENSE = (8, 16, 32, 64)
+def block_plan() -> dict[int, dict]:
+    """The declared per-batch choices (kernels/block_plan.toml), for the validator."""
+    return {b: {**e, "tunables": {k: dict(t) for k, t in e["tunables"].items()}} for b, e in BLOCK_PLAN.items()}
 
 
 def router_by_gemv(batch: int) -> bool:
@@ -149,24 +98,14 @@ def dense_by_gemv(batch: int) -> bool:
 
 def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
-    if kernel == "router":
-        return dict(ROUTER_IN_BLOCK.get(batch, {}))
-    if batch in WG_EXPERTS.get(kernel, ()):
-        return {"stream": 0, "wg": 1}
-    if kernel in STREAM_EXPERTS and batch <= STREAM_EXPERTS_MAX_BATCH:
-        if batch == 1:
-            return dict(STREAM_EXPERTS[kernel])
-        return {**STREAM_EXPERTS[kernel], "stream_max_batch": batch, "stream_slots": STREAM_SLOTS}
-    if batch <= 16:
-        return dict(PIPELINED_EXPERTS.get(kernel, {}))
-    return {}  # past 16, a batch that is not a decode size, and every gemv: the manifest defaults
+    return dict(BLOCK_PLAN.get(batch, {}).get("tunables", {}).get(kernel, {}))
 
 
 def block_variants(cfg: ModelConfig, batch: int, *, gemv_router: bool | None = None,
                    gemv_dense: bool | None = None) -> list[tuple[str, str, dict]]:
     """(role, kernel, manifest shape) of every kernel variant the block launches at `batch`, in
-    launch order (on one stream); `gemv_router` / `gemv_dense` override GEMV_ROUTER / GEMV_DENSE
-    (a plan built under other choices). The gemv shapes are the foundation's problems but one,
+    launch order (on one stream); `gemv_router` / `gemv_dense` override the plan's router and
+    output choices (a plan built under other choices). The gemv shapes are the foundation's problems but one,
     W_sgu's with fp32 output (12288 x 7168 at k3), which the foundation proof times in bf16."""
     T = batch
     H, L, S, E = cfg.hidden, cfg.latent, cfg.shared_inter, cfg.n_experts

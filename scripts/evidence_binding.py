@@ -8,7 +8,7 @@ Every file is an evidence bundle (`bundle.json`, schema fasttrack.evidence/1: it
 or a JSON with `cases`, each naming `kernel`, `shape`, `tunables` and the `cubin_sha256` it
 measured (the plans and results of the proof scripts older evidence came from). Each case is rebuilt on this host (cached builds under `--root`) and its
 cubin compared. A cubin carries line tables for every source it was built from (an edit to a
-shared module such as `kernels/ops/common.py`, even a comment, moves lines and changes the
+shared module such as `kernels/ops/parts/common.py`, even a comment, moves lines and changes the
 cubins of every kernel that imports it), so this is the way to know whether a figure in a README
 still describes the code at HEAD.
 
@@ -85,10 +85,24 @@ def check(cases: list[dict], root: Path, jobs: int | None = None) -> list[tuple[
     """(case, (cubin sha256, code sha256) this checkout builds) for every case, built in groups
     of one kernel and one set of tunables."""
     from kernels.build import BuildError, build_kernel
+    from kernels.manifest import ManifestError, load_manifest
+
+    man = load_manifest()
+
+    def declared(kernel: str, tunables: dict) -> dict:
+        # A tunable the manifest no longer declares (its design deleted, docs/decisions.md) is
+        # dropped: the rebuild takes the current code, and the code hash judges whether it is
+        # still what the evidence ran.
+        try:
+            names = {t.name for t in man.kernel(kernel).tunables}
+        except ManifestError:  # the build names the unknown kernel
+            return tunables
+        return {k: v for k, v in tunables.items() if k in names}
 
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(cases):
-        groups.setdefault(json.dumps([c["kernel"], c["tunables"]], sort_keys=True), []).append(i)
+        key = [c["kernel"], declared(c["kernel"], c["tunables"])]
+        groups.setdefault(json.dumps(key, sort_keys=True), []).append(i)
     built: dict[int, tuple[str, str]] = {}
     for key, idx in groups.items():
         kernel, tunables = json.loads(key)

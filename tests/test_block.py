@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.block_baseline import torch_block
 from kernels import reference
-from kernels.block import STREAM_EXPERTS_MAX_BATCH, block_tunables, block_variants
+from kernels.block import block_tunables, block_variants
 from kernels.config import DECODE_BATCH_SIZES, get_config
 from kernels.manifest import load_manifest
 from validation import block_stage as BP
@@ -49,31 +49,50 @@ def test_dense_projections_are_gemv_launches_at_their_batches():
         assert block_tunables("gemv", T) == {} and block_tunables("residual", T) == {}
 
 
-def test_block_tunables_are_manifest_choices_and_pipeline_only_up_to_one_tile():
+def test_block_tunables_are_manifest_choices_and_the_ops_take_the_declared_design():
     from kernels.build import resolve_tunables
+    from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
 
     man = load_manifest()
     for T in DECODE_BATCH_SIZES:
         for _role, name, shape in block_variants(K3, T):
             tun = block_tunables(name, T)
             resolve_tunables(man.kernel(name), tun)  # raises on a name or value the manifest lacks
-            experts = name in ("moe_w13", "moe_w2")
-            stream_max = STREAM_EXPERTS_MAX_BATCH
-            # the stream path up to its batch, and past it only for batch 32's moe_w13 (round 5);
-            # moe_w2 from batch 2 the TMA-fed warpgroup path (round 6)
-            wg = (name == "moe_w2" and T >= 2) or (name == "moe_w13" and T >= 16)
-            streamed = experts and not wg and T <= stream_max
-            assert bool(tun.get("pipeline")) == (experts and stream_max < T <= 16), (name, T)
-            assert bool(tun.get("stream")) == streamed, (name, T)
-            if experts:  # the op takes the path the block asks for at this batch
-                from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
-
+            if name in ("moe_w13", "moe_w2"):  # the path the block table declares at this batch
+                wg = (name == "moe_w2" and T >= 2) or (name == "moe_w13" and T >= 16)
                 op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
-                assert op.streamed == streamed and op.pipelined == (stream_max < T <= 16), (name, T)
-                assert op.wg == wg, (name, T)
-    # moe_w13 from batch 16: its warpgroup path (round 6)
-    assert block_tunables("moe_w13", 32) == {"stream": 0, "wg": 1} and block_tunables("moe_w13", 8)["stream"] == 1
-    assert block_tunables("moe_w2", 32) == {"stream": 0, "wg": 1} and block_tunables("moe_w2", 1)["stream"] == 1
+                assert op.wg == wg and op.launch_config().pdl == (not wg), (name, T)
+    assert block_tunables("router", 16) == {"warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
+    assert block_tunables("router", 1) == {} and block_tunables("moe_w13", 3) == {}
+
+
+def test_the_block_plan_is_one_declared_table():
+    """kernels/block_plan.toml declares every decode batch; the router and output choices give
+    GEMV_ROUTER / GEMV_DENSE, and `block_plan()` hands the validator a copy."""
+    from kernels import block as B
+
+    plan = B.block_plan()
+    assert sorted(plan) == list(DECODE_BATCH_SIZES)
+    assert B.GEMV_ROUTER == (4, 8, 16, 32, 64) and B.GEMV_DENSE == (8, 16, 32, 64)
+    assert [B.router_by_gemv(T) for T in (1, 2, 4)] == [False, False, True]
+    plan[1]["tunables"]["moe_w2"] = {"wg": 1}  # a copy: the block's own plan is unchanged
+    assert B.block_tunables("moe_w2", 1) == {}
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[batch.1]\nrouter = 'kernel'\n", "router must be one of"),
+    ("[batch.x]\nrouter = 'kernel'\noutput = 'fused'\n", "positive batch size"),
+    ("[batch.1]\nrouter = 'kernel'\noutput = 'fused'\nwg = 1\n", "only router, output and tunables"),
+    ("[batch.1\n", "Expected"),
+    ("", "no \\[batch.N\\] table"),
+])
+def test_a_bad_block_plan_is_refused_with_one_message(tmp_path, text, fragment):
+    from kernels.block import BlockPlanError, load_block_plan
+
+    f = tmp_path / "plan.toml"
+    f.write_text(text)
+    with pytest.raises(BlockPlanError, match=fragment):
+        load_block_plan(f)
 
 
 def test_block_imports_without_the_dsl():

@@ -39,20 +39,11 @@ def test_every_manifest_variant_is_valid_with_default_tunables():
             assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
             assert op.splits * op.groups * op.stage_k == shape["k"] and 2 <= op.stages <= op.groups + 1
             assert lc.cluster == ((op.splits, 1, 1) if op.splits > 1 else None) and op.splits <= G.MAX_CLUSTER
-            assert lc.smem_bytes <= G.STAGED_SMEM_LIMIT
+            assert lc.smem_bytes <= G.WG_SMEM_LIMIT
             per_sm = min(G.SM_SMEM // (lc.smem_bytes + G.CTA_SMEM_RESERVED), G.SM_THREADS // op.threads)
             assert lc.grid[0] * lc.grid[1] <= G.FILL_CTAS * per_sm
-        elif op.staged:  # grid (splits, row blocks); the splits cover k in whole stages
-            assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
-            assert op.splits * op.groups * op.stage_k == shape["k"] and 2 <= op.stages <= op.groups + 1
-            assert lc.smem_bytes <= G.STAGED_SMEM_LIMIT
-        elif op.tiled:  # grid (splits, row blocks); the splits cover k exactly
-            assert lc.grid[1] * op.rows_per_cta == shape["n"] and lc.grid[0] == op.splits
-            assert op.splits * op.k_chunk == shape["k"] and op.k_chunk % (32 * op.k_unroll) == 0
-            assert lc.grid[0] * lc.grid[1] >= G.DEFAULT_TUNABLES["tile_min_ctas"] or op.splits == op.k // (32 * op.k_unroll)
-            assert lc.smem_bytes <= G.TILED_SMEM_LIMIT + 16
-        else:
-            assert lc.grid[0] * op.rows_per_cta == shape["n"]
+        else:  # the warp-split design: batches 2 and 4
+            assert shape["batch"] in (2, 4) and lc.grid[0] * op.rows_per_cta == shape["n"]
             assert lc.smem_bytes <= G.SMEM_LIMIT
         partials = (1, 1, 1) if op.wg and op.cluster else (op.splits, shape["batch"], shape["n"])
         assert op.tensor_specs()["partials"].shape == partials  # a cluster reduces without them
@@ -80,12 +71,11 @@ def test_tensor_specs_follow_the_manifest_parameters():
     ({"batch": 1, "n": 64, "k": 512, "out_dtype": "float16"}, {}, "out_dtype"),
     ({"batch": 1, "n": 64}, {}, "missing"),
     ({"batch": 1, "n": 64, "k": 512}, {"rows_per_warp": 2}, "unknown tunables"),
-    ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 3}, "prefetch must be"),
+    ({"batch": 1, "n": 64, "k": 512}, {"prefetch": 1}, "unknown tunables"),
     ({"batch": 1, "n": 64, "k": 512}, {"pdl": 2}, "pdl must be"),
-    ({"batch": 16, "n": 128, "k": 544}, {"staged_from_batch": 16, "wg_from_batch": 65}, "multiple of 64 \\(staged_k\\)"),
-    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_k": 96}, "staged_k must be"),
-    ({"batch": 16, "n": 128, "k": 512}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_stages": 1}, "at least 2"),
-    ({"batch": 64, "n": 128, "k": 4096}, {"staged_from_batch": 16, "wg_from_batch": 65, "staged_k": 1024}, "shared memory"),
+    ({"batch": 16, "n": 128, "k": 576}, {}, "multiple of 128 \\(wg_k\\)"),
+    ({"batch": 16, "n": 128, "k": 512}, {"wg_k": 96}, "wg_k must be"),
+    ({"batch": 16, "n": 128, "k": 512}, {"wg_stages": 1}, "at least 2"),
 ])
 def test_rejects_what_it_cannot_compute(shape, tunables, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -97,12 +87,12 @@ def test_tunables_adapt_to_the_batch():
     >= 132 CTAs, load groups shrink with the vectors per step, warps halve to fit shared memory."""
     b2 = G.GemvOp({"batch": 2, "n": 3584, "k": 7168})
     assert (b2.warps, b2.row_tiles, b2.k_unroll) == (8, 2, 5)  # 3 vectors per step, 16 per group
-    assert not b2.stream and not b2.tiled
+    assert not b2.stream and not b2.wg
     router = G.GemvOp({"batch": 2, "n": 896, "k": 7168})
     assert router.row_tiles == 1 and router.launch_config().grid[0] == 112
     b16 = G.GemvOp({"batch": 16, "n": 7168, "k": 3584}, wg_from_batch=65)
-    assert not b16.tiled and (b16.row_tiles, b16.k_unroll, b16.warps) == (2, 4, 8)
-    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, tiled_from_batch=65, wg_from_batch=65)  # small-batch design
+    assert not b16.wg and (b16.row_tiles, b16.k_unroll, b16.warps) == (2, 4, 8)
+    b64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584}, wg_from_batch=65)  # the warp-split design
     assert (b64.row_tiles, b64.k_unroll, b64.warps) == (4, 1, 4)  # 8 warps' partials: 64 KB > 48 KB
     assert b64.smem_bytes == 4 * 64 * 32 * 4
 
@@ -153,54 +143,6 @@ def test_stream_sass_issues_every_copy_before_the_first_use(tmp_path):
             assert len(acq) == 1 and max(w_copies) < acq[0] < min(set(copies) - set(w_copies))
 
 
-def test_tiled_design_from_batch_32():
-    """From batch 32: 4 warps x 2 row tiles = 64 rows per CTA, x in a two-slot shared ring,
-    k split over the fewest CTAs that reach 264 (a divisor of the k groups)."""
-    T = {"wg_from_batch": 65}  # the warpgroup design takes these batches by default
-    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, **T)
-    assert b64.tiled and (b64.warps, b64.row_tiles, b64.rows_per_cta, b64.k_unroll) == (4, 2, 64, 4)
-    assert b64.splits == 7 and b64.launch_config().grid == (7, 56, 1)  # 56 x 5 = 280 would not divide 56 groups
-    assert b64.smem_bytes == 2 * 64 * (128 + 32) * 2 + 16  # rows padded to an odd multiple of 64 B
-    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, **T)
-    assert router.splits == 28 and router.k_chunk == 256  # 14 row blocks x 28 = 392 >= 264
-    wide = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, **T)
-    assert wide.splits == 2 and wide.launch_config().grid == (2, 192, 1)
-    whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168}, tile_min_ctas=132, **T)
-    assert whole.splits == 1  # 192 row blocks already fill the GPU: no partials at all
-    assert G.GemvOp({"batch": 32, "n": 8, "k": 256}, **T).rows_per_cta == 8  # rows shrink to divide n
-    with pytest.raises(ValueError, match="multiple of 128"):
-        G.GemvOp({"batch": 32, "n": 64, "k": 96}, **T)
-
-
-def test_staged_design_plan():
-    """From staged_from_batch: 128-row CTAs of 4 warps along the rows, a 4-slot ring of 64-k
-    stages, k split over the fewest CTAs reaching 132 in whole stages; more warps split the
-    batch where that reads fewer fragments from shared memory; the stage count is clamped to
-    the CTA's stages + 1 and to the shared-memory limit."""
-    b64 = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65)
-    assert b64.staged and not b64.tiled and not b64.stream
-    assert (b64.rows_per_cta, b64.warps, b64.warp_rows, b64.warp_batch, b64.row_tiles) == (128, 4, 4, 1, 4)
-    assert (b64.splits, b64.groups, b64.stages) == (7, 16, 4)  # 28 blocks x 4 = 112 < 132; 5 and 6 do not divide 112
-    assert b64.launch_config().grid == (7, 28, 1) and b64.threads == 128
-    assert b64.smem_bytes == 4 * (128 + 64) * 64 * 2 + 16 + 256
-    assert b64.tensor_specs()["partials"].shape == (7, 64, 3584)
-    wide = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
-    assert (wide.warp_rows, wide.warp_batch, wide.row_tiles, wide.warp_batch_tiles) == (4, 2, 4, 2)
-    b16 = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
-    assert (b16.warp_rows, b16.warp_batch) == (8, 1)  # one batch tile: the warps split the rows
-    odd = G.GemvOp({"batch": 20, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_warps=8)
-    assert odd.warp_batch == 1  # a partly filled batch tile is never split across warps
-    router = G.GemvOp({"batch": 32, "n": 896, "k": 7168, "out_dtype": "float32"}, staged_from_batch=16, wg_from_batch=65,
-                      staged_rows=256)
-    assert router.rows_per_cta == 128 and router.splits == 28 and router.groups == 4  # rows shrink to divide n
-    short = G.GemvOp({"batch": 16, "n": 16384, "k": 128}, staged_from_batch=16, wg_from_batch=65, staged_stages=8,
-                     staged_min_ctas=66)
-    assert (short.splits, short.groups, short.stages) == (1, 2, 3)  # 128 row blocks need no split
-    deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65, staged_stages=8, staged_k=128)
-    assert deep.stages == 4 and deep.smem_bytes <= G.STAGED_SMEM_LIMIT < 5 * (128 + 64) * 128 * 2
-    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, staged_from_batch=16, wg_from_batch=65).staged is False
-
-
 def _sass_copies(art):
     """The SASS opcodes of a build (predicates dropped) and the indices of its 16-byte cp.async
     copies: W's (LDGSTS...BYPASS, L2 only) and x's (LDGSTS, kept in L1)."""
@@ -212,48 +154,22 @@ def _sass_copies(art):
     return opc, w_copies, x_copies
 
 
-@pytest.mark.slow
-def test_staged_sass_copies_every_stage_before_its_mmas(tmp_path):
-    """Through the real build, batch 64 on 7168 -> 3584: W reaches shared memory only through
-    16-byte L2-only copies (LDGSTS.BYPASS; no register load of W at all), the prologue issues
-    3 stages x 8 of them per thread before the first wait, the loop issues the next stage's 8
-    before the stage's first mma, and nothing spills. With pdl, every prologue W copy
-    precedes griddepcontrol.wait (ACQBULK) and every x copy follows it."""
-    pytest.importorskip("cutlass")
-    from kernels.build import build_variant
-
-    shape = {"batch": 64, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
-    for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"staged_from_batch": 16, "wg_from_batch": 65, "pdl": pdl}, root=tmp_path)
-        assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
-        opc, w_copies, x_copies = _sass_copies(art)
-        mmas = [i for i, o in enumerate(opc) if o.startswith("HMMA")]
-        first_wait = min(i for i, o in enumerate(opc) if o.startswith("DEPBAR"))
-        assert len(w_copies) == 32 and len(x_copies) == 16  # 4 stages' worth: 3 in the prologue, 1 in the loop
-        assert sum(i < first_wait for i in w_copies) == 24 and max(w_copies) < min(mmas)
-        assert not any(o.startswith("LDG") and "CONSTANT" in o for o in opc)  # no nc register load of W
-        if pdl:
-            acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
-            assert len(acq) == 1 and sorted(w_copies)[23] < acq[0] < min(x_copies)
-
-
 def test_warpgroup_design_plan():
     """From wg_from_batch (8), batches that are a multiple of 8: 64-row CTAs (one warpgroup), 128
     rows (two) from batch 32 where the 64-row blocks are more than one per SM and the wider
     blocks still fill half the SMs (only 12288 rows); k split into as many CTAs as are resident in one wave, at most 8, one cluster per
     row block; 6-slot rings of 64 k, clamped to the CTA's stages + 1 and to shared memory."""
     b8 = G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=64)
-    assert b8.wg and not (b8.stream or b8.staged or b8.tiled)
+    assert b8.wg and not b8.stream
     assert (b8.rows_per_cta, b8.threads, b8.splits, b8.groups, b8.stages) == (64, 128, 4, 28, 6)
     lc = b8.launch_config()  # 57 KB: 3 CTAs per SM, 224 CTAs; 8 splits (448) would not fit 396
     assert lc.grid == (4, 56, 1) and lc.cluster == (4, 1, 1) and lc.to_dict()["cluster"] == [4, 1, 1]
     # rings + alignment + verdict + the reduction's slots: 4 splits x 8 batch rows x (16 + 4) fp32
     # ... + the TMA path's full and empty mbarriers (6 + 6, 8 bytes each, + 8 of slack)
     assert b8.smem_bytes == 6 * (64 + 8) * 64 * 2 + 2 * 1024 + 16 + 4 * 8 * 20 * 4 + 16 + 13 * 8
-    assert b8.tma and b8.tensor_specs()["w"].tma.box == (64, 64) and b8.tensor_specs()["x"].tma.box == (64, 8)
+    assert b8.tensor_specs()["w"].tma.box == (64, 64) and b8.tensor_specs()["x"].tma.box == (64, 8)
     assert b8.tensor_specs()["w"].tma.l2_promotion == 0
-    assert G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_tma=0).tensor_specs()["w"].tma is None
-    with pytest.raises(ValueError, match="wg_tma 1 needs wg_k 64 or 128"):
+    with pytest.raises(ValueError, match="wg_k must be 64 or 128"):
         G.GemvOp({"batch": 8, "n": 3584, "k": 7168}, wg_k=256)
     assert b8.tensor_specs()["partials"].shape == (1, 1, 1)  # the cluster reduces in shared memory
     # From batch 32, 128-row CTAs only where the 64-row blocks alone are more than one per SM:
@@ -274,15 +190,12 @@ def test_warpgroup_design_plan():
     whole = G.GemvOp({"batch": 64, "n": 12288, "k": 7168})
     assert whole.rows_per_cta == 128 and G.GemvOp({"batch": 16, "n": 12288, "k": 7168}).rows_per_cta == 64
     assert whole.splits == 1 and whole.launch_config().cluster is None and "cluster" not in whole.launch_config().to_dict()
-    # Fixed split counts, and the global-partials reduction without clusters.
-    fixed = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_cluster=0, wg_k=64)
-    assert fixed.splits == 7 and fixed.cluster is None  # 56 x 5 = 280 would not divide 112 stages
-    assert fixed.tensor_specs()["partials"].shape == (7, 16, 3584)
+    # Fixed split counts
     clustered = G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_min_ctas=264, wg_k=64)
     assert clustered.splits == 8  # a cluster's split count also divides the rows into float4 shares
     deep = G.GemvOp({"batch": 64, "n": 3584, "k": 7168}, wg_rows=256, wg_stages=8, wg_k=64)
     assert deep.splits == 8 and deep.stages == 3  # 3 x 40 KB of ring + 74 KB of slots (8 x 64 x 36 fp32)
-    assert deep.smem_bytes <= G.STAGED_SMEM_LIMIT
+    assert deep.smem_bytes <= G.WG_SMEM_LIMIT
     # The defaults: 128 k per stage (two TMA boxes per operand), 64 from n = 12288 on
     d64 = G.GemvOp({"batch": 64, "n": 7168, "k": 3584})
     # batch 64's stages are 32 KB (64 W rows + 64 x rows of 128 k): 5 fit `wg_ring_kib` (160)
@@ -303,56 +216,6 @@ def test_warpgroup_design_plan():
         G.GemvOp({"batch": 16, "n": 3584, "k": 7168}, wg_rows=96)
     with pytest.raises(ValueError, match="multiple of 128 \\(wg_k\\)"):
         G.GemvOp({"batch": 16, "n": 3584, "k": 7232})
-
-
-@pytest.mark.slow
-def test_warpgroup_sass(tmp_path):
-    """Through the real build, batch 64 on 3584 -> 7168 with `wg_rows` 128 (128-row CTAs, 2 splits
-    in one cluster),
-    the cp.async ring (`wg_tma` 0):
-    W reaches shared memory only through 16-byte L2-only copies (no register load of W), the
-    tensor cores are wgmma (HGMMA 64x64x16, 4 per stage per warpgroup), the async-proxy fence
-    sits between the copies' wait and the stage's barrier, and the cluster reduction pushes each
-    accumulator into its owner's shared memory (32 remote stores per thread) before its one
-    cluster barrier. With pdl, every prologue W copy comes
-    before griddepcontrol.wait (ACQBULK) and every x copy after it."""
-    pytest.importorskip("cutlass")
-    from kernels.build import build_variant
-
-    shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
-    for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "pdl_from_batch": 65, "wg_tma": 0, "wg_k": 64,
-                                            "wg_rows": 128}, root=tmp_path)
-        assert art.meta["launch"]["cluster"] == [2, 1, 1] and art.meta["launch"]["block"] == [256, 1, 1]
-        assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0
-        opc, w_copies, x_copies = _sass_copies(art)
-        mmas = [i for i, o in enumerate(opc) if o.startswith("HGMMA")]
-        assert mmas and all(opc[i] == "HGMMA.64x64x16.F32.BF16" for i in mmas) and len(mmas) == 4
-        # 16 KB of W per stage over 256 threads: 4 copies each; 5 prologue stages + the loop's.
-        assert len(w_copies) == 6 * 4 and max(w_copies) < max(mmas)
-        assert not any(o.startswith("LDG") and not o.startswith("LDGSTS") and not o.startswith("LDGDEPBAR")
-                       for o in opc)  # no register load of anything global
-        # In the loop: the copies' wait, then the async-proxy fence, then the CTA barrier, then
-        # the stage's wgmmas.
-        fence = [i for i, o in enumerate(opc) if o.startswith("FENCE.VIEW.ASYNC.S")]
-        assert len(fence) == 1
-        waits = [i for i, o in enumerate(opc) if o.startswith("DEPBAR.LE") and i < fence[0]]
-        bar = next(i for i, o in enumerate(opc) if o.startswith("BAR.SYNC") and i > fence[0])
-        assert waits and max(waits) < fence[0] < bar < min(mmas)
-        # one phase arrived at on entry and waited on before the pushes, one after them
-        assert sum(o.startswith("UCGABAR_ARV") for o in opc) == 2 and sum(o.startswith("UCGABAR_WAIT") for o in opc) == 2
-        if pdl:
-            acq = [i for i, o in enumerate(opc) if o.startswith("ACQBULK")]
-            assert len(acq) == 1 and sorted(w_copies)[19] < acq[0] < min(x_copies)
-    ptx = Path(art.paths["ptx"]).read_text()
-    assert ptx.count("st.shared::cluster") == 32 and "ld.shared::cluster" not in ptx
-    # launched without its cluster, the kernel stops instead of pushing to CTAs that do not exist
-    assert "%cluster_nctarank" in ptx and "trap;" in ptx
-    assert "mapa.shared::cluster" in ptx and "fence.proxy.async.shared::cta" in ptx
-    # entry: a relaxed arrive; the first wait precedes every remote store, the second arrive
-    # follows them all
-    assert ptx.index("barrier.cluster.arrive.relaxed") < ptx.index("barrier.cluster.wait") < ptx.index("st.shared::cluster")
-    assert ptx.rindex("st.shared::cluster") < ptx.rindex("barrier.cluster.arrive") < ptx.rindex("barrier.cluster.wait")
 
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
@@ -382,51 +245,22 @@ def test_op_module_imports_without_the_dsl():
 
 
 @pytest.mark.slow
-def test_ptx_of_the_tiled_design(tmp_path):
-    """Batch 20 (a partly filled second batch tile), 2 splits: mma, 16-byte global loads only
-    (nc for W alone), x through shared memory, the acq_rel arrival and the release reset of the
-    counter, no local memory."""
-    pytest.importorskip("cutlass")
-    import cutlass.cute as cute
-
-    op = G.GemvOp({"batch": 20, "n": 128, "k": 512}, tiled_from_batch=16, tile_min_ctas=4)
-    assert (op.tiled, op.splits, op.rows_per_cta, op.groups) == (True, 2, 64, 2)
-    cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
-    ptx = next(tmp_path.glob("*.ptx")).read_text()
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-    loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
-    assert loads and all(l.endswith(".v4.b32") or l.endswith(".v4.f32") for l in loads), set(loads)
-    # W: 2 groups x 4 steps x 2 row tiles per lane; x: 20 rows x 16 vectors / 128 threads = 3 per group.
-    assert sum(l.startswith("ld.global.nc") for l in loads) == 16
-    assert "ld.shared.v4" in ptx and "st.shared.v4" in ptx
-    assert "atom.global.acq_rel.add" in ptx  # no scope suffix: gpu scope, PTX's default
-    assert "st.release.gpu.global" in ptx
-    assert ".local" not in ptx
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("prefetch, k_order", [(1, 0), (2, 1)])
-def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
+def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path):
     """Batch 3 (a partly filled batch tile), two row tiles, a k-step tail: the PTX must hold the
     bf16 m16n8k16 mma, 16-byte loads only, read-only (nc) loads for W and plain loads for x,
-    and no local memory; with either load pipeline (copied registers or ping-pong buffers) and
-    either k order across warps."""
+    and no local memory."""
     pytest.importorskip("cutlass")
     import cutlass.cute as cute
 
-    op = G.GemvOp({"batch": 3, "n": 2112, "k": 1408}, warps_per_cta=2, row_tiles=2, k_unroll=4,
-                  prefetch=prefetch, k_order=k_order)
+    op = G.GemvOp({"batch": 3, "n": 2112, "k": 1408}, warps_per_cta=2, row_tiles=2, k_unroll=4)
     assert (op.row_tiles, op.k_unroll, op.steps_per_warp) == (2, 4, 22)
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(tmp_path.glob("*.ptx")).read_text()
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     loads = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith("ld.global")]
     assert loads and all(l.endswith(".v4.b32") for l in loads), set(loads)
-    # 5 groups of 4 steps + a 2-step tail per warp. Copied registers: the first group, one in
-    # the loop body, the tail. Ping-pong: the first group, two in the (twice unrolled) loop
-    # body, none peeled (5 groups: 2 pairs + the last, already loaded), the tail.
-    groups_in_code = {1: 2, 2: 3}[prefetch]
-    w_loads = (groups_in_code * 4 + 2) * 2  # steps x 2 row tiles
+    # 5 groups of 4 steps + a 2-step tail per warp: the first group, one in the loop body, the tail
+    w_loads = (2 * 4 + 2) * 2  # steps x 2 row tiles
     assert sum(l.startswith("ld.global.nc") for l in loads) == w_loads
     assert sum(not l.startswith("ld.global.nc") for l in loads) == w_loads // 2  # one x vector per step
     assert ".local" not in ptx
@@ -434,19 +268,13 @@ def test_ptx_uses_tensor_cores_and_16_byte_loads(tmp_path, prefetch, k_order):
 
 def test_pdl_is_recorded_in_the_launch_config():
     """pdl=1 asks the launcher for programmatic dependent launch in every design; pdl=0 (the
-    default) launches plainly, unless the batch reaches `pdl_from_batch` (default 65: never),
-    from which the warpgroup design takes pdl anyway; the op's launch dict (meta.json "launch")
-    says which."""
+    default) launches plainly; the op's launch dict (meta.json "launch") says which."""
     for shape in ({"batch": 1, "n": 3584, "k": 7168}, {"batch": 16, "n": 3584, "k": 7168},
                   {"batch": 32, "n": 3584, "k": 7168}, {"batch": 64, "n": 7168, "k": 6144}):
         plain = G.GemvOp(shape).launch_config()
         assert plain.pdl is False and "pdl" not in plain.to_dict()
         lc = G.GemvOp(shape, pdl=1).launch_config()
         assert lc.pdl is True and lc.to_dict()["pdl"] is True and not lc.cooperative
-    for batch, pdl in ((1, False), (2, False), (4, False), (8, False), (16, False), (32, True), (64, True)):
-        assert G.GemvOp({"batch": batch, "n": 7168, "k": 6144}, pdl_from_batch=32).launch_config().pdl is pdl, batch
-    # the warp-split design (batch 2) never takes it from the batch rule
-    assert G.GemvOp({"batch": 2, "n": 7168, "k": 6144}, pdl_from_batch=1).launch_config().pdl is False
 
 
 @pytest.mark.slow
@@ -509,7 +337,7 @@ def test_warpgroup_tma_sass(tmp_path):
 
     shape = {"batch": 64, "n": 7168, "k": 3584, "out_dtype": "bfloat16"}
     for pdl in (0, 1):
-        art = build_variant("gemv", shape, {"pdl": pdl, "pdl_from_batch": 65, "wg_rows": 128}, root=tmp_path)
+        art = build_variant("gemv", shape, {"pdl": pdl, "wg_rows": 128}, root=tmp_path)
         assert [(p["name"], p["size"], p["align"]) for p in art.meta["params"][:2]] == [("x", 128, 64), ("w", 128, 64)]
         assert art.meta["params"][1]["spec"]["tma"] == {"box": [64, 128], "swizzle": 128, "l2_promotion": 0}
         assert art.meta["resources"]["spill_store_bytes"] == 0 and art.meta["resources"]["local_bytes"] == 0

@@ -112,7 +112,7 @@ def test_load_errors(tmp_path):
 # The op contract every op imports and no kernel owns (a change to it is a change to every kernel),
 # and its TMA part (what the launcher encodes for a TMA-read buffer): no kernel's source either,
 # so a change to it is never a fast-track kernel change.
-SHARED = {"kernels/ops/__init__.py", "kernels/ops/base.py", "kernels/ops/tma.py"}
+SHARED = {"kernels/ops/__init__.py", "kernels/ops/base.py", "kernels/ops/parts/__init__.py", "kernels/ops/parts/tma.py"}
 
 
 def test_repository_manifest_is_consistent():
@@ -146,13 +146,15 @@ def test_explore_only_choices_are_valid_builds_but_never_defaults():
     from validation.policy import manifest_changes
 
     real = (REPO_ROOT / "kernels" / "manifest.toml").read_text()
-    router = {t.name: t for t in parse_manifest(real).kernel("router").tunables}
-    assert router["timeline"].explore_only == (1,) and router["timeline"].tuned_choices == (0,)
-    assert router["arrive"].tuned_choices == (1, 2, 3)
-    for bad in ("explore_only = [0] }", "explore_only = [3] }"):  # the default; not a choice
+    line = "poll_sleep = { choices = [0, 1, 2, 4], default = 2 }"  # the router's
+    assert line in real
+    marked = real.replace(line, line[:-2] + ", explore_only = [0, 4] }", 1)
+    router = {t.name: t for t in parse_manifest(marked).kernel("router").tunables}
+    assert router["poll_sleep"].explore_only == (0, 4) and router["poll_sleep"].tuned_choices == (1, 2)
+    for bad in ("explore_only = [2] }", "explore_only = [3] }"):  # the default; not a choice
         with pytest.raises(ManifestError, match="explore_only"):
-            parse_manifest(real.replace("explore_only = [1] }", bad, 1))
-    base = parse_manifest(real)
-    head = parse_manifest(real.replace("default = 3, explore_only = [0] }", "default = 3 }", 1))
+            parse_manifest(real.replace(line, line[:-2] + ", " + bad, 1))
+    base = parse_manifest(marked)
+    head = parse_manifest(real)
     violations, _ = manifest_changes(base, head)
     assert [v.rule for v in violations] == ["manifest-tunable-range"]

@@ -1,7 +1,7 @@
 """Routed experts (kernels/ops/moe_experts.py): the two ops' references compose to the project's
 routed_experts for every routing pattern on the mini preset (tiny's widths are not multiples of
-the 32-wide k step the ops are planned for); contract with the manifest; plans (per-item,
-pipelined, stream); k3 builds (64-bit expert offsets, every path); the stream path's SASS issues
+the 32-wide k step the ops are planned for); contract with the manifest; plans (stream,
+warpgroup); k3 builds (64-bit expert offsets); the stream path's SASS issues
 every copy before its one wait and, with pdl, reads no routing before griddepcontrol.wait (the
 audit flags a planted mutant that does)."""
 
@@ -34,8 +34,8 @@ def test_up_then_down_references_equal_routed_experts(pattern, T):
     z = torch.randn(T, CFG.latent, generator=g).to(torch.bfloat16)
     wts = torch.rand(T, CFG.top_k, generator=g) + 0.05
     wts = wts / wts.sum(-1, keepdim=True)
-    up = MX.ExpertsUpOp(_shape(T), warps_per_cta=4, row_tiles=2, stream=0)
-    down = MX.ExpertsDownOp(_shape(T), warps_per_cta=4, row_tiles=1, stream=0)  # mini's 384: no stream plan
+    up = MX.ExpertsUpOp(_shape(T))
+    down = MX.ExpertsDownOp(_shape(T), wg=1, wg_stages=2)  # mini's 384: no stream plan
     meta = up.routing_tensors(ids)
     act = up.reference(z=z, w13=w.w13, ids=ids, **meta)["act"]
     c = down.reference(act=act, w2=w.w2, weights=wts, ids=ids, **meta)["c"]
@@ -51,9 +51,9 @@ def test_default_tunables_and_params_follow_the_manifest():
             op = cls(shape)
             assert list(op.tensor_specs()) == [p.name for p in spec.params]
             lc = op.launch_config()
-            assert op.streamed == lc.pdl == (shape["batch"] <= 16)  # pdl only where the kernel waits
-            if not op.streamed:
-                assert lc.grid[0] <= 2 * MX.SMS  # persistent
+            assert not op.wg and lc.pdl  # the defaults: the stream path, which waits
+            wg = cls(shape, wg=1)
+            assert wg.wg and not wg.launch_config().pdl  # pdl only where the kernel waits
 
 
 def test_stream_plans_at_batch_1():
@@ -73,17 +73,6 @@ def test_stream_plans_at_batch_1():
     narrow = MX.ExpertsDownOp(K3, stream_cta_kib=8)
     assert (narrow.rows_per_cta, narrow.row_blocks, narrow.ctas) == (1, 3584, 16 * 3584)
     assert narrow.tensor_specs()["counters"].shape == (3584,)
-
-
-@pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
-def test_stream_up_to_stream_max_batch_and_pdl_only_where_the_kernel_waits(cls):
-    assert cls(K3, pdl=1).launch_config().pdl
-    assert not cls(K3, stream=0, pdl=1).launch_config().pdl  # the persistent paths never wait
-    b2 = cls({**K3, "batch": 2}, pdl=1, pipeline=1, row_tiles=4, warps_per_cta=4)
-    assert not b2.streamed and b2.pipelined and not b2.launch_config().pdl
-    assert not cls(K3, pipeline=1, row_tiles=4, warps_per_cta=4).streamed  # an explicit pipeline wins
-    assert cls({**K3, "batch": 8}).streamed and not cls({**K3, "batch": 8}, stream_max_batch=4).streamed
-    assert not cls({**K3, "batch": 32}).streamed  # past 16 tokens: the persistent path
 
 
 def test_stream_plans_past_batch_1_keep_the_cta_and_add_activation_slots():
@@ -111,57 +100,13 @@ def test_the_token_chunks_cover_each_group_once():
             assert all(min(c0 + s, cnt - 1) < cnt for c0 in range(0, cnt, S) for s in range(S))
 
 
-def test_plans_add_a_one_tile_path_past_batch_16():
-    assert list(MX.make_plans(8, 3584, 8, 2, 8)) == [8]
-    plans = MX.make_plans(64, 3584, 8, 2, 8)
-    assert sorted(plans) == [16, 64]
-    assert plans[16].batch_tiles == 1 and plans[64].batch_tiles == 4
-
-
-@pytest.mark.parametrize("steps, cap, want", [(14, 5, 2), (14, 7, 7), (12, 5, 4), (12, 8, 6), (7, 1, 1), (96, 4, 4)])
-def test_largest_unroll_divides_the_steps(steps, cap, want):
-    from kernels.ops.decode_mma import largest_unroll
-
-    assert largest_unroll(steps, cap) == want
-
-
-@pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
-@pytest.mark.parametrize("batch", [1, 8, 16, 32])
-def test_pipelined_path_takes_equal_load_groups_up_to_one_tile(cls, batch):
-    op = cls({**K3, "batch": batch}, pipeline=1, row_tiles=4, warps_per_cta=4, k_unroll=8)
-    assert op.pipelined == (batch <= 16)
-    plan = op.plans[batch]
-    if op.pipelined:
-        assert list(op.plans) == [batch] and plan.batch_tiles == 1
-        assert plan.steps_per_warp % plan.k_unroll == 0  # no tail: the flattened loop is uniform
-        vectors = plan.row_tiles + (2 if batch > 8 else 1)
-        assert 2 * plan.k_unroll * vectors <= MX.PIPELINE_VECTORS
-
-
-def _chunks(n_items, grid):
-    """The pipelined path's split of the items over the CTAs (the kernel's integer arithmetic)."""
-    return [(b * n_items // grid, (b + 1) * n_items // grid) for b in range(grid)]
-
-
-@pytest.mark.parametrize("n_items, grid", [(6144, 396), (1792, 264), (5, 264), (264, 264), (1000, 7)])
-def test_pipelined_chunks_cover_every_item_once_in_order(n_items, grid):
-    chunks = _chunks(n_items, grid)
-    items = [i for a, b in chunks for i in range(a, b)]
-    assert items == list(range(n_items))
-    sizes = [b - a for a, b in chunks]
-    assert max(sizes) - min(sizes) <= 1  # balanced to one item
-
-
 @pytest.mark.parametrize("cls, shape, tunables, fragment", [
     (MX.ExpertsUpOp, {**K3, "batch": 0}, {}, "batch 0"),
-    (MX.ExpertsUpOp, K3, {"row_tiles": 3}, "even"),
-    (MX.ExpertsDownOp, {**K3, "latent": 3580}, {}, "multiple of 16"),
     (MX.ExpertsDownOp, K3, {"splits": 2}, "unknown tunables"),
     (MX.ExpertsUpOp, K3, {"stream_threads": 32}, "at least 64 threads"),
     (MX.ExpertsDownOp, K3, {"pdl": 2}, "pdl must be 0 or 1"),
-    (MX.ExpertsDownOp, {**K3, "expert_inter": 384}, {}, "stream=0 takes"),  # 48 vectors: no whole warps
-    (MX.ExpertsUpOp, {**K3, "batch": 8}, {"stream_max_batch": 128}, "outside 1..64"),
-    (MX.ExpertsDownOp, {**K3, "batch": 8}, {"stream_ctas_per_sm": -1}, "must not be negative"),
+    (MX.ExpertsDownOp, {**K3, "expert_inter": 384}, {}, "the stream path"),  # 48 vectors: no whole warps
+    (MX.ExpertsUpOp, {**K3, "batch": 8}, {"stream_max_batch": 16}, "unknown tunables"),
     (MX.ExpertsDownOp, {**K3, "batch": 8}, {"stream_slots": 0}, "at least 1"),
 ])
 def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
@@ -171,13 +116,12 @@ def test_rejects_what_it_cannot_compute(cls, shape, tunables, fragment):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cls", [MX.ExpertsUpOp, MX.ExpertsDownOp])
-@pytest.mark.parametrize("batch", [1, 64])
-def test_k3_build_ptx(tmp_path, cls, batch):
+def test_k3_build_ptx(tmp_path, cls):
     cute = pytest.importorskip("cutlass.cute")
-    op = cls({**K3, "batch": batch}, stream=0)  # batch 1: the pipelined path (the stream path below)
+    op = cls(K3)  # the stream path
     cute.compile(op, *op.fake_args(), options=f"--keep-ptx --gpu-arch sm_90a --dump-dir {tmp_path}")
     ptx = next(Path(tmp_path).glob("*.ptx")).read_text()
-    assert "mma.sync.aligned.m16n8k16" in ptx and "ld.global.nc.v4" in ptx
+    assert "cp.async.cg.shared.global" in ptx
     # expert offsets in 64 bits: k3's experts hold 2^34 elements
     per_expert = (2 * 3072 * 3584 if cls is MX.ExpertsUpOp else 3584 * 3072) * 2
     assert f"mul.wide.s32" in ptx and str(per_expert) in ptx
@@ -237,37 +181,14 @@ def test_audit_flags_a_routing_read_before_the_pdl_wait():
     assert "group_expert" in str([f for f in rep.findings if f.rule == "load-before-griddep-wait"])
 
 
-def test_stream_persistent_grid():
-    """`stream_ctas_per_sm` N > 0, the host plan: the stream path's grid is N CTAs per SM (at
-    most one per possible item; the kernel strides them over the routing's items, which the GPU
-    runs check); 0 keeps a CTA per possible item; N past what fits on an SM at once is refused."""
-    shape = {**K3, "batch": 64}
-    for cls in (MX.ExpertsUpOp, MX.ExpertsDownOp):
-        per_item = cls(shape, stream_max_batch=64)
-        blocks = per_item.col_blocks if cls is MX.ExpertsUpOp else per_item.row_blocks
-        assert per_item.streamed and per_item.launch_config().grid == (896 * blocks, 1, 1)
-        persist = cls(shape, stream_max_batch=64, stream_ctas_per_sm=6)
-        assert persist.launch_config().grid == (6 * MX.SMS, 1, 1)
-        assert (persist.smem_bytes, persist.threads) == (per_item.smem_bytes, per_item.threads)
-    tiny = MX.ExpertsDownOp({"batch": 1, "n_experts": 4, "latent": 64, "expert_inter": 256, "top_k": 1},
-                            stream_ctas_per_sm=8)
-    assert tiny.launch_config().grid == (tiny.groups * tiny.row_blocks, 1, 1)  # fewer items than the grid
-    # 6 moe_w13 CTAs (35920 B) fit on an SM, 7 of moe_w2 (30816 B): one more would wait a whole share
-    with pytest.raises(ValueError, match="stream_ctas_per_sm 7 asks for more CTAs than fit on an SM"):
-        MX.ExpertsUpOp(shape, stream_max_batch=64, stream_ctas_per_sm=7)
-    MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=7)
-    with pytest.raises(ValueError, match="stream_ctas_per_sm 8 asks for more CTAs"):
-        MX.ExpertsDownOp(shape, stream_max_batch=64, stream_ctas_per_sm=8)
-
-
 def test_warpgroup_path_plan_and_contract():
-    """`wg` 1 (moe_w2 only), past the stream and pipelined paths: a CTA per possible (group,
+    """`wg` 1: a CTA per possible (group,
     64-row block) item, one warpgroup; act and w2 reach the kernel as TMA descriptors (one
     64-k swizzle line per box: wg_n act rows; 64 rows of one expert); the ring's shared memory;
     what it cannot do is refused with the reason."""
     shape = {**K3, "batch": 64}
     op = MX.ExpertsDownOp(shape, wg=1)
-    assert op.wg and not (op.streamed or op.pipelined)
+    assert op.wg
     assert (op.rows_per_cta, op.row_blocks, op.stage_k, op.k_tiles, op.wg_n, op.stages) == (64, 56, 128, 24, 8, 4)
     lc = op.launch_config()
     assert lc.grid == (896 * 56, 1, 1) and lc.block == (128, 1, 1)
@@ -277,8 +198,8 @@ def test_warpgroup_path_plan_and_contract():
     assert specs["act"].tma.box == (64, 8) and specs["w2"].tma.box == (64, 64, 1)
     assert specs["w2"].tma.l2_promotion == 0 and specs["counters"].shape == (56,)
     assert specs["w2"].to_dict()["tma"]["box"] == [64, 64, 1]
-    # the stream and pipelined paths win where they apply; wg off: no descriptors
-    assert not MX.ExpertsDownOp({**K3, "batch": 8}, wg=1).wg
+    # wg off: the stream path, no descriptors
+    assert MX.ExpertsDownOp({**K3, "batch": 8}, wg=1).wg
     assert MX.ExpertsDownOp(shape).tensor_specs()["w2"].tma is None
     # moe_w13's form: 32 gate + 32 up rows per CTA, its gathered tokens by cp.async (no TMA maps)
     up = MX.ExpertsUpOp(shape, wg=1)

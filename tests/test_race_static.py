@@ -56,8 +56,8 @@ def test_pdl_gemv_passes_and_its_hoisted_x_load_is_flagged():
     bad = _gemv_pdl_report("x_before_wait")
     hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
     assert hits and {tuple(f.params) for f in hits} == {("x",)}, [str(f) for f in bad.findings]
-    # batch 1 is the stream design: the copy is issued in kernels/ops/stream.py's copy_row
-    assert all(f.ptx and f.sass and f.source.startswith(("kernels/ops/gemv.py:", "kernels/ops/stream.py:"))
+    # batch 1 is the stream design: the copy is issued in kernels/ops/parts/stream.py's copy_row
+    assert all(f.ptx and f.sass and f.source.startswith(("kernels/ops/gemv.py:", "kernels/ops/parts/stream.py:"))
                for f in hits), [f.source for f in hits]
     assert "griddepcontrol.wait" in hits[0].message
 
@@ -116,7 +116,7 @@ def test_planted_mutant_flagged_by_its_rule(kernel, mutant, rule):
     assert rule in rep.rules_hit(), [str(f) for f in rep.findings]
     hit = [f for f in rep.findings if f.rule == rule]
     # Locations: the Python line always; the PTX location unless only the SASS shows it.
-    assert all(f.source and f.source.startswith("kernels/ops/") for f in hit)
+    assert all(f.source and f.source.startswith("validation/race/specimens/") for f in hit)
     assert all(f.ptx or f.sass for f in hit)
 
 
@@ -125,7 +125,7 @@ def test_nc_finding_located_in_ptx_sass_and_source():
     (f,) = [f for f in rep.findings if f.rule == "nc-load-mutable"]
     assert f.params == ["stage"]
     assert "ld.global.nc" in f.ptx and "LDG.E.128.CONSTANT" in f.sass
-    assert f.source.startswith("kernels/ops/prodcons.py:")
+    assert f.source.startswith("validation/race/specimens/prodcons.py:")
     # The static weight is read through nc loads too, and that is allowed.
     assert not any("'w'" in x.message for x in rep.findings)
 
@@ -185,7 +185,7 @@ def test_prodcons_handshake_through_an_undeclared_buffer_is_flagged():
     rep = audit_ptx(ptx, {**roles, "flags": "activation"}, sass_text=sass, param_names=names)
     hits = [f for f in rep.findings if f.rule == "undeclared-sync"]
     assert hits and {tuple(f.params) for f in hits} == {("flags",)}, [str(f) for f in rep.findings]
-    assert all(f.ptx and f.sass and f.source.startswith("kernels/ops/prodcons.py:") for f in hits)
+    assert all(f.ptx and f.sass and f.source.startswith("validation/race/specimens/prodcons.py:") for f in hits)
 
 
 @pytest.mark.slow
@@ -234,14 +234,14 @@ TMA_PDL_SHAPE = {"batch": 8, "n": 3584, "k": 7168, "out_dtype": "bfloat16"}
 
 @pytest.mark.slow
 def test_pdl_tma_gemv_passes_and_its_early_x_copy_is_flagged():
-    """gemv's TMA path (wg_tma 1) with pdl: x and w are read through tensor maps (by-value
+    """gemv's warpgroup design (TMA) with pdl: x and w are read through tensor maps (by-value
     128-byte parameters), and the audit attributes each `cp.async.bulk.tensor` to the map's
     parameter: the correct kernel (only W tiles before griddepcontrol.wait) is clean in PTX and
     SASS; the mutant that issues x's tiles before the wait is flagged, naming x only."""
     from validation.race.artifacts import audit_artifact
 
     spec = load_manifest().kernel("gemv")
-    tun = {"pdl": 1, "wg_tma": 1}
+    tun = {"pdl": 1}
     good_art = build_variant_of(spec, TMA_PDL_SHAPE, tun)
     assert "cp.async.bulk.tensor" in Path(good_art.paths["ptx"]).read_text()
     assert [p["size"] for p in good_art.meta["params"][:2]] == [128, 128]

@@ -18,15 +18,15 @@ Both are memory-bound on activations only (at batch 64: 3.1 MB and 2.8 MB). A th
 group of 8 output elements (one 16-byte bf16 vector); a CTA of `threads` threads covers
 `threads` groups of one row (grid: groups of the row / threads, rows). Every operand is an
 activation written by the previous launch, so every load is a plain coherent one (never the
-read-only path: kernels/ops/common.py).
+read-only path: kernels/ops/parts/common.py).
 """
 
 from __future__ import annotations
 
 from kernels import reference
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, coherent_copy_atom, cute, cutlass
-from kernels.ops.decode_mma import situ
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, coherent_copy_atom, cute, cutlass
+from kernels.ops.parts.decode_mma import situ
 
 MAX_BATCH = 64
 F32_PER_VECTOR = 4

@@ -14,56 +14,38 @@ Layout of one warp's work, per 32-wide k step:
     summed, so k is permuted freely as long as A and B use the same permutation: the mma's k slots
     {2q, 2q+1, 2q+8, 2q+9} (which the m16n8k16 fragments give lane q for both A and B) hold
     k = base + 8q + {0,1,2,3} in the first mma and base + 8q + {4,5,6,7} in the second. So both
-    operands come straight from coalesced 16-byte global loads (the tiled design reads x from
-    shared memory in the same permutation); W goes through the read-only path (`ld.global.nc`),
+    operands come straight from coalesced 16-byte global loads; W goes through the read-only path (`ld.global.nc`),
     x through plain loads.
 
-Five designs, chosen at build time from the batch:
+Three designs, chosen at build time from the batch:
   * batch <= `stream_max_batch` (default 1), "stream": no tensor cores. The weights are read
     the way the read-only ceiling reads a buffer: many short CTAs of whole rows (one 14 KB row
     of k=7168 per CTA by default), every byte of W and x a CTA needs copied into shared memory
     by 16-byte `cp.async` issued before any is waited on, then fp32 FMAs and a deterministic
     warp/CTA reduction. See `_plan_stream`. (Loads into registers do not stay in flight
     together: ptxas sinks each to its first use.)
-  * small batches (below `tiled_from_batch`, default 32): a CTA owns `8 * row_tiles` weight
-    rows (doubled past batch 16); its warps split k (`k_order` 0: interleaved 32-wide steps,
-    1: one contiguous run per warp); each warp issues its loads in groups of up to `k_unroll`
-    steps and, with `prefetch` 1, issues the next group before the current group's mmas into
-    registers copied over at the end of the iteration; `prefetch` 2 ping-pongs two register
-    buffers instead (no copy, so the next group stays in flight while the current one is
-    consumed); x comes straight from global memory (a few KB, L1/L2 hits); the partial sums
-    meet in shared memory, summed in warp order. See `_plan_warp_k`.
-  * larger batches ("tiled"): every CTA re-reading all of x is what made the first design slower
-    than cuBLAS from batch 16 on, so here x is staged once per CTA in a two-slot shared-memory
-    ring and read by all warps, which split the rows (64 per CTA by default) instead of k; k is
-    split across CTAs to keep >= `tile_min_ctas` of them, the fp32 partials go to global scratch
-    and the last CTA of a row block (gpu-scope acq_rel counter, reset by that CTA for the next
-    launch) sums them in split order. See `_plan_tiled`.
-  * from `wg_from_batch` on (default 8), batches that are a multiple of 8 ("wg", the default
-    from batch 8): a ring of 128-byte-swizzled shared-memory slots read by the warpgroup
-    tensor cores (`wgmma` m64nBk16, W the A operand, x the B operand, straight from shared
-    memory: no fragment passes through registers). By default (`wg_tma` 1) the slots are
-    filled by TMA: x and w reach the kernel as tensor maps the launcher encodes, warp 0 issues
-    the boxes of W and x of each slot (128 k, two 64-k boxes each; 64 k from n = 12288,
-    `wg_k64_from_n`) with L2 eviction policies (W evict-first, x evict-last; `wg_tma_hint`)
-    and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers replace the CTA barrier;
-    with `wg_tma` 0 every thread fills them by 16-byte cp.async.
-    64-row CTAs (one warpgroup); from `wg_wide_from_batch` (32) 128 rows (two) where the 64-row
-    blocks alone are more than one per SM (7168->12288); `wg_stages` slots (6), but no more
-    than keep W's and x's slots within `wg_ring_kib` (160 KiB: 5 at batch 64, whose stages of
-    64 rows hold as many x bytes as W bytes); k split into as many CTAs as are all
-    resident in one wave (at most 8), and the splits of a row block
-    form one thread block cluster that reduces through distributed shared memory (each CTA
-    pushes its accumulators to the CTA that owns their rows, then sums the slots it owns in
-    rank order): no global partials, no counters, no serial last-CTA tail. See `_plan_wg`
-    and `_wg_tma_body`.
-  * from `staged_from_batch` on ("staged", off by default): the tiled design's CTA (row block x k chunk, x
-    crossing L2 once per row block, split-K with the last-CTA reduction), but W and x reach
-    shared memory only through 16-byte `cp.async`, in a multi-stage ring: each thread issues
-    every copy of a stage at once, `staged_stages - 1` stages ahead of the mmas, which read
-    their fragments from shared memory (XOR-swizzled, conflict-free) in the same k
-    permutation. No weight byte passes through a register load that ptxas could sink. See
-    `_plan_staged`.
+  * other batches below `wg_from_batch` (default 8) and those that are not a multiple of 8
+    ("warp-split"): a CTA owns `8 * row_tiles` weight rows (doubled past batch 16); its warps
+    split k in interleaved 32-wide steps; each warp issues its loads in groups of up to
+    `k_unroll` steps and issues the next group before the current group's mmas, into registers
+    copied over at the end of the iteration; x comes straight from global memory (a few KB,
+    L1/L2 hits); the partial sums meet in shared memory, summed in warp order. See
+    `_plan_warp_k`.
+  * from `wg_from_batch` on, batches that are a multiple of 8 ("wg"): a ring of
+    128-byte-swizzled shared-memory slots read by the warpgroup tensor cores (`wgmma` m64nBk16,
+    W the A operand, x the B operand, straight from shared memory: no fragment passes through
+    registers), filled by TMA: x and w reach the kernel as tensor maps the launcher encodes,
+    warp 0 issues the boxes of W and x of each slot (128 k, two 64-k boxes each; 64 k from
+    n = 12288, `wg_k64_from_n`) with L2 eviction policies (W evict-first, x evict-last;
+    `wg_tma_hint`) and no L2 promotion (`wg_tma_l2` 0), and full/empty mbarriers order the
+    slots. 64-row CTAs (one warpgroup); from `wg_wide_from_batch` (32) 128 rows (two) where the
+    64-row blocks alone are more than one per SM (7168->12288); `wg_stages` slots (6), but no
+    more than keep W's and x's slots within `wg_ring_kib` (160 KiB: 5 at batch 64, whose stages
+    of 64 rows hold as many x bytes as W bytes); k split into as many CTAs as are all resident
+    in one wave (at most 8), and the splits of a row block form one thread block cluster that
+    reduces through distributed shared memory (each CTA pushes its accumulators to the CTA that
+    owns their rows, then sums the slots it owns in rank order): no global partials, no
+    counters, no serial last-CTA tail. See `_plan_wg` and `_wg_tma_body`.
 All are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
 
 Programmatic dependent launch (`pdl` 1): a decode step is a chain of kernels, and each launch
@@ -76,22 +58,18 @@ the wait, which returns once the previous grid has completed and its writes are 
 CTA calls `griddepcontrol.launch_dependents` once its last loads are issued, so the next launch
 overlaps this one's tail. The race audit's `load-before-griddep-wait` rule checks exactly this
 order in the PTX and the SASS. With pdl 0 the kernel has neither instruction and launches
-plainly, unless the batch reaches `pdl_from_batch` (65 by default: never), from which the
-warpgroup design launches with pdl whatever `pdl` says. pdl is off by default: at batches 2-4
-(the warp-split design) it lost 4-8% (foundation/round7/pdl_all), and at batches 32 and 64 its
-effect stayed within one cubin's run-to-run spread (foundation/round9/).
+plainly. pdl is off by default: at batches 2-4 (the warp-split design) it lost 4-8%, and at
+batches 32 and 64 its effect stayed within one cubin's run-to-run spread (docs/decisions.md).
 
-Measured on an H200 (evidence_reports/foundation/): at batch 1 the stream design reads W at
-83% of the read-only ceiling on the 51 MB shapes where the warp-split design reached 72-76%;
-the tiled and staged designs stayed slower than cuBLAS from batch 16 on, which the warpgroup
-design is not on most shapes (foundation/round5/ has the sweeps that chose its defaults,
-foundation/round6/ those of the TMA path).
+Why these three (evidence_reports/foundation/, docs/decisions.md "gemv"): at batch 1 the stream
+design reads W at 83% of the read-only ceiling on the 51 MB shapes where the warp-split design
+reached 72-76%; from batch 8 the warpgroup design is faster than cuBLAS on most shapes.
 """
 
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops.parts import pdl, stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import (
+from kernels.ops.parts.common import (
     BF16_PER_VECTOR,
     HAVE_DSL,
     WARP,
@@ -101,17 +79,15 @@ from kernels.ops.common import (
     cutlass,
     weight_load_atom,
 )
-from kernels.ops.decode_mma import mma_step
-from kernels.ops.tma import TensorMap, TmaTensorSpec
-from kernels.ops.stream import StreamPlan
+from kernels.ops.parts.decode_mma import mma_step
+from kernels.ops.parts.tma import TensorMap, TmaTensorSpec
+from kernels.ops.parts.stream import StreamPlan
 
 K_STEP = 32  # k covered by one pair of m16n8k16 mmas (two halves of a 16-byte vector per lane)
 ROWS_PER_TILE = 8  # mma N: weight rows per tile
 BATCH_PER_TILE = 16  # mma M: batch rows per tile
 MAX_BATCH = 64
 SMEM_LIMIT = 48 * 1024  # the small-batch design's partials stay under the no-opt-in limit
-TILED_SMEM_LIMIT = 96 * 1024  # the tiled design's x ring (the launcher opts in past 48 KB)
-MAX_SPLITS = 32
 WG_M = 64  # wgmma M: weight rows per warpgroup
 WG_N_STEP = 8  # wgmma N granularity: the batch must be a multiple of it
 WG_SWIZZLE_ALIGN = 1024  # a 128-byte-swizzled shared tile starts on a 1 KB boundary
@@ -119,8 +95,8 @@ MAX_CLUSTER = 8  # the portable thread block cluster size
 SM_SMEM = 228 * 1024  # shared memory per SM of sm_90 (what resident CTAs share)
 CTA_SMEM_RESERVED = 2048  # per resident CTA: the driver's 1 KB reserve + the DSL's 1 KB of static smem
 SM_THREADS = 2048  # resident threads per SM
-STAGED_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
-SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the staged design's swizzle period
+WG_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
+SWIZZLE_CHUNKS = 8  # 16-byte chunks per 128-byte line: the swizzle period
 FILL_CTAS = 132  # SMs of an H100/H200 SXM: fewer CTAs leave SMs idle
 # L2 cache policies of a TMA copy's `.L2::cache_hint` (the createpolicy encodings CUTLASS's
 # CacheHintSm90 uses)
@@ -128,17 +104,13 @@ TMA_EVICT_NORMAL = 0x1000000000000000
 TMA_BOX_K = 64  # bf16 k per TMA box: one 128-byte swizzle line
 TMA_EVICT_FIRST = 0x12F0000000000000
 TMA_EVICT_LAST = 0x14F0000000000000
-LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (x2 live with prefetch)
+LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (two groups live)
 
 # Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "prefetch": 1, "k_order": 0,
-                    "tiled_from_batch": 32, "tile_warps": 4, "tile_row_tiles": 2, "tile_k_unroll": 4,
-                    "tile_min_ctas": 264, "pdl": 0, "stream_max_batch": 1, "stream_threads": 128,
-                    "stream_cta_kib": 8, "staged_from_batch": 65, "staged_rows": 128, "staged_warps": 4,
-                    "staged_stages": 4, "staged_k": 64, "staged_min_ctas": 132,
-                    "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128, "wg_stages": 6, "wg_min_ctas": 0, "wg_cluster": 1,
-                    "wg_wide_from_batch": 32, "wg_tma": 1, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_ring_kib": 160, "pdl_from_batch": 65}
+DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "pdl": 0, "stream_max_batch": 1,
+                    "stream_threads": 128, "stream_cta_kib": 8, "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128,
+                    "wg_stages": 6, "wg_min_ctas": 0, "wg_wide_from_batch": 32, "wg_tma_hint": 1, "wg_tma_l2": 0,
+                    "wg_k64_from_n": 12288, "wg_ring_kib": 160}
 
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
@@ -163,8 +135,6 @@ class GemvOp(OpBase):
         warps = int(self.tunables["warps_per_cta"])
         row_tiles = int(self.tunables["row_tiles"])
         k_unroll = int(self.tunables["k_unroll"])
-        self.prefetch = int(self.tunables["prefetch"])
-        self.k_order = int(self.tunables["k_order"])
         self.pdl = int(self.tunables["pdl"])
 
         if self.out_dtype not in OUT_DTYPES:
@@ -173,27 +143,18 @@ class GemvOp(OpBase):
             raise ValueError(f"gemv: batch {self.batch} outside 1..{MAX_BATCH}")
         if min(warps, row_tiles, k_unroll) < 1:
             raise ValueError("gemv: tunables must be positive")
-        if self.prefetch not in (0, 1, 2) or self.k_order not in (0, 1):
-            raise ValueError("gemv: prefetch must be 0, 1 or 2 and k_order 0 or 1")
         if self.pdl not in (0, 1):
             raise ValueError("gemv: pdl must be 0 or 1")
 
         self.stream = self.batch <= int(self.tunables["stream_max_batch"])
         self.wg = (not self.stream and self.batch >= int(self.tunables["wg_from_batch"])
                    and self.batch % WG_N_STEP == 0)
-        self.staged = not (self.stream or self.wg) and self.batch >= int(self.tunables["staged_from_batch"])
-        self.tiled = (not (self.stream or self.wg or self.staged)
-                      and self.batch >= int(self.tunables["tiled_from_batch"]))
         self.batch_tiles = ceil_div(self.batch, BATCH_PER_TILE)
-        self.tma = 0  # the warpgroup design's TMA loads (wg_tma), set by _plan_wg
+        self.cluster = None  # the warpgroup design's k-split cluster, set by _plan_wg
         if self.stream:
             self._plan_stream()
         elif self.wg:
             self._plan_wg()
-        elif self.staged:
-            self._plan_staged()
-        elif self.tiled:
-            self._plan_tiled()
         else:
             self._plan_warp_k(warps, row_tiles, k_unroll)
 
@@ -205,7 +166,7 @@ class GemvOp(OpBase):
             feeds twice the weight rows, and halve while the grid would have fewer CTAs than
             FILL_CTAS (the router's 896 rows);
           * a load group holds at most k_unroll steps and at most LOAD_GROUP_VECTORS 16-byte
-            vectors per lane (registers: prefetch keeps two groups live);
+            vectors per lane (registers: two groups are live);
           * warps halve until their fp32 partials fit the static shared-memory limit."""
         self.splits = 1
         self.row_tiles = row_tiles * (1 if self.batch_tiles == 1 else 2)
@@ -235,7 +196,7 @@ class GemvOp(OpBase):
             )
 
     def _plan_stream(self) -> None:
-        """Smallest batches ("stream", kernels/ops/stream.py): a CTA of up to `stream_threads`
+        """Smallest batches ("stream", kernels/ops/parts/stream.py): a CTA of up to `stream_threads`
         threads owns whole rows, at most `stream_cta_kib` KiB of W (at least one row), and
         copies all of them and x into shared memory before it waits once; the dot products run
         on the CUDA cores (at batch 1 a weight element feeds one FMA)."""
@@ -248,107 +209,18 @@ class GemvOp(OpBase):
         self.splits = 1
         self.smem_bytes = self.plan.smem_bytes(self.plan.rows, self.batch, self.batch * self.warps)
 
-    def _plan_tiled(self) -> None:
-        """Larger batches: CTA (split s, row block) owns `rows_per_cta` rows, its warps split
-        the rows (`tile_row_tiles` tiles of 8 each) and all walk the CTA's k chunk; x is staged
-        once per CTA in shared memory (a two-slot ring of `tile_k_unroll` k steps) and read by
-        every warp, so x crosses L2 once per row block instead of once per 8-32 rows. k is split
-        over `splits` CTAs, the smallest count that gives at least `tile_min_ctas` CTAs; the
-        splits' fp32 partials meet in global scratch and the last CTA of a row block sums them
-        in split order (a gpu-scope acq_rel counter elects it)."""
-        t = self.tunables
-        self.warps = int(t["tile_warps"])
-        self.row_tiles = int(t["tile_row_tiles"])  # per warp here
-        self.k_unroll = int(t["tile_k_unroll"])
-        min_ctas = int(t["tile_min_ctas"])
-        if min(self.warps, self.row_tiles, self.k_unroll, min_ctas) < 1:
-            raise ValueError("gemv: tunables must be positive")
-        # Fewer rows per CTA while n does not divide (warps first: they also hold the x ring).
-        while self.n % (ROWS_PER_TILE * self.row_tiles * self.warps) and self.warps > 1:
-            self.warps //= 2
-        while self.n % (ROWS_PER_TILE * self.row_tiles * self.warps) and self.row_tiles > 1:
-            self.row_tiles //= 2
-        self.rows_per_cta = ROWS_PER_TILE * self.row_tiles * self.warps
-        if self.n % self.rows_per_cta:
-            raise ValueError(f"gemv: n={self.n} is not a multiple of {self.rows_per_cta} rows per CTA")
-        while self.k_unroll > 1 and self._ring_bytes() > TILED_SMEM_LIMIT:
-            self.k_unroll //= 2
-        group_k = K_STEP * self.k_unroll
-        if self.k % group_k:
-            raise ValueError(f"gemv: k={self.k} is not a multiple of {group_k} ({K_STEP} x tile_k_unroll)")
-        groups = self.k // group_k
-        blocks = self.n // self.rows_per_cta
-        fits = [s for s in range(1, min(groups, MAX_SPLITS) + 1) if groups % s == 0]
-        self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
-        self.k_chunk = self.k // self.splits
-        self.groups = self.k_chunk // group_k
-        self.threads = WARP * self.warps
-        self.smem_bytes = self._ring_bytes() + 16  # + the last-CTA verdict
-
-    def _plan_staged(self) -> None:
-        """Larger batches, "staged": CTA (split s, row block) owns `staged_rows` weight rows and
-        a k chunk; W and x reach shared memory only through 16-byte `cp.async` (the stream
-        design's lesson: copies issued together stay in flight together, register loads do
-        not), in a ring of `staged_stages` slots of `staged_k` k each: every thread issues all
-        of its copies of a stage at once, `stages - 1` stages ahead of the mmas. The warps form
-        a `warp_rows x warp_batch` grid over (rows, batch tiles), the split with the fewest
-        shared-memory fragment reads; x crosses L2 once per row block. k is split over the
-        fewest CTAs that reach `staged_min_ctas` (a divisor of the stage count); the partials
-        meet as in the tiled design (last CTA of a row block sums them in split order)."""
-        t = self.tunables
-        rows, warps = int(t["staged_rows"]), int(t["staged_warps"])
-        stages, self.stage_k, min_ctas = int(t["staged_stages"]), int(t["staged_k"]), int(t["staged_min_ctas"])
-        if min(rows, warps, min_ctas) < 1 or stages < 2:
-            raise ValueError("gemv: staged tunables must be positive, staged_stages at least 2")
-        if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or rows % ROWS_PER_TILE:
-            raise ValueError(f"gemv: staged_k must be a multiple of {SWIZZLE_CHUNKS * BF16_PER_VECTOR} "
-                             f"and staged_rows of {ROWS_PER_TILE}")
-        while rows > ROWS_PER_TILE and self.n % rows:
-            rows //= 2  # fewer rows per CTA rather than a ragged row block
-        if self.n % rows:
-            raise ValueError(f"gemv: n={self.n} is not a multiple of {rows} rows per CTA")
-        if self.k % self.stage_k:
-            raise ValueError(f"gemv: k={self.k} is not a multiple of {self.stage_k} (staged_k)")
-        self.rows_per_cta = rows
-        grid = None
-        while grid is None:
-            grid = _staged_warp_grid(warps, rows, self.batch)
-            if grid is None:
-                warps //= 2  # more warps than row tiles x batch tiles: fewer warps
-        self.warps = warps
-        self.warp_rows, self.warp_batch = grid
-        self.row_tiles = rows // (ROWS_PER_TILE * self.warp_rows)  # per warp
-        self.warp_batch_tiles = self.batch_tiles // self.warp_batch
-        total = self.k // self.stage_k
-        blocks = self.n // rows
-        fits = [s for s in range(1, min(total, MAX_SPLITS) + 1) if total % s == 0]
-        self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
-        self.k_chunk = self.k // self.splits
-        self.groups = total // self.splits  # stages of this CTA's k chunk
-        self.stages = min(stages, self.groups + 1)  # the prologue fills stages - 1 slots
-        while self.stages > 2 and self._staged_smem() > STAGED_SMEM_LIMIT:
-            self.stages -= 1
-        self.threads = WARP * self.warps
-        self.smem_bytes = self._staged_smem()
-        if self.smem_bytes > STAGED_SMEM_LIMIT:
-            raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
-                             f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
-
     def _plan_wg(self) -> None:
         """Batches from `wg_from_batch` that are a multiple of 8 ("wg"): CTAs with a ring of
         128-byte-swizzled shared-memory slots of `wg_k` k and the warpgroup tensor cores. CTA
         (split s, row block) owns `wg_rows` weight rows (one warpgroup of 128 threads for 64
         rows, two for 128 or 256; twice `wg_rows` from `wg_wide_from_batch` where the `wg_rows`
-        blocks alone are more than one per SM) and a k chunk. The slots are filled by TMA (`wg_tma` 1, the
-        default: `_wg_tma_body`) or, with `wg_tma` 0, by every thread's 16-byte `cp.async`
-        copies (W `.cg`, x `.ca`) `wg_stages - 1` stages ahead (`_wg_body`); each warpgroup
-        runs `wgmma.mma_async` m64nBk16 straight from the slots (W is the A operand, x the B
-        operand, both k-major), so no fragment passes through a register load. k is split over
-        the fewest CTAs that reach `wg_min_ctas` (0: the most that are all resident at
-        once on FILL_CTAS SMs, one full wave); the partials meet as in the tiled design, the
-        last CTA bringing them in by `cp.async` (`_wg_reduce`), or with `wg_cluster` 1 (at most
-        8 splits) the splits of a row block form one thread block cluster and reduce through
-        distributed shared memory, each CTA summing its share of the rows over the cluster in
+        blocks alone are more than one per SM) and a k chunk. TMA fills the slots, warp 0 the
+        producer (`_wg_tma_body`); each warpgroup runs `wgmma.mma_async` m64nBk16 straight from
+        the slots (W is the A operand, x the B operand, both k-major), so no fragment passes
+        through a register load. k is split over the fewest CTAs that reach `wg_min_ctas` (0: the
+        most that are all resident at once on FILL_CTAS SMs, one full wave; at most 8), and the
+        splits of a row block form one thread block cluster that reduces through distributed
+        shared memory, each CTA summing its share of the rows over the cluster in
         rank order (`_wg_cluster_reduce`): no global partials, no counter, no serial tail."""
         t = self.tunables
         rows, self.stage_k = int(t["wg_rows"]), int(t["wg_k"])
@@ -358,12 +230,6 @@ class GemvOp(OpBase):
             self.stage_k = min(self.stage_k, 64)
         stages, min_ctas = int(t["wg_stages"]), int(t["wg_min_ctas"])
         ring_cap = int(t["wg_ring_kib"]) * 1024
-        if self.batch >= int(t["pdl_from_batch"]):
-            # pdl for the warpgroup design only, from a batch on (`pdl` 1 also turns it on for
-            # the warp-split design of batches 2-4, where it lost 4-8%: foundation/round7/pdl_all).
-            # Off by default: at batches 32 and 64 its effect measured within the 3% by which
-            # one cubin's ratio to cuBLAS moves between cases of one run (foundation/round9/).
-            self.pdl = 1
         if rows not in (WG_M, 2 * WG_M, 4 * WG_M):
             raise ValueError(f"gemv: wg_rows must be {WG_M}, {2 * WG_M} or {4 * WG_M}")
         if self.stage_k % (SWIZZLE_CHUNKS * BF16_PER_VECTOR) or stages < 2 or min_ctas < 0:
@@ -395,14 +261,8 @@ class GemvOp(OpBase):
         self.warpgroups = min(rows // WG_M, 2)  # 256 rows: two warpgroups of two m64 tiles each
         self.threads = 4 * WARP * self.warpgroups
         self.warps = self.threads // WARP
-        self.wg_cluster = int(t["wg_cluster"])
-        if self.wg_cluster not in (0, 1):
-            raise ValueError("gemv: wg_cluster must be 0 or 1")
-        self.tma = int(t["wg_tma"])
-        if self.tma not in (0, 1):
-            raise ValueError("gemv: wg_tma must be 0 or 1")
-        if self.tma and self.stage_k not in (64, 128):
-            raise ValueError("gemv: wg_tma 1 needs wg_k 64 or 128 (one or two 128-byte swizzle lines of k per row)")
+        if self.stage_k not in (64, 128):
+            raise ValueError("gemv: wg_k must be 64 or 128 (one or two 128-byte swizzle lines of k per row)")
         self.tma_hint = int(t["wg_tma_hint"])
         if self.tma_hint not in (0, 1, 2):
             raise ValueError("gemv: wg_tma_hint must be 0, 1 or 2")
@@ -411,10 +271,8 @@ class GemvOp(OpBase):
             raise ValueError("gemv: wg_tma_l2 must be 0, 64, 128 or 256")
         total = self.k // self.stage_k
         blocks = self.n // rows
-        max_splits = MAX_CLUSTER if self.wg_cluster else MAX_SPLITS
         # (a cluster's CTAs each reduce an equal share of whole float4s of the rows)
-        fits = [s for s in range(1, min(total, max_splits) + 1)
-                if total % s == 0 and not (self.wg_cluster and rows % (4 * s))]
+        fits = [s for s in range(1, min(total, MAX_CLUSTER) + 1) if total % s == 0 and not rows % (4 * s)]
         if min_ctas == 0:  # one full wave: the most splits whose CTAs are all resident at once
             self.stages = stages
 
@@ -426,77 +284,55 @@ class GemvOp(OpBase):
             self.splits = wave[-1] if wave else fits[0]
         else:
             self.splits = next((s for s in fits if blocks * s >= min_ctas), fits[-1])
-        self.cluster = (self.splits, 1, 1) if self.wg_cluster and self.splits > 1 else None
+        self.cluster = (self.splits, 1, 1) if self.splits > 1 else None
         self.k_chunk = self.k // self.splits
         self.groups = total // self.splits
         self.stages = max(2, min(stages, self.groups + 1))
-        while self.stages > 2 and self._wg_smem() > STAGED_SMEM_LIMIT:
+        while self.stages > 2 and self._wg_smem() > WG_SMEM_LIMIT:
             self.stages -= 1
         self.smem_bytes = self._wg_smem()
-        if self.smem_bytes > STAGED_SMEM_LIMIT:
+        if self.smem_bytes > WG_SMEM_LIMIT:
             raise ValueError(f"gemv: two stages of {rows} weight rows and {self.batch} x rows of "
-                             f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {STAGED_SMEM_LIMIT})")
+                             f"{self.stage_k} k need {self.smem_bytes} B of shared memory (limit {WG_SMEM_LIMIT})")
         if (self.batch * rows // 4) % self.threads:
             raise ValueError(f"gemv: {self.batch} x {rows} outputs do not split evenly over {self.threads} threads")
-        # x copies: whole 16-byte vectors, `x_copy_threads` threads (a multiple of the threads
-        # per row that divides the batch's rows), the others skip them.
-        per_row = self.stage_k // BF16_PER_VECTOR
-        self.x_copy_rows = next(r for r in range(min(self.batch, self.threads // per_row), 0, -1)
-                                if self.batch % r == 0 and (self.threads // per_row) % r == 0)
 
     def _red_pitch(self, splits=None) -> int:
         """fp32 per batch row of a cluster reduction slot: the owned rows plus 4 (float4 reads
         stay aligned; neighbouring batch rows start in different banks)."""
         return self.rows_per_cta // (splits or self.splits) + 4
 
-    def _wg_ring_w_bytes(self) -> int:
-        return self.stages * self.stage_k * 2 * self.rows_per_cta
-
     def _wg_smem(self, splits=None) -> int:
-        """W and x rings (each 1 KB aligned for the 128-byte swizzle) + the last-CTA verdict +
+        """W and x rings (each 1 KB aligned for the 128-byte swizzle) + `sLast`'s 16 bytes +
         the allocator's alignment slack + with a cluster the reduction's slots (one per split);
         `splits`: as if k were split that many ways (default: the plan's)."""
         splits = splits or self.splits
         ring = self.stages * self.stage_k * 2
-        red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if self.wg_cluster and splits > 1 else 0
-        bars = 2 * self.stages * 8 + 8 if self.tma else 0  # full + empty mbarriers
+        red = splits * self.batch * self._red_pitch(splits) * 4 + 16 if splits > 1 else 0
+        bars = 2 * self.stages * 8 + 8  # full + empty mbarriers
         return ring * self.rows_per_cta + ring * self.batch + 2 * WG_SWIZZLE_ALIGN + 16 + red + bars
-
-    def _staged_smem(self) -> int:
-        # ring (W and x slots, 128-byte aligned) + the last-CTA verdict + the allocator's slack
-        return self.stages * (self.rows_per_cta + self.batch) * self.stage_k * 2 + 16 + 256
-
-    def _ring_bytes(self) -> int:
-        return 2 * self.batch * self._ring_row_elems() * 2
-
-    def _ring_row_elems(self) -> int:
-        """bf16 per x row in a ring slot: the group's k plus padding to an odd multiple of 64 B,
-        so the 16-byte fragment loads of rows g and g+1 (one 8-lane phase) hit distinct banks."""
-        k = K_STEP * self.k_unroll
-        return k if (k * 2) % 128 == 64 else k + 32
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
-        # With wg_tma, x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
+        # In the wg design x and w reach the kernel as TMA descriptors (boxes of one stage, 128-byte
         # swizzle) that the launcher encodes from the tensors; the contract stays x and w.
         # (a box's inner extent is at most the 128-byte swizzle: 64 k; a 128-k slot is two boxes)
-        x_map = TensorMap((TMA_BOX_K, self.batch), l2_promotion=self.tma_l2) if self.tma else None
-        w_map = TensorMap((TMA_BOX_K, self.rows_per_cta), l2_promotion=self.tma_l2) if self.tma else None
+        x_map = TensorMap((TMA_BOX_K, self.batch), l2_promotion=self.tma_l2) if self.wg else None
+        w_map = TensorMap((TMA_BOX_K, self.rows_per_cta), l2_promotion=self.tma_l2) if self.wg else None
         return {
             "x": TmaTensorSpec((self.batch, self.k), "bfloat16", x_map),
             "w": TmaTensorSpec((self.n, self.k), "bfloat16", w_map),
             "y": TensorSpec((self.batch, self.n), self.out_dtype),
             # split-K partials in global memory; the cluster reduction needs none (one element)
-            "partials": TensorSpec((1, 1, 1) if getattr(self, "cluster", None) else (self.splits, self.batch, self.n),
+            "partials": TensorSpec((1, 1, 1) if self.cluster else (self.splits, self.batch, self.n),
                                    "float32"),
             "counters": TensorSpec((self.n // self.rows_per_cta,), "int32"),
         }
 
     def launch_config(self) -> LaunchConfig:
-        # Tiled: the splits of one row block are neighbours in launch order (x fastest), so
-        # they run together and the last one reduces partials that are still in L2.
+        # wg: the splits of one row block (a cluster) are neighbours in launch order (x fastest)
         return LaunchConfig(
-            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.tiled or self.staged or self.wg
+            grid=(self.splits, self.n // self.rows_per_cta, 1) if self.wg
             else (self.n // self.rows_per_cta, 1, 1),
             block=(self.threads, 1, 1),
             smem_bytes=self.smem_bytes,
@@ -517,11 +353,8 @@ class GemvOp(OpBase):
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                  mC: cute.Tensor):
         lc = self.launch_config()
-        if cutlass.const_expr(self.tma):
+        if cutlass.const_expr(self.wg):
             self._tma_launch(mX, mW, mY, mP, mC, lc)
-        elif cutlass.const_expr(lc.cluster is not None):
-            self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
-                                                   smem=lc.smem_bytes, cluster=list(lc.cluster))
         else:
             self.kernel(mX, mW, mY, mP, mC).launch(grid=list(lc.grid), block=list(lc.block),
                                                    smem=lc.smem_bytes)
@@ -531,12 +364,6 @@ class GemvOp(OpBase):
                mC: cute.Tensor):
         if cutlass.const_expr(self.stream):
             self._stream_body(mX, mW, mY)
-        elif cutlass.const_expr(self.wg):
-            self._wg_body(mX, mW, mY, mP, mC)
-        elif cutlass.const_expr(self.staged):
-            self._staged_body(mX, mW, mY, mP, mC)
-        elif cutlass.const_expr(self.tiled):
-            self._tiled_body(mX, mW, mY, mP, mC)
         else:
             self._warp_k_body(mX, mW, mY)
 
@@ -590,34 +417,13 @@ class GemvOp(OpBase):
 
         # --- main loop ------------------------------------------------------------------------
         # Each group is U k-steps: U x (NT weight + up to 2*MB activation) 16-byte loads per lane,
-        # then 2*MB*NT mmas per step. With `prefetch`, the next group's loads are issued before
+        # then 2*MB*NT mmas per step. The next group's loads are issued before
         # the current group's mmas (register double buffering), so loads stay in flight across
         # the loop's back edge instead of ptxas interleaving each load with its first use.
         n_iter = self.steps_per_warp // U
         tail = self.steps_per_warp % U
         ld = (gW, gX, w_atom, x_atom, warp, g, q, row0, x_rows)
-        if cutlass.const_expr(self.prefetch == 2 and n_iter > 1):
-            # Ping-pong: two register buffers, the loop unrolled by two, no copy between them,
-            # so while one group's mmas wait on their loads the next group is already in flight.
-            buf_a = self._alloc_steps(U, x_rows)
-            buf_b = self._alloc_steps(U, x_rows)
-            self._first_loads(buf_a, ld)
-            pairs = (n_iter - 1) // 2  # pairs whose two next-group loads are both in range
-            for p in cutlass.range(pairs, unroll=1):
-                self._load_into(buf_b, *ld, (2 * p + 1) * U)
-                self._mma_steps(mma, acc, buf_a)
-                self._load_into(buf_a, *ld, (2 * p + 2) * U)
-                self._mma_steps(mma, acc, buf_b)
-            last_bufs = [buf_a]
-            if cutlass.const_expr(n_iter - 2 * pairs == 2):
-                self._load_into(buf_b, *ld, (2 * pairs + 1) * U)
-                last_bufs.append(buf_b)
-            if cutlass.const_expr(tail > 0):
-                last_bufs.append(self._load_steps(*ld, n_iter * U, tail))
-            self._pdl_trigger()
-            for frags in last_bufs:
-                self._mma_steps(mma, acc, frags)
-        elif cutlass.const_expr(self.prefetch and n_iter > 1):
+        if cutlass.const_expr(n_iter > 1):
             cur = self._alloc_steps(U, x_rows)
             self._first_loads(cur, ld)
             for it in cutlass.range(n_iter - 1, unroll=1):
@@ -671,7 +477,7 @@ class GemvOp(OpBase):
 
     @cute.jit
     def _stream_body(self, mX, mW, mY):
-        """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/stream.py)."""
+        """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/parts/stream.py)."""
         P = self.plan
         B = self.batch
         bf16 = cutlass.BFloat16
@@ -750,26 +556,17 @@ class GemvOp(OpBase):
             self._load_into(bufs, *ld, 0)
 
     def _pdl_wait(self):
-        """Trace-time helper: with pdl, wait until the previous grid has completed and its
-        writes are visible; nothing but static weight loads may come before this."""
-        if self.pdl:
-            cute.arch.griddepcontrol_wait()
+        pdl.wait(self.pdl)  # kernels/ops/parts/pdl.py
 
     def _pdl_trigger(self):
-        """Trace-time helper: with pdl, let the next launch start once every CTA has issued its
-        last loads (a hint: it changes when the dependent grid launches, never what it reads)."""
-        if self.pdl:
-            cute.arch.griddepcontrol_launch_dependents()
+        pdl.launch_dependents(self.pdl)
 
     def _load_into(self, bufs, gW, gX, w_atom, x_atom, warp, g, q, row0, x_rows, first, *, w=True, x=True):
         """Trace-time helper: this lane's loads for the k steps from `first` into `bufs` (only
         the weight vectors with `x=False`, only the activation vectors with `w=False`)."""
         wv, xv = bufs
         for u in range(len(wv)):
-            if self.k_order == 1:  # warp w: one contiguous run of k steps
-                step = warp * self.steps_per_warp + first + u
-            else:  # interleaved: the CTA's warps cover one contiguous 8-step run together
-                step = (first + u) * self.warps + warp
+            step = (first + u) * self.warps + warp  # the CTA's warps cover one contiguous run together
             kv = step * (K_STEP // BF16_PER_VECTOR) + q
             for nt in range(self.row_tiles if w else 0):
                 cute.copy(w_atom, gW[(None, (row0 + nt * ROWS_PER_TILE + g, kv))], wv[u][nt])
@@ -797,86 +594,6 @@ class GemvOp(OpBase):
 
     # -- warpgroup design (batch >= wg_from_batch, a multiple of 8) ---------------------------
     @cute.jit
-    def _wg_body(self, mX, mW, mY, mP, mC):
-        """Trace-time body of the warpgroup design (see `_plan_wg`).
-
-        Ordering per stage: each thread waits for its own copies of the stage (cp.async
-        groups, one per stage), then `fence.proxy.async` makes its generic-proxy writes
-        visible to the async proxy that `wgmma` reads shared memory through, and the CTA
-        barrier makes every thread's copies visible to every warpgroup. The slot the next
-        copies overwrite was read by the previous stage's wgmmas, which each warpgroup has
-        waited for (`wgmma.wait_group 0`) before that barrier."""
-        from cutlass.cute.nvgpu import warpgroup
-
-        S = self.stages
-        G = self.groups
-        B = self.batch
-        BM = self.rows_per_cta
-        BK = self.stage_k
-        bf16 = cutlass.BFloat16
-
-        tidx, _, _ = cute.arch.thread_idx()
-        split, block, _ = cute.arch.block_idx()
-        self._wg_entry()
-        mma, sW, sX, sLast, sRed, _bars = self._wg_smem_tensors()
-
-        # Copies: `per_row` threads cover one row's stage (one 16-byte vector each), rows
-        # stacked down the thread block; this split's k tiles start at split * G.
-        per_row = BK // BF16_PER_VECTOR
-        vals = cute.make_layout((1, BF16_PER_VECTOR))
-        w_copy = cute.make_tiled_copy_tv(stream.weight_copy_atom(bf16),
-                                         cute.make_layout((self.threads // per_row, per_row), stride=(per_row, 1)), vals)
-        x_threads = self.x_copy_rows * per_row
-        x_copy = cute.make_tiled_copy_tv(stream.activation_copy_atom(bf16),
-                                         cute.make_layout((self.x_copy_rows, per_row), stride=(per_row, 1)), vals)
-        gW = cute.local_tile(mW, (BM, BK), (block, None))  # (BM, BK, k tiles)
-        gX = cute.local_tile(mX, (B, BK), (0, None))  # (B, BK, k tiles)
-        thr_w = w_copy.get_slice(tidx)
-        tWg, tWs = thr_w.partition_S(gW), thr_w.partition_D(sW)
-        thr_x = x_copy.get_slice(tidx % x_threads)
-        tXg, tXs = thr_x.partition_S(gX), thr_x.partition_D(sX)
-        kt0 = split * G
-
-        tCrA, tCrB, tCc, acc = self._wg_operands(mma, sW, sX, tidx)
-
-        # --- prologue: stages 0..S-2 (W before a pdl wait: static; x after it) -----------------
-        for st in cutlass.range_constexpr(S - 1):
-            if cutlass.const_expr(st < G):
-                cute.copy(w_copy, tWg[(None, None, None, kt0 + st)], tWs[(None, None, None, st)])
-            if cutlass.const_expr(not self.pdl):
-                if cutlass.const_expr(st < G):
-                    self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + st, st)
-                cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.pdl):
-            self._pdl_wait()
-            for st in cutlass.range_constexpr(S - 1):
-                if cutlass.const_expr(st < G):
-                    self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + st, st)
-                cute.arch.cp_async_commit_group()  # group st: x of stage st (W of stage st or earlier)
-
-        # --- main loop: one barrier per stage --------------------------------------------------
-        for it in cutlass.range(G, unroll=1):
-            cute.arch.cp_async_wait_group(S - 2)  # this thread's copies of stage it have landed
-            warpgroup.wait_group(0)  # this warpgroup's wgmmas of stage it - 1 are done
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            nxt = it + (S - 1)
-            if nxt < G:
-                cute.copy(w_copy, tWg[(None, None, None, kt0 + nxt)], tWs[(None, None, None, nxt % S)])
-                self._wg_copy_x(x_copy, tXg, tXs, tidx, x_threads, kt0 + nxt, nxt % S)
-            cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per stage
-            slot = it % S
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(BK // 16):
-                cute.gemm(mma, acc, tCrA[(None, None, kb, slot)], tCrB[(None, None, kb, slot)], acc)
-            warpgroup.commit_group()
-        self._pdl_trigger()
-        warpgroup.wait_group(0)
-
-        self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
-
-    # -- warpgroup design: what the cp.async and the TMA bodies share ---------------------------
-    @cute.jit
     def _wg_entry(self):
         """Entry of a clustered CTA: refuse a launch without its cluster, then arrive (relaxed)
         so that peers know this CTA has started."""
@@ -891,7 +608,7 @@ class GemvOp(OpBase):
             cute.arch.cluster_arrive_relaxed()
 
     def _wg_layouts(self):
-        """Trace-time: the tiled wgmma and the staged W and x slot layouts (128-byte swizzled,
+        """Trace-time: the tiled wgmma and the W and x slot layouts of the ring (128-byte swizzled,
         k-major)."""
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
@@ -907,8 +624,9 @@ class GemvOp(OpBase):
 
     def _wg_smem_tensors(self):
         """Trace-time: the shared memory of the design (see `_wg_smem` for its size): the W and
-        x rings, the last-CTA verdict, the cluster's reduction slots (None without a cluster)
-        and, with TMA, the full and empty mbarriers of each stage (None without)."""
+        x rings, a 16-byte word (`sLast`, unused: it keeps the reduction slots and the barriers
+        at the offsets the shipped cubins have), the cluster's reduction slots (None without a
+        cluster) and the full and empty mbarriers of each stage."""
         mma, lay_w, lay_x = self._wg_layouts()
         bf16 = cutlass.BFloat16
         smem = cutlass.memory.SmemAllocator()
@@ -920,7 +638,7 @@ class GemvOp(OpBase):
             pitch = self._red_pitch()
             sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
                 (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
-        bars = smem.allocate_array(cutlass.Int64, 2 * self.stages) if self.tma else None
+        bars = smem.allocate_array(cutlass.Int64, 2 * self.stages)
         return mma, sW, sX, sLast, sRed, bars
 
     def _wg_operands(self, mma, sW, sX, tidx):
@@ -941,22 +659,22 @@ class GemvOp(OpBase):
 
     @cute.jit
     def _wg_epilogue(self, mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block):
-        """y from the accumulators: directly without a split, through the cluster's reduction,
-        or through global partials and the last CTA."""
+        """y from the accumulators: directly without a split, else through the cluster's
+        reduction."""
         row0 = block * self.rows_per_cta
         if cutlass.const_expr(self.cluster is None):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, b = tCc[i]
-                self._tiled_out(mY, mP, split, b, row0 + r, acc[i])
-        if cutlass.const_expr(self.cluster is not None):
+                row = row0 + r  # (the index before the value: the order the PTX is traced in)
+                v = acc[i]
+                mY[b, row] = v.to(mY.element_type)
+        else:
             self._wg_cluster_reduce(mY, acc, tCc, sRed, tidx, split, block)
-        elif cutlass.const_expr(self.splits > 1):
-            self._wg_reduce(mY, mP, mC, sLast, sW.iterator, tidx, block)
 
-    # -- warpgroup design with TMA loads (wg_tma 1) ---------------------------------------------
+    # -- warpgroup design: TMA loads ------------------------------------------------------------
     @cute.jit
     def _tma_launch(self, mX, mW, mY, mP, mC, lc):
-        """Host side of `wg_tma`: one TMA atom per operand, its box one stage's slot (the
+        """Host side of the wg design: one TMA atom per operand, its box one stage's slot (the
         launcher encodes the same boxes from `tensor_specs()`'s tensor maps), then the launch."""
         from cutlass.cute.nvgpu import cpasync
 
@@ -1081,66 +799,8 @@ class GemvOp(OpBase):
             cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
     @cute.jit
-    def _wg_reduce(self, mY, mP, mC, sLast, ring, tidx, block):
-        """`_reduce_splits` for the warpgroup design: the same arrival and the same sums in
-        split order, but the last CTA brings the partials in with 16-byte `cp.async` into its
-        (now idle) W ring, as many splits per round as fit, all of a round in flight before
-        one wait, instead of rounds of register loads each paying a full L2 round trip. Each
-        thread reads back only the vectors it copied (its own wait orders them)."""
-        f32 = cutlass.Float32
-        T = self.threads
-        quads = self.batch * self.rows_per_cta // 4
-        J = quads // T  # float4s per thread (exact: see _plan_wg)
-        per_round = max(1, min(self.splits, self._wg_ring_w_bytes() // (quads * 16)))
-        cute.arch.sync_threads()
-        if tidx == 0:
-            old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-            last = cutlass.Int32(0)
-            if old == self.splits - 1:
-                last = cutlass.Int32(1)
-                cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
-            sLast[0] = last
-        cute.arch.sync_threads()
-        if sLast[0] == 1:
-            gP = cute.zipped_divide(mP, (1, 1, 4))
-            gY = cute.zipped_divide(mY, (1, 4))
-            sBuf = cute.make_tensor(cute.recast_ptr(ring, dtype=f32), cute.make_layout((per_round * J * T * 4,)))
-            vBuf = cute.zipped_divide(sBuf, (4,))
-            p_atom = cute.make_copy_atom(
-                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), f32,
-                num_bits_per_copy=128)
-            v_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
-            y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
-                                         num_bits_per_copy=4 * mY.element_type.width)
-            rq_per_b = self.rows_per_cta // 4
-            tot = [cute.make_rmem_tensor(cute.make_layout((4,)), f32) for _ in range(J)]
-            for j in cutlass.range_constexpr(J):
-                tot[j].fill(0.0)
-            for s0 in cutlass.range_constexpr(0, self.splits, per_round):
-                n_s = min(per_round, self.splits - s0)
-                for ds in cutlass.range_constexpr(n_s):
-                    for j in cutlass.range_constexpr(J):
-                        idx = tidx + j * T
-                        src = gP[(None, (s0 + ds, idx // rq_per_b, block * rq_per_b + idx % rq_per_b))]
-                        cute.copy(p_atom, cute.make_tensor(src.iterator, cute.make_layout((4,))),
-                                  vBuf[(None, (ds * J + j) * T + tidx)])
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                for ds in cutlass.range_constexpr(n_s):
-                    for j in cutlass.range_constexpr(J):
-                        part = cute.make_rmem_tensor(cute.make_layout((4,)), f32)
-                        cute.copy(v_atom, vBuf[(None, (ds * J + j) * T + tidx)], part)
-                        tot[j].store(tot[j].load() + part.load())
-            for j in cutlass.range_constexpr(J):
-                idx = tidx + j * T
-                out = cute.make_rmem_tensor(cute.make_layout((4,)), mY.element_type)
-                out.store(tot[j].load().to(mY.element_type))
-                dst = gY[(None, (idx // rq_per_b, block * rq_per_b + idx % rq_per_b))]
-                cute.copy(y_atom, out, cute.make_tensor(dst.iterator, cute.make_layout((4,))))
-
-    @cute.jit
     def _wg_cluster_reduce(self, mY, acc, tCc, sRed, tidx, rank, block):
-        """The cluster's reduction (`wg_cluster` 1). CTA `rank` (its split) owns rows
+        """The cluster's reduction. CTA `rank` (its split) owns rows
         [rank * BM / C, (rank + 1) * BM / C) of the row block. Every CTA pushes each of its fp32
         accumulators into the shared memory of the row's owner, into the slot of its own rank
         (`mapa` + `st.shared::cluster`: stores, nothing waits for them); one cluster barrier
@@ -1202,405 +862,6 @@ class GemvOp(OpBase):
         dst = gY[(None, (b, (block * self.rows_per_cta + rank * share) // 4 + q))]
         cute.copy(y_atom, out, cute.make_tensor(dst.iterator, flat))
 
-    @cute.jit
-    def _wg_copy_x(self, x_copy, tXg, tXs, tidx, x_threads, kt, slot):
-        """The x copies of one stage (threads past `x_threads` have none)."""
-        if tidx < x_threads:
-            cute.copy(x_copy, tXg[(None, None, None, kt)], tXs[(None, None, None, slot)])
-
-    # -- tiled design (batch >= tiled_from_batch) --------------------------------------------
-    @cute.jit
-    def _tiled_body(self, mX, mW, mY, mP, mC):
-        """Trace-time body of the tiled split-K design (see `_plan_tiled`)."""
-        B = self.batch
-        NT = self.row_tiles
-        MB = self.batch_tiles
-        U = self.k_unroll
-        S = self.splits
-        R = self.rows_per_cta
-        T = self.threads
-        G = self.groups
-        SKP = self._ring_row_elems()
-        bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        split, block, _ = cute.arch.block_idx()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        g = lane // 4
-        q = lane % 4
-        row0 = block * R
-        wrow0 = row0 + warp * (ROWS_PER_TILE * NT)
-        kv0 = split * (self.k_chunk // BF16_PER_VECTOR)  # first 16-byte vector of this k chunk
-
-        smem = cutlass.memory.SmemAllocator()
-        sRing = smem.allocate_tensor(bf16, cute.make_layout((2 * B * SKP,)), byte_alignment=16)
-        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
-        vRing = cute.zipped_divide(sRing, (BF16_PER_VECTOR,))  # ((8), vectors)
-        gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
-        gX = cute.zipped_divide(mX, (1, BF16_PER_VECTOR))
-        w_atom = weight_load_atom(bf16)
-        v_atom = coherent_copy_atom(bf16)
-        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16)))
-
-        acc = [[cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), f32) for _ in range(NT)]
-               for _ in range(MB)]
-        for mb in cutlass.range_constexpr(MB):
-            for nt in cutlass.range_constexpr(NT):
-                acc[mb][nt].fill(0.0)
-        c = _TiledContext(gW=gW, gX=gX, vRing=vRing, w_atom=w_atom, v_atom=v_atom, mma=mma, acc=acc,
-                          tidx=tidx, g=g, q=q, wrow0=wrow0, kv0=kv0, x_rows=self._x_rows(g))
-
-        # --- main loop: a two-slot x ring, one CTA barrier per group -------------------------
-        # Group i+1's W and x loads are issued before group i's mmas; x lands in the other slot
-        # after them. The barrier at the top of iteration i orders (a) the stores of group i
-        # before its reads and (b) every warp's reads of group i-1 before that slot is
-        # overwritten with group i+1.
-        wcur = self._t_load_w(c, 0, c.v_atom if self.pdl else None)
-        if cutlass.const_expr(self.pdl):
-            _issue_here(wcur)
-        self._pdl_wait()  # W of group 0 only before it (see the module docstring)
-        self._t_store_x(c, self._t_load_x(c, 0), 0)
-        for it in cutlass.range(G - 1, unroll=1):
-            cute.arch.sync_threads()
-            wnxt = self._t_load_w(c, it + 1)
-            xnxt = self._t_load_x(c, it + 1)
-            self._t_mma_group(c, wcur, it % 2)
-            self._t_store_x(c, xnxt, (it + 1) % 2)
-            _copy_regs(wcur, wnxt)
-        self._pdl_trigger()
-        cute.arch.sync_threads()
-        self._t_mma_group(c, wcur, (G - 1) % 2)
-
-        # --- epilogue -------------------------------------------------------------------------
-        # acc[mb][nt][i]: batch row mb*16 + (i // 2)*8 + g, weight row wrow0 + nt*8 + 2q + i % 2.
-        for mb in cutlass.range_constexpr(MB):
-            for nt in cutlass.range_constexpr(NT):
-                for i in cutlass.range_constexpr(4):
-                    b_off = mb * BATCH_PER_TILE + (i // 2) * 8
-                    if cutlass.const_expr(b_off < B):
-                        r = wrow0 + nt * ROWS_PER_TILE + 2 * q + (i % 2)
-                        v = acc[mb][nt][i]
-                        if cutlass.const_expr(b_off + 8 <= B):
-                            self._tiled_out(mY, mP, split, b_off + g, r, v)
-                        else:
-                            if g < B - b_off:
-                                self._tiled_out(mY, mP, split, b_off + g, r, v)
-        if cutlass.const_expr(S > 1):
-            self._reduce_splits(mY, mP, mC, sLast, tidx, block)
-
-    @cute.jit
-    def _reduce_splits(self, mY, mP, mC, sLast, tidx, block):
-        """After a split's partials are written: the last CTA of row block `block` to arrive
-        (tiled and staged designs) sums every split's partials into y, in split order."""
-        f32 = cutlass.Float32
-        # Arrival: this CTA's partials are written (barrier), then one acq_rel add that
-        # releases them and acquires the other splits'. The last arrival resets the counter
-        # for the next launch (nothing reads it again in this one) and reduces.
-        cute.arch.sync_threads()
-        if tidx == 0:
-            old = cute.arch.atomic_add(mC.iterator + block, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-            last = cutlass.Int32(0)
-            if old == self.splits - 1:
-                last = cutlass.Int32(1)
-                cute.arch.store(mC.iterator + block, cutlass.Int32(0), sem="release", scope="gpu")
-            sLast[0] = last
-        cute.arch.sync_threads()
-        if sLast[0] == 1:
-            # Each thread sums 4 consecutive rows of one batch row over the splits, in split
-            # order 0..S-1: the same bits whichever CTA arrives last.
-            gP = cute.zipped_divide(mP, (1, 1, 4))
-            gY = cute.zipped_divide(mY, (1, 4))
-            p_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), f32, num_bits_per_copy=128)
-            y_bits = 4 * mY.element_type.width
-            y_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mY.element_type,
-                                         num_bits_per_copy=y_bits)
-            quads = self.batch * self.rows_per_cta // 4
-            for j in cutlass.range_constexpr(ceil_div(quads, self.threads)):
-                idx = tidx + j * self.threads
-                if idx < quads:
-                    b = idx // (self.rows_per_cta // 4)
-                    rq = block * (self.rows_per_cta // 4) + idx % (self.rows_per_cta // 4)
-                    tot = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
-                    cute.copy(p_atom, gP[(None, (0, b, rq))], tot)
-                    for s in cutlass.range_constexpr(1, self.splits):
-                        part = cute.make_rmem_tensor(cute.make_layout(((1, 1, 4),)), f32)
-                        cute.copy(p_atom, gP[(None, (s, b, rq))], part)
-                        tot.store(tot.load() + part.load())
-                    out = cute.make_rmem_tensor(cute.make_layout(((1, 4),)), mY.element_type)
-                    out.store(tot.load().to(mY.element_type))
-                    cute.copy(y_atom, out, gY[(None, (b, rq))])
-
-    # Trace-time helpers of the tiled design: plain Python, every branch decided at trace time.
-    def _x_rows(self, g):
-        """The ring row this lane reads per (batch tile, half); as in the small-batch design, a
-        partly valid half repeats a valid row and a wholly invalid half is None (zeros)."""
-        rows = []
-        for mb in range(self.batch_tiles):
-            for h in range(2):
-                b_off = mb * BATCH_PER_TILE + h * 8
-                if b_off >= self.batch:
-                    rows.append(None)
-                elif b_off + 8 <= self.batch:
-                    rows.append(b_off + g)
-                else:
-                    rows.append(b_off + g % (self.batch - b_off))
-        return rows
-
-    def _t_load_w(self, c, group, atom=None):
-        """This lane's W vectors of one group: U steps x NT row tiles, through the nc path
-        (or `atom`: pdl's first group uses plain loads, see `_first_loads`)."""
-        atom = c.w_atom if atom is None else atom
-        out = []
-        for u in range(self.k_unroll):
-            kv = c.kv0 + (group * self.k_unroll + u) * (K_STEP // BF16_PER_VECTOR) + c.q
-            for nt in range(self.row_tiles):
-                t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
-                cute.copy(atom, c.gW[(None, (c.wrow0 + nt * ROWS_PER_TILE + c.g, kv))], t)
-                out.append(t)
-        return out
-
-    def _stage_vector(self, c, i):
-        """(x row, vector in the group) that this thread moves in its i-th staging copy. Where
-        the group's block is not a multiple of the thread count, surplus threads repeat the
-        last vector (the same bytes to the same address: no branch, no race)."""
-        row_vecs = self.k_unroll * (K_STEP // BF16_PER_VECTOR)
-        n_stage = self.batch * row_vecs
-        v = c.tidx + i * self.threads
-        if (i + 1) * self.threads > n_stage:
-            v = cutlass.min(v, n_stage - 1)
-        return v // row_vecs, v % row_vecs
-
-    def _stage_count(self):
-        return ceil_div(self.batch * self.k_unroll * (K_STEP // BF16_PER_VECTOR), self.threads)
-
-    def _t_load_x(self, c, group):
-        """This thread's share of one group's x block, global -> registers (plain loads)."""
-        row_vecs = self.k_unroll * (K_STEP // BF16_PER_VECTOR)
-        out = []
-        for i in range(self._stage_count()):
-            b, j = self._stage_vector(c, i)
-            t = cute.make_rmem_tensor(cute.make_layout(((1, BF16_PER_VECTOR),)), cutlass.BFloat16)
-            cute.copy(c.v_atom, c.gX[(None, (b, c.kv0 + group * row_vecs + j))], t)
-            out.append(t)
-        return out
-
-    def _t_store_x(self, c, regs, slot):
-        """Registers from `_t_load_x` -> ring slot `slot`."""
-        skp = self._ring_row_elems()
-        for i in range(self._stage_count()):
-            b, j = self._stage_vector(c, i)
-            dst = c.vRing[(None, (slot * self.batch * skp + b * skp) // BF16_PER_VECTOR + j)]
-            cute.copy(c.v_atom, cute.make_tensor(regs[i].iterator, cute.make_layout((BF16_PER_VECTOR,))), dst)
-
-    def _t_mma_group(self, c, wregs, slot):
-        """The mmas of one group: per step, the A fragments from ring slot `slot` (16-byte
-        shared loads in the global layout's permutation, see the module docstring), B from
-        `wregs`."""
-        bf16 = cutlass.BFloat16
-        u32 = cutlass.Uint32
-        NT = self.row_tiles
-        skp = self._ring_row_elems()
-        for u in range(self.k_unroll):
-            w32 = [cute.recast_tensor(wregs[u * NT + nt], u32) for nt in range(NT)]
-            xs = []
-            for row in c.x_rows:
-                if row is None:
-                    xs.append(None)
-                else:
-                    t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
-                    cute.copy(c.v_atom, c.vRing[(None, (slot * self.batch * skp + row * skp) // BF16_PER_VECTOR
-                                                 + u * (K_STEP // BF16_PER_VECTOR) + c.q)], t)
-                    xs.append(cute.recast_tensor(t, u32))
-            mma_step(c.mma, c.acc, xs, w32)
-
-    # -- staged design (batch >= staged_from_batch) ------------------------------------------
-    @cute.jit
-    def _staged_body(self, mX, mW, mY, mP, mC):
-        """Trace-time body of the staged design (see `_plan_staged`).
-
-        Shared layout: slot j of the W ring holds the CTA's rows x `stage_k` k (row pitch 128 B
-        per 64 k), the x ring the batch rows the same way; 16-byte chunk c of row r sits at
-        c ^ 4 * (r % 2), so the eight lanes of a fragment read phase (rows g, g + 1, chunks
-        4s..4s+3) and of a copy phase (one row, eight chunks) each hit 32 distinct banks."""
-        S = self.stages
-        G = self.groups
-        NT = self.row_tiles
-        MBW = self.warp_batch_tiles
-        bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        split, block, _ = cute.arch.block_idx()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        g = lane // 4
-        q = lane % 4
-
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, cute.make_layout((S * self.rows_per_cta * self.stage_k,)), byte_alignment=128)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((S * self.batch * self.stage_k,)), byte_alignment=128)
-        sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
-        acc = [[cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 1)), f32) for _ in range(NT)]
-               for _ in range(MBW)]
-        for mb in cutlass.range_constexpr(MBW):
-            for nt in cutlass.range_constexpr(NT):
-                acc[mb][nt].fill(0.0)
-        b_base = 0 if self.warp_batch == 1 else (warp // self.warp_rows) * (MBW * BATCH_PER_TILE)
-        c = _TiledContext(
-            gW=cute.zipped_divide(mW, (1, BF16_PER_VECTOR)), gX=cute.zipped_divide(mX, (1, BF16_PER_VECTOR)),
-            vW=cute.zipped_divide(sW, (BF16_PER_VECTOR,)), vX=cute.zipped_divide(sX, (BF16_PER_VECTOR,)),
-            w_atom=stream.weight_copy_atom(bf16), x_atom=stream.activation_copy_atom(bf16),
-            v_atom=coherent_copy_atom(bf16), mma=cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(bf16, f32, (16, 8, 16))),
-            acc=acc, tidx=tidx, g=g, q=q, row0=block * self.rows_per_cta,
-            kv0=split * (self.k_chunk // BF16_PER_VECTOR),
-            wrow=(warp % self.warp_rows) * (NT * ROWS_PER_TILE) + g, b_base=b_base,
-            x_rows=self._staged_x_rows(g, b_base))
-
-        # --- prologue: W of the first stages - 1 stages (static: before a pdl wait), then x ----
-        for st in cutlass.range_constexpr(S - 1):
-            self._s_copy(c, True, st, st)
-        self._pdl_wait()
-        for st in cutlass.range_constexpr(S - 1):
-            self._s_copy(c, False, st, st)
-            cute.arch.cp_async_commit_group()  # group st holds x of stage st (and W of stage st or earlier)
-
-        # --- main loop: one barrier per stage ----------------------------------------------------
-        # The wait leaves S - 2 groups in flight: this thread's stage `it` has landed; the
-        # barrier makes every thread's copies visible and orders every warp's reads of stage
-        # it - 1 (slot (it + S - 1) % S) before this iteration's copies overwrite that slot.
-        for it in cutlass.range(G, unroll=1):
-            cute.arch.cp_async_wait_group(S - 2)
-            cute.arch.sync_threads()
-            nxt = it + (S - 1)
-            if nxt < G:
-                self._s_copy(c, True, nxt, nxt % S)
-                self._s_copy(c, False, nxt, nxt % S)
-            cute.arch.cp_async_commit_group()  # possibly empty: keeps one group per stage
-            self._s_mma_stage(c, it % S)
-        self._pdl_trigger()
-
-        # --- epilogue: acc[mb][nt][i] is batch row b_base + mb*16 + (i // 2)*8 + g, weight row
-        # row0 + wrow - g + nt*8 + 2q + i % 2 --------------------------------------------------
-        B = self.batch
-        for mb in cutlass.range_constexpr(MBW):
-            for nt in cutlass.range_constexpr(NT):
-                for i in cutlass.range_constexpr(4):
-                    b_off = mb * BATCH_PER_TILE + (i // 2) * 8
-                    if cutlass.const_expr(b_off < B):
-                        r = c.row0 + c.wrow - g + nt * ROWS_PER_TILE + 2 * q + (i % 2)
-                        v = acc[mb][nt][i]
-                        if cutlass.const_expr(b_off + 8 <= B):
-                            self._tiled_out(mY, mP, split, b_base + b_off + g, r, v)
-                        else:
-                            if g < B - b_off:
-                                self._tiled_out(mY, mP, split, b_off + g, r, v)
-        if cutlass.const_expr(self.splits > 1):
-            self._reduce_splits(mY, mP, mC, sLast, tidx, block)
-
-    def _staged_x_rows(self, g, b_base):
-        """The x rows this lane reads per (batch tile of its warp, half): with one warp along
-        the batch as in the tiled design (`_x_rows`), else every tile is full."""
-        if self.warp_batch == 1:
-            return self._x_rows(g)
-        return [b_base + mb * BATCH_PER_TILE + h * 8 + g for mb in range(self.warp_batch_tiles) for h in range(2)]
-
-    @cute.jit
-    def _s_copy(self, c, weights, stage, slot):
-        """Issue this thread's 16-byte cp.async copies of one stage (W rows or x rows) into ring
-        slot `slot`; the caller commits. Consecutive threads copy consecutive chunks of a row."""
-        rows = self.rows_per_cta if weights else self.batch
-        cpr = self.stage_k // BF16_PER_VECTOR
-        count = rows * cpr
-        flat = cute.make_layout((BF16_PER_VECTOR,))
-        for i in cutlass.range_constexpr(ceil_div(count, self.threads)):
-            v = c.tidx + i * self.threads
-            if cutlass.const_expr((i + 1) * self.threads <= count):
-                self._s_copy_one(c, weights, stage, slot, v, flat)
-            else:
-                if v < count:
-                    self._s_copy_one(c, weights, stage, slot, v, flat)
-
-    def _s_copy_one(self, c, weights, stage, slot, v, flat):
-        cpr = self.stage_k // BF16_PER_VECTOR
-        row = v // cpr
-        ch = v % cpr
-        kv = c.kv0 + stage * cpr + ch
-        phys = ch ^ ((row % 2) * 4)
-        if weights:
-            src = c.gW[(None, (c.row0 + row, kv))]
-            dst = c.vW[(None, slot * (self.rows_per_cta * cpr) + row * cpr + phys)]
-            atom = c.w_atom
-        else:
-            src = c.gX[(None, (row, kv))]
-            dst = c.vX[(None, slot * (self.batch * cpr) + row * cpr + phys)]
-            atom = c.x_atom
-        cute.copy(atom, cute.make_tensor(src.iterator, flat), dst)
-
-    def _s_mma_stage(self, c, slot):
-        """The mmas of one stage: per 32-wide k step, this lane's W vectors (row wrow + 8 nt) and
-        x vectors (its rows of each batch tile) from shared memory, in the global layout's k
-        permutation (see the module docstring), then 2 x batch tiles x row tiles mmas."""
-        bf16 = cutlass.BFloat16
-        u32 = cutlass.Uint32
-        NT = self.row_tiles
-        cpr = self.stage_k // BF16_PER_VECTOR
-        w_slot = slot * (self.rows_per_cta * cpr)
-        x_slot = slot * (self.batch * cpr)
-        for s in range(self.stage_k // K_STEP):
-            ch = s * (K_STEP // BF16_PER_VECTOR) + c.q
-            w32 = []
-            for nt in range(NT):
-                row = c.wrow + nt * ROWS_PER_TILE
-                t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
-                cute.copy(c.v_atom, c.vW[(None, w_slot + row * cpr + (ch ^ ((row % 2) * 4)))], t)
-                w32.append(cute.recast_tensor(t, u32))
-            xs = []
-            for row in c.x_rows:
-                if row is None:
-                    xs.append(None)
-                else:
-                    t = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), bf16)
-                    cute.copy(c.v_atom, c.vX[(None, x_slot + row * cpr + (ch ^ ((row % 2) * 4)))], t)
-                    xs.append(cute.recast_tensor(t, u32))
-            mma_step(c.mma, c.acc, xs, w32)
-
-    def _tiled_out(self, mY, mP, split, b, r, v):
-        """One accumulator value: straight to y without a split, else to this split's partials."""
-        if cutlass.const_expr(self.splits == 1):
-            mY[b, r] = v.to(mY.element_type)
-        else:
-            mP[split, b, r] = v
-
-
-
-def _staged_warp_grid(warps: int, rows: int, batch: int):
-    """(warp_rows, warp_batch) with warp_rows * warp_batch == warps that covers `rows` weight
-    rows in whole 8-row tiles and the batch in whole 16-row tiles with the fewest 16-byte
-    shared-memory reads per k step (each warp reads its rows' W and its batch tiles' x; a warp
-    grid that splits the batch needs full batch tiles), more warps along the rows on a tie;
-    None when no grid fits."""
-    tiles = ceil_div(batch, BATCH_PER_TILE)
-    best = None
-    for wb in range(1, warps + 1):
-        wr = warps // wb
-        if wr * wb != warps or rows % (ROWS_PER_TILE * wr) or tiles % wb or (wb > 1 and batch % BATCH_PER_TILE):
-            continue
-        reads = (rows // wr) // ROWS_PER_TILE + 2 * (tiles // wb)  # per lane and k step
-        cost = (reads * warps, wb)
-        if best is None or cost < best[0]:
-            best = (cost, (wr, wb))
-    return None if best is None else best[1]
-
-
-class _TiledContext:
-    """What the tiled design's trace-time helpers share (tensors, atoms, this lane's indices)."""
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-
 def _issue_here(vectors):
     """Trace-time helper: keep the loads that fill `vectors` (16-byte register tensors) ahead of
     whatever side-effecting instruction comes next. LLVM otherwise sinks an invariant (nc) load
@@ -1626,11 +887,6 @@ def _trap():
     from cutlass._mlir.dialects import llvm
 
     llvm.inline_asm(None, [], "trap;", "", has_side_effects=True)
-
-
-def _copy_regs(dst, src):
-    for a, b in zip(dst, src):
-        a.store(b.load())
 
 
 def _flat(frags):

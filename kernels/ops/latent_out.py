@@ -14,11 +14,11 @@ gate/up projection depends only on h, so the block can run it beside the routed 
 
 `shared_gate_up` is the dense form of kernels/ops/moe_experts.py's moe_w13: a CTA's row tiles
 are half gate rows, half the matching up rows, SiTU in fp32 in the epilogue, `a_s` rounded to bf16
-as the reference does. Both kernels use the decode mma scheme of kernels/ops/decode_mma.py with
+as the reference does. Both kernels use the decode mma scheme of kernels/ops/parts/decode_mma.py with
 the warps' partials summed in warp order (deterministic).
 
 At the smallest batches (batch <= `stream_max_batch`, default 1) both kernels use instead the
-"stream" design of kernels/ops/stream.py (the gemv's at batch 1): no tensor cores, a CTA owns
+"stream" design of kernels/ops/parts/stream.py (the gemv's at batch 1): no tensor cores, a CTA owns
 whole output rows and is split into sections of whole warps, one per weight matrix it reads
 (shared_gate_up: the gate rows and the matching up rows; latent_out: the W_up rows and the
 matching W_sd rows). Every thread issues all of its 16-byte `cp.async` copies (its weight
@@ -30,10 +30,10 @@ sections' row totals (SiTU; residual + both projections) with the same roundings
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops.parts import stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
-from kernels.ops.decode_mma import (
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.parts.decode_mma import (
     BATCH_PER_TILE,
     ROWS_PER_TILE,
     MmaPlan,
@@ -47,7 +47,7 @@ from kernels.ops.decode_mma import (
     vector_view,
     x_row_slots,
 )
-from kernels.ops.stream import StreamPlan
+from kernels.ops.parts.stream import StreamPlan
 
 MAX_BATCH = 64
 LOAD_GROUP_VECTORS = 16

@@ -4,142 +4,64 @@ latent, bf16). Every selected expert's weights are read once per launch, whateve
 
 Input routing is the router's grouping (kernels/ops/router.py): group u is expert group_expert[u]
 with the sorted positions group_start[u] .. group_start[u+1]-1, whose slots (t * top_k + j) are
-sorted_slots[pos], in token order. A work item is (group, row block); both kernels are persistent:
-a fixed grid of `ctas_per_sm` x 132 CTAs strides over the n_groups x row_blocks items that this
-launch's routing has (read on the device, so one CUDA graph serves every routing). Items of one
-group are consecutive, so neighbouring CTAs stream neighbouring rows of one expert.
+sorted_slots[pos], in token order. A work item is (group, row block); the grid has one CTA per
+possible item (min(T * top_k, n_experts) groups), and a CTA whose group is past this launch's
+n_groups (read on the device, so one CUDA graph serves every routing) exits at once.
 
-Per item the CTA runs the decode mma scheme of kernels/ops/decode_mma.py over the expert's rows
-(64-bit expert offsets) and the group's tokens, gathered by row index (a group never has more
-tokens than the batch; when the batch exceeds one 16-row mma tile, a group of at most 16 tokens
-takes a one-tile path, chosen at run time, so a batch-64 launch with mostly single-token groups
-does not pay for 64 rows). The warps' partials meet in shared memory in warp order.
+Two designs, chosen by the tunable `wg` (the block's per-batch table, kernels/block_plan.toml,
+says which at which batch; docs/decisions.md says why):
 
-moe_w13: a CTA's row tiles are half gate rows, half the matching up rows, so SiTU is applied in
-the epilogue; `a` goes to act[sorted position, column] (scratch, bf16, as the reference rounds it).
-moe_w2: the epilogue writes o[slot, rows] in fp32 (scratch); then, the split-K pattern of
-kernels/ops/splitk_gemv.py, thread 0 adds 1 to the row block's gpu-scope counter with acq_rel
-semantics after a CTA barrier; the CTA that completes the row block's n_groups-th item resets the
-counter (release) and sums, for every token, w_k * o[t * top_k + k] over k in order 0..top_k-1
-(fixed order: bitwise deterministic), rounding c to bf16 once. The host zeroes the counters once.
-
-Up to `stream_max_batch` tokens (default 16), tunable `stream` (the design of
-kernels/ops/stream.py, read its docstring): no tensor cores and, by default, no persistent loop
-(`stream_ctas_per_sm`, below). At batch 1
-every group is one token and a weight byte feeds one FMA; at batch 8 almost every group still has
-one token (a few 2-3), so all that matters is how many bytes are in flight. The grid has one short
-CTA per (possible group, block of whole weight rows): it reads the group's expert id (after
+The stream path (`wg` 0; kernels/ops/parts/stream.py, read its docstring): no tensor cores. At
+batch 1 every group is one token and a weight byte feeds one FMA; at batch 8 almost every group
+still has one token (a few 2-3), so all that matters is how many bytes are in flight. A short CTA
+per (possible group, block of whole weight rows) reads the group's expert id (after
 `griddepcontrol.wait` with `pdl`: the routing is the router's output), issues every 16-byte
 `cp.async` of its rows (`.cg`) and of the group's first `stream_slots` activation rows (`.ca`)
 into shared memory, waits once, and runs fp32 FMAs with a warp-shuffle and warp-order reduction
 (bitwise deterministic). A group with more tokens than slots then loops: barrier, copy the next
 chunk's rows into the same slots, wait, FMAs against the weights still in shared memory (read
 from DRAM once per group). Slots past the group's tokens repeat its last row and are not stored.
-One slot measured fastest at batches 2-16 (more slots: more shared memory, fewer CTAs per SM).
-The stream path runs up to batch 64 (`STREAM_LIMIT`; past 16 only where asked for). Its grid is
-one CTA per possible item by default (`stream_ctas_per_sm` 0); with N > 0 it is a persistent
-grid of N CTAs per SM striding over the routing's items, each item exactly as above, a CTA
-barrier between items (shared memory is reused). That pays only where N CTAs fit on an SM at
-once: batch 32's moe_w13 with 6 (evidence_reports/moe_block/round5/experts_stream/).
   moe_w13: a CTA owns R gate rows and the R matching up rows (R = stream rows / 2) and writes
   R columns of act after SiTU for each of the group's tokens.
   moe_w2: a CTA owns a block of W2_e's rows and writes them to o[slot] in fp32 for each of the
   group's tokens, then, after a barrier that follows every chunk's writes, arrives on the row
-  block's counter exactly as the per-item path (one arrival per group, acq_rel); the
-  CTA that completes the row block combines it in slot order 0..top_k-1.
-The warpgroup paths (`wg` 1, where neither the stream nor the pipelined path applies: the block
-asks for them with `stream` 0, moe_w2 from batch 2, moe_w13 from batch 16): a CTA per possible
-(group, 64-row block) item, a ring of `wg_stages` 128-byte-swizzled slots of `wg_k` k read by
-wgmma m64n`wg_n`k16, a group's tokens in chunks of `wg_n` through the same ring. moe_w2's tokens
-are contiguous rows of `act`, so TMA boxes fetch W2_e's rows and them (full and empty mbarriers,
-kernels/ops/wg_ring.py); moe_w13's are gathered rows of z, so every thread copies W13_e's 32 gate
-+ 32 up rows and its token's row by cp.async (gemv's `_wg_body` pipeline), and SiTU meets each
-gate row with its up row through shared memory. The register-fed mma.sync scheme issues 64-byte
-requests (a quad of lanes per row) and stopped near 91% of the read ceiling on a long stream; the
-warpgroup paths read 99-102% (evidence_reports/moe_block/round6/).
+  block's counter (below).
+
+The warpgroup paths (`wg` 1): a CTA per possible (group, 64-row block) item, a ring of
+`wg_stages` 128-byte-swizzled slots of `wg_k` k read by wgmma m64n`wg_n`k16, a group's tokens in
+chunks of `wg_n` through the same ring. moe_w2's tokens are contiguous rows of `act`, so TMA
+boxes fetch W2_e's rows and them (full and empty mbarriers, kernels/ops/parts/wg_ring.py);
+moe_w13's are gathered rows of z, so every thread copies W13_e's 32 gate + 32 up rows and its
+token's row by cp.async, and SiTU meets each gate row with its up row through shared memory.
+
+moe_w2's combine (both designs), the split-K pattern of kernels/ops/splitk_gemv.py: after a CTA
+barrier thread 0 adds 1 to the row block's gpu-scope counter with acq_rel semantics; the CTA that
+completes the row block's n_groups-th item resets the counter (release) and sums, for every
+token, w_k * o[t * top_k + k] over k in order 0..top_k-1 (fixed order: bitwise deterministic),
+rounding c to bf16 once. The host zeroes the counters once.
 Why moe_w2 keeps the counters rather than a CTA that streams one output row of all 16 experts
 (16 x 6 KB): that CTA needs the 16 activation rows beside them (another 96 KB), 192 KB of shared
 memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, several per SM.
 """
 
-from __future__ import annotations
-
 from kernels import reference
-from kernels.ops import stream
+from kernels.ops.parts import pdl, stream
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import BF16_PER_VECTOR, HAVE_DSL, WARP, ceil_div, cute, cutlass
-from kernels.ops.decode_mma import (
-    BATCH_PER_TILE,
-    K_STEP,
-    ROWS_PER_TILE,
-    MmaPlan,
-    accumulate,
-    expert_view,
-    largest_unroll,
-    load_group_into,
-    mma_group,
-    new_accumulators,
-    new_fragments,
-    padded_batch,
-    partials_layout,
-    situ,
-    store_partials,
-    sum_partials,
-    vector_view,
-    x_row_slots,
-    zero_accumulators,
-)
-from kernels.ops import wg_ring
+from kernels.ops.parts.common import BF16_PER_VECTOR, HAVE_DSL, WARP, ceil_div, cute, cutlass
+from kernels.ops.parts.decode_mma import expert_view, situ, vector_view
+from kernels.ops.parts import wg_ring
 from kernels.ops.router import routing_groups_ref
-from kernels.ops.stream import StreamPlan
-from kernels.ops.tma import TensorMap, TmaTensorSpec
+from kernels.ops.parts.stream import StreamPlan
+from kernels.ops.parts.tma import TensorMap, TmaTensorSpec
 
-SMS = 132  # SMs of an H100/H200 SXM: the persistent grid is a multiple of it
 MAX_BATCH = 64
-LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane per load group (two groups live with prefetch)
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-PIPELINE_VECTORS = 24  # 16-byte vectors per lane in the two live load groups of the pipelined path
-PIPELINE_MAX_BATCH = BATCH_PER_TILE  # the pipelined path traces one plan: one 16-row mma tile
-
-STREAM_LIMIT = 64  # the stream path's largest batch (a group of more tokens than slots loops over them)
-SM_SMEM = 228 * 1024  # shared memory per SM of sm_90 (what resident CTAs share)
-CTA_SMEM_RESERVED = 2048  # per resident CTA: the driver's 1 KB reserve + the DSL's 1 KB of static smem
-SM_THREADS = 2048  # resident threads per SM
-
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml). `stream`,
-# `stream_slots`, `stream_ctas_per_sm` and `pdl` act up to `stream_max_batch` tokens (the stream
-# path); `pipeline` up to batch 16 (and wins over `stream`).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "ctas_per_sm": 2, "pipeline": 0,
-                    "stream": 1, "stream_threads": 128, "stream_cta_kib": 32, "pdl": 1,
-                    "stream_max_batch": 16, "stream_slots": 1, "stream_ctas_per_sm": 0,
+# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml).
+DEFAULT_TUNABLES = {"stream_threads": 128, "stream_cta_kib": 32, "pdl": 1, "stream_slots": 1,
                     "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 WG_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
-
-
-def _x_vectors(batch_tiles: int, valid: int) -> int:
-    return sum(1 for mb in range(batch_tiles) for h in range(2) if mb * BATCH_PER_TILE + h * 8 < valid)
-
-
-def make_plans(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> dict[int, MmaPlan]:
-    """The mma plans a grouped kernel traces: {valid rows: plan} for the full batch and, past one
-    tile, the one-tile path."""
-    plans = {}
-    for valid in sorted({batch, min(batch, BATCH_PER_TILE)}):
-        mb = ceil_div(valid, BATCH_PER_TILE)
-        u = max(1, min(k_unroll, LOAD_GROUP_VECTORS // (row_tiles + _x_vectors(mb, valid))))
-        plans[valid] = MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=mb, k=k, k_unroll=u)
-    return plans
-
-
-def make_pipeline_plan(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> MmaPlan:
-    """The plan of the pipelined path (batch <= 16): load groups of equal size (a divisor of the
-    steps per warp) so that the flattened (item, group) loop has no tail, two groups live."""
-    xv = _x_vectors(1, batch)
-    steps = k // (K_STEP * warps)
-    cap = max(1, min(k_unroll, PIPELINE_VECTORS // (2 * (row_tiles + xv))))
-    return MmaPlan(warps=warps, row_tiles=row_tiles, batch_tiles=1, k=k, k_unroll=largest_unroll(steps, cap))
 
 
 def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
@@ -170,21 +92,10 @@ class _GroupedBase(OpBase):
                              f"missing {e}") from None
         if not 1 <= self.batch <= MAX_BATCH:
             raise ValueError(f"{self.kernel_name}: batch {self.batch} outside 1..{MAX_BATCH}")
-        self.warps = int(self.tunables["warps_per_cta"])
-        self.row_tiles = int(self.tunables["row_tiles"])
-        self.threads = self.warps * WARP
         self.slots = self.batch * self.top_k
         self.groups = min(self.slots, self.n_experts)
-        self.pb = padded_batch(self.batch)
-        # The pipelined path: each CTA takes a contiguous chunk of the work items and streams
-        # them as one flattened loop of load groups, double-buffered across item boundaries, so
-        # the next loads are in flight during an item's epilogue (batch <= 16 only).
-        # An explicit `pipeline` 1 keeps the pipelined path at batch 1 too (the stream path is the default).
-        self.pipelined = bool(int(self.tunables["pipeline"])) and self.batch <= PIPELINE_MAX_BATCH
-        smb = int(self.tunables["stream_max_batch"])
-        if not 1 <= smb <= STREAM_LIMIT:
-            raise ValueError(f"{self.kernel_name}: stream_max_batch {smb} outside 1..{STREAM_LIMIT}")
-        self.streamed = bool(int(self.tunables["stream"])) and self.batch <= smb and not self.pipelined
+        # The design: wg 1 the warpgroup path, else the stream path.
+        self.wg = bool(int(self.tunables["wg"]))
         # The stream path's activation slots in shared memory: a group's tokens go through them a
         # chunk at a time (the first chunk is copied with the weights, before the one wait).
         self.x_slots = min(int(self.tunables["stream_slots"]), self.batch)
@@ -193,15 +104,6 @@ class _GroupedBase(OpBase):
         self.pdl = int(self.tunables["pdl"])
         if self.pdl not in (0, 1):
             raise ValueError(f"{self.kernel_name}: pdl must be 0 or 1")
-        # The stream path's grid: 0, one CTA per possible (group, block) item (those past the
-        # routing's n_groups exit at once); N > 0, a persistent grid of N CTAs per SM striding
-        # over the routing's items (no CTA per item to launch, none launched for nothing).
-        self.stream_persist = int(self.tunables["stream_ctas_per_sm"])
-        if self.stream_persist < 0:
-            raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm must not be negative")
-        # The warpgroup-mma paths (`_plan_wg_ring`), where neither the stream nor the pipelined
-        # path applies.
-        self.wg = bool(int(self.tunables["wg"])) and not self.streamed and not self.pipelined
 
     def _plan_wg_ring(self, n: int, rows: int, k: int, wg_n_choices: tuple, extra: int, per_token: int = 0) -> None:
         """What both warpgroup paths plan alike: items of `rows` of the n output rows, `wg_k`
@@ -239,37 +141,18 @@ class _GroupedBase(OpBase):
             return StreamPlan(n=n, k=k, threads=int(t["stream_threads"]),
                               cta_bytes=max(int(t["stream_cta_kib"]) * 1024, min_rows * k * 2))
         except ValueError as e:
-            raise ValueError(f"{self.kernel_name}: the stream path: {e} (stream=0 takes the "
-                             f"persistent path)") from None
-
-    def _check_stream_persist(self) -> None:
-        """A persistent stream grid must be resident at once: a CTA past what fits on an SM would
-        start only when another ends, that is, after its whole share of the items."""
-        fit = min(SM_SMEM // (self.smem_bytes + CTA_SMEM_RESERVED), SM_THREADS // self.threads)
-        if self.stream_persist > fit:
-            raise ValueError(f"{self.kernel_name}: stream_ctas_per_sm {self.stream_persist} asks for more CTAs "
-                             f"than fit on an SM ({fit} of {self.smem_bytes} B shared memory and "
-                             f"{self.threads} threads): the rest would wait a whole share of the items")
+            raise ValueError(f"{self.kernel_name}: the stream path: {e}") from None
 
     def _stream_launch(self, ctas: int) -> LaunchConfig:
         # pdl only where the kernel waits (griddepcontrol.wait is in the stream path alone)
-        if self.stream_persist:
-            ctas = min(ctas, self.stream_persist * SMS)
         return LaunchConfig(grid=(ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes,
                             pdl=bool(self.pdl))
 
     def _pdl_wait(self):
-        """Trace-time helper: with pdl, wait until the previous grid has completed and its
-        writes are visible (the routing, z and act are earlier kernels' outputs, so no load of
-        them may come before this)."""
-        if self.pdl:
-            cute.arch.griddepcontrol_wait()
+        pdl.wait(self.pdl)  # kernels/ops/parts/pdl.py
 
     def _pdl_trigger(self):
-        """Trace-time helper: with pdl, let the next launch start once this CTA's copies are
-        issued (a hint: it changes when the next grid starts, never what it reads)."""
-        if self.pdl:
-            cute.arch.griddepcontrol_launch_dependents()
+        pdl.launch_dependents(self.pdl)
 
     @cute.jit
     def _copy_slots(self, P, gX, vX, r, kv0, row_of, c0):
@@ -280,9 +163,6 @@ class _GroupedBase(OpBase):
             if r == s % P.rows:
                 stream.copy_row(P, stream.activation_copy_atom(cutlass.BFloat16), gX, row_of(s, c0), vX, s * P.kv,
                                 kv0)
-
-    def _grid(self, row_blocks: int) -> int:
-        return max(1, min(int(self.tunables["ctas_per_sm"]) * SMS, self.groups * row_blocks))
 
     def routing_tensors(self, ids):
         """The router's grouping of `ids` (torch), for launching this op on a given routing."""
@@ -299,22 +179,7 @@ class ExpertsUpOp(_GroupedBase):
         if self.wg:
             self._plan_up_wg()
             return
-        if self.row_tiles % 2:
-            raise ValueError("moe_w13: row_tiles must be even (half gate, half up)")
-        self.half_rows = ROWS_PER_TILE * self.row_tiles // 2
-        if self.inter % self.half_rows:
-            raise ValueError(f"moe_w13: expert_inter {self.inter} is not a multiple of {self.half_rows}")
-        self.row_blocks = self.inter // self.half_rows
-        if self.streamed:
-            self._plan_up_stream()
-            return
-        self.plans = make_plans(self.batch, self.latent, self.warps, self.row_tiles,
-                                int(self.tunables["k_unroll"]))
-        if self.pipelined:
-            self.plans = {self.batch: make_pipeline_plan(self.batch, self.latent, self.warps, self.row_tiles,
-                                                         int(self.tunables["k_unroll"]))}
-        self.ctas = self._grid(self.row_blocks)
-        self.smem_bytes = 2 * self.half_rows * self.pb * self.warps * 4 + 64
+        self._plan_up_stream()
 
     def _plan_up_wg(self) -> None:
         """The warpgroup path (`wg` 1), moe_w13's form: a CTA per possible (group u, column block
@@ -322,8 +187,7 @@ class ExpertsUpOp(_GroupedBase):
         (W13_e rows cb*32.. and I + cb*32..), its x tile `wg_n` of the group's tokens, gathered
         rows of z (a TMA box cannot gather), so every thread copies both by 16-byte cp.async into
         a ring of `wg_stages` 128-byte-swizzled slots of `wg_k` k, `wg_stages` - 1 stages ahead
-        (gemv's `_wg_body` pipeline: per stage its own copies' wait, the async-proxy fence, one
-        CTA barrier), and wgmma m64n`wg_n`k16 reads the slots. After a chunk's last k tile the
+        (per stage its own copies' wait, the async-proxy fence, one CTA barrier), and wgmma m64n`wg_n`k16 reads the slots. After a chunk's last k tile the
         accumulators go through shared memory so that each gate row meets its up row, and
         a[sorted position, column] = bf16(SiTU(g, u))."""
         self.half_rows = wg_ring.WG_M // 2
@@ -343,7 +207,6 @@ class ExpertsUpOp(_GroupedBase):
         self.threads = P.threads
         self.ctas = self.groups * self.col_blocks
         self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps)
-        self._check_stream_persist()
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I = self.batch, self.n_experts, self.latent, self.inter
@@ -358,7 +221,7 @@ class ExpertsUpOp(_GroupedBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        if self.streamed:
+        if not self.wg:
             return self._stream_launch(self.ctas)
         return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
@@ -394,10 +257,8 @@ class ExpertsUpOp(_GroupedBase):
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
         if cutlass.const_expr(self.wg):
             self._up_wg(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
-        elif cutlass.const_expr(self.streamed):
-            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
         else:
-            self._up_grouped(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
 
     @cute.jit
     def _up_wg(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
@@ -530,16 +391,9 @@ class ExpertsUpOp(_GroupedBase):
         if cutlass.const_expr(self.mutant == "routing_before_wait"):
             early = mGroupExpert[u]  # the planted hazard the audit must flag
         self._pdl_wait()  # the routing and z are the router's outputs
-        if cutlass.const_expr(self.stream_persist > 0):
-            gdim, _, _ = cute.arch.grid_dim()
-            for item in cutlass.range(bidx, mNGroups[0] * self.col_blocks, gdim, unroll=1):
-                self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, item // self.col_blocks, item % self.col_blocks,
-                                     None, mZ, mW, mGroupExpert, mGroupStart, mSorted, mAct)
-                cute.arch.sync_threads()  # every thread is done with this item's shared memory
-        else:
-            if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
-                self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
-                                     mSorted, mAct)
+        if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
+            self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
+                                 mSorted, mAct)
 
     @cute.jit
     def _up_stream_item(self, P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
@@ -594,100 +448,6 @@ class ExpertsUpOp(_GroupedBase):
                     uv = stream.row_total(P, sP, R + c, s)
                     mAct[pos0 + c0 + s, cb * R + c] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(cutlass.BFloat16)
 
-    @cute.jit
-    def _up_grouped(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
-        """The per-item and pipelined paths (persistent over (group, row block) items)."""
-        T, K, L, I = self.batch, self.top_k, self.latent, self.inter
-        Rh = self.half_rows
-        NH = self.row_tiles // 2
-        W = self.warps
-        RB = self.row_blocks
-        bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        g = lane // 4
-        q = lane % 4
-
-        smem = cutlass.memory.SmemAllocator()
-        sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
-        gX = vector_view(mZ)
-        n_items = mNGroups[0] * RB
-        if cutlass.const_expr(self.pipelined):
-            # items u-major (item = group * RB + row block): a chunk streams consecutive rows of
-            # one expert, and the group's metadata stays in L1 across its items.
-            plan = self.plans[T]
-            GPI = plan.steps_per_warp // plan.k_unroll
-            begin = (bidx * n_items) // gdim
-            total = (((bidx + 1) * n_items) // gdim - begin) * GPI
-
-            present = [r is not None for r in x_row_slots(1, T, 0, lambda i: i)]
-            fa = new_fragments(plan, 2 * NH, present)
-            fb = new_fragments(plan, 2 * NH, present)
-            acc = new_accumulators(plan)
-            ld = (self, plan, begin, mW, mGroupExpert, mGroupStart, mSorted, gX, warp, g, q)
-            if total > 0:
-                _up_load(*ld, fa, 0)
-            for j in cutlass.range(0, total, 2, unroll=1):
-                if j + 1 < total:
-                    _up_load(*ld, fb, j + 1)
-                mma_group(plan, acc, fa)
-                if j % GPI == GPI - 1:
-                    _up_epilogue(self, plan, sP, acc, begin + j // GPI, mGroupStart, mAct, tidx, warp, g, q)
-                if j + 1 < total:
-                    if j + 2 < total:
-                        _up_load(*ld, fa, j + 2)
-                    mma_group(plan, acc, fb)
-                    if (j + 1) % GPI == GPI - 1:
-                        _up_epilogue(self, plan, sP, acc, begin + (j + 1) // GPI, mGroupStart, mAct,
-                                     tidx, warp, g, q)
-        else:
-            for item in cutlass.range(bidx, n_items, gdim, unroll=1):
-                u = item // RB
-                rb = item % RB
-                e = mGroupExpert[u]
-                start = mGroupStart[u]
-                cnt = mGroupStart[u + 1] - start
-                gW = vector_view(expert_view(mW, e, 2 * I, L))
-                w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
-                           + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)])
-
-                def token_of(i, start=start, cnt=cnt):
-                    return mSorted[start + cutlass.min(i, cnt - 1)] // K
-
-                if cutlass.const_expr(len(self.plans) == 1):
-                    plan = self.plans[T]
-                    acc = new_accumulators(plan)
-                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
-                    store_partials(plan, sP, acc, warp, g, q, T)
-                else:
-                    if cnt <= BATCH_PER_TILE:
-                        plan = self.plans[BATCH_PER_TILE]
-                        acc = new_accumulators(plan)
-                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, token_of),
-                                   warp, g, q)
-                        store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
-                    else:
-                        plan = self.plans[T]
-                        acc = new_accumulators(plan)
-                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, token_of), warp, g, q)
-                        store_partials(plan, sP, acc, warp, g, q, T)
-                cute.arch.sync_threads()
-                for j in cutlass.range_constexpr(ceil_div(Rh * T, self.threads)):
-                    idx = tidx + j * self.threads
-                    b = idx // Rh
-                    r = idx % Rh
-                    if b < cnt:
-                        gv = sum_partials(sP, r, b, W)
-                        uv = sum_partials(sP, Rh + r, b, W)
-                        mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(bf16)
-                cute.arch.sync_threads()
-
-
 class ExpertsDownOp(_GroupedBase):
     """moe_w2: o[slot] = act[pos] @ W2_e.T (fp32 scratch), then c[t] = bf16(sum_k w[t,k] o[t*k + k])."""
 
@@ -698,20 +458,7 @@ class ExpertsDownOp(_GroupedBase):
         if self.wg:
             self._plan_down_wg()
             return
-        self.rows_per_cta = ROWS_PER_TILE * self.row_tiles
-        if self.latent % self.rows_per_cta:
-            raise ValueError(f"moe_w2: latent {self.latent} is not a multiple of {self.rows_per_cta}")
-        self.row_blocks = self.latent // self.rows_per_cta
-        if self.streamed:
-            self._plan_down_stream()
-            return
-        self.plans = make_plans(self.batch, self.inter, self.warps, self.row_tiles,
-                                int(self.tunables["k_unroll"]))
-        if self.pipelined:
-            self.plans = {self.batch: make_pipeline_plan(self.batch, self.inter, self.warps, self.row_tiles,
-                                                         int(self.tunables["k_unroll"]))}
-        self.ctas = self._grid(self.row_blocks)
-        self.smem_bytes = self.rows_per_cta * self.pb * self.warps * 4 + 16 + 64
+        self._plan_down_stream()
 
     def _plan_down_wg(self) -> None:
         """The TMA-fed warpgroup path (`wg` 1): a CTA per possible (group u, 64-row block rb)
@@ -736,7 +483,6 @@ class ExpertsDownOp(_GroupedBase):
         self.threads = P.threads
         self.ctas = self.groups * self.row_blocks
         self.smem_bytes = P.smem_bytes(P.rows, self.x_slots, self.x_slots * P.warps) + 16  # + the verdict
-        self._check_stream_persist()
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         T, E, L, I, K = self.batch, self.n_experts, self.latent, self.inter, self.top_k
@@ -758,7 +504,7 @@ class ExpertsDownOp(_GroupedBase):
         }
 
     def launch_config(self) -> LaunchConfig:
-        if self.streamed:
+        if not self.wg:
             return self._stream_launch(self.ctas)
         return LaunchConfig(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem_bytes=self.smem_bytes)
 
@@ -884,11 +630,7 @@ class ExpertsDownOp(_GroupedBase):
     def kernel(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
                mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
                mCounters: cute.Tensor, mC: cute.Tensor):
-        if cutlass.const_expr(self.streamed):
-            self._down_stream(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
-        else:
-            self._down_grouped(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
-                               mC)
+        self._down_stream(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
 
     @cute.jit
     def _down_stream(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
@@ -919,17 +661,9 @@ class ExpertsDownOp(_GroupedBase):
 
         self._pdl_wait()  # the routing and act are earlier kernels' outputs
         n_groups = mNGroups[0]
-        if cutlass.const_expr(self.stream_persist > 0):
-            gdim, _, _ = cute.arch.grid_dim()
-            for item in cutlass.range(bidx, n_groups * self.row_blocks, gdim, unroll=1):
-                self._down_stream_item(P, vW, vX, sP, sLast, r, kv0, tidx, item // self.row_blocks,
-                                       item % self.row_blocks, n_groups, mAct, mW, mWeights, mGroupExpert,
-                                       mGroupStart, mSorted, mO, mCounters, mC)
-                cute.arch.sync_threads()  # every thread is done with this item's shared memory
-        else:
-            if u < n_groups:  # CTA-uniform: every thread takes the same branch
-                self._down_stream_item(P, vW, vX, sP, sLast, r, kv0, tidx, u, rb, n_groups, mAct, mW, mWeights,
-                                       mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
+        if u < n_groups:  # CTA-uniform: every thread takes the same branch
+            self._down_stream_item(P, vW, vX, sP, sLast, r, kv0, tidx, u, rb, n_groups, mAct, mW, mWeights,
+                                   mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
 
     @cute.jit
     def _down_stream_item(self, P, vW, vX, sP, sLast, r, kv0, tidx, u, rb, n_groups, mAct, mW, mWeights,
@@ -984,180 +718,6 @@ class ExpertsDownOp(_GroupedBase):
                 if c0 + s < cnt:
                     mO[mSorted[pos0 + c0 + s], rb * R + c] = stream.row_total(P, sP, c, s)
 
-    @cute.jit
-    def _down_grouped(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
-        """The per-item and pipelined paths (persistent over (group, row block) items)."""
-        T, L, I = self.batch, self.latent, self.inter
-        R = self.rows_per_cta
-        NT = self.row_tiles
-        W = self.warps
-        RB = self.row_blocks
-        f32 = cutlass.Float32
-        i32 = cutlass.Int32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        warp = tidx // WARP
-        lane = tidx % WARP
-        g = lane // 4
-        q = lane % 4
-
-        smem = cutlass.memory.SmemAllocator()
-        sP = smem.allocate_tensor(f32, partials_layout(R, self.pb, W), byte_alignment=16)
-        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
-        gX = vector_view(mAct)
-        n_groups = mNGroups[0]
-        n_items = n_groups * RB
-        if cutlass.const_expr(self.pipelined):
-            # items u-major (item = group * RB + row block), as moe_w13.
-            plan = self.plans[T]
-            GPI = plan.steps_per_warp // plan.k_unroll
-            begin = (bidx * n_items) // gdim
-            total = (((bidx + 1) * n_items) // gdim - begin) * GPI
-
-            present = [r is not None for r in x_row_slots(1, T, 0, lambda i: i)]
-            fa = new_fragments(plan, NT, present)
-            fb = new_fragments(plan, NT, present)
-            acc = new_accumulators(plan)
-            ld = (self, plan, begin, n_groups, mW, mGroupExpert, mGroupStart, gX, warp, g, q)
-            if total > 0:
-                _down_load(*ld, fa, 0)
-            for j in cutlass.range(0, total, 2, unroll=1):
-                if j + 1 < total:
-                    _down_load(*ld, fb, j + 1)
-                mma_group(plan, acc, fa)
-                if j % GPI == GPI - 1:
-                    _down_epilogue(self, plan, sP, sLast, acc, begin + j // GPI, n_groups, mWeights, mGroupStart,
-                                   mSorted, mO, mCounters, mC, tidx, warp, g, q)
-                if j + 1 < total:
-                    if j + 2 < total:
-                        _down_load(*ld, fa, j + 2)
-                    mma_group(plan, acc, fb)
-                    if (j + 1) % GPI == GPI - 1:
-                        _down_epilogue(self, plan, sP, sLast, acc, begin + (j + 1) // GPI, n_groups, mWeights,
-                                       mGroupStart, mSorted, mO, mCounters, mC, tidx, warp, g, q)
-        else:
-            for item in cutlass.range(bidx, n_items, gdim, unroll=1):
-                u = item // RB
-                rb = item % RB
-                e = mGroupExpert[u]
-                start = mGroupStart[u]
-                cnt = mGroupStart[u + 1] - start
-                gW = vector_view(expert_view(mW, e, L, I))
-                w_tiles = [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(NT)]
-
-                def pos_of(i, start=start, cnt=cnt):
-                    return start + cutlass.min(i, cnt - 1)
-
-                if cutlass.const_expr(len(self.plans) == 1):
-                    plan = self.plans[T]
-                    acc = new_accumulators(plan)
-                    accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
-                    store_partials(plan, sP, acc, warp, g, q, T)
-                else:
-                    if cnt <= BATCH_PER_TILE:
-                        plan = self.plans[BATCH_PER_TILE]
-                        acc = new_accumulators(plan)
-                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, BATCH_PER_TILE, g, pos_of),
-                                   warp, g, q)
-                        store_partials(plan, sP, acc, warp, g, q, BATCH_PER_TILE)
-                    else:
-                        plan = self.plans[T]
-                        acc = new_accumulators(plan)
-                        accumulate(plan, acc, w_tiles, gX, x_row_slots(plan.batch_tiles, T, g, pos_of), warp, g, q)
-                        store_partials(plan, sP, acc, warp, g, q, T)
-                cute.arch.sync_threads()
-                for j in cutlass.range_constexpr(ceil_div(R * T, self.threads)):
-                    idx = tidx + j * self.threads
-                    b = idx // R
-                    r = idx % R
-                    if b < cnt:
-                        mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
-
-                _arrive_and_combine(self, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
-
-
-def _up_load(op, plan, begin, mW, mGroupExpert, mGroupStart, mSorted, gX, warp, g, q, frags, j):
-    """moe_w13's pipelined path: issue load group `j` of the CTA's chunk (item begin + j // GPI)."""
-    T, K, L, I, Rh, RB = op.batch, op.top_k, op.latent, op.inter, op.half_rows, op.row_blocks
-    gpi = plan.steps_per_warp // plan.k_unroll
-    item = begin + j // gpi
-    u = item // RB
-    rb = item % RB
-    gW = vector_view(expert_view(mW, mGroupExpert[u], 2 * I, L))
-    start = mGroupStart[u]
-    cnt = mGroupStart[u + 1] - start
-    nh = op.row_tiles // 2
-    w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(nh)]
-               + [(gW, I + rb * Rh + nt * ROWS_PER_TILE) for nt in range(nh)])
-    rows = x_row_slots(1, T, g, lambda i: mSorted[start + cutlass.min(i, cnt - 1)] // K)
-    load_group_into(plan, frags, w_tiles, gX, rows, warp, g, q, (j % gpi) * plan.k_unroll)
-
-
-def _down_load(op, plan, begin, n_groups, mW, mGroupExpert, mGroupStart, gX, warp, g, q, frags, j):
-    """moe_w2's pipelined path: issue load group `j` of the CTA's chunk (item begin + j // GPI)."""
-    T, L, I, R = op.batch, op.latent, op.inter, op.rows_per_cta
-    gpi = plan.steps_per_warp // plan.k_unroll
-    item = begin + j // gpi
-    u = item // op.row_blocks
-    rb = item % op.row_blocks
-    gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
-    start = mGroupStart[u]
-    cnt = mGroupStart[u + 1] - start
-    rows = x_row_slots(1, T, g, lambda i: start + cutlass.min(i, cnt - 1))
-    load_group_into(plan, frags, [(gW, rb * R + nt * ROWS_PER_TILE) for nt in range(op.row_tiles)], gX, rows,
-                    warp, g, q, (j % gpi) * plan.k_unroll)
-
-
-@cute.jit
-def _up_epilogue(op, plan, sP, acc, item, mGroupStart, mAct, tidx, warp, g, q):
-    """moe_w13's pipelined path: reduce and store one finished item (group, row block), and clear
-    the accumulators for the next."""
-    T, Rh, W, RB = op.batch, op.half_rows, op.warps, op.row_blocks
-    u = item // RB
-    rb = item % RB
-    start = mGroupStart[u]
-    cnt = mGroupStart[u + 1] - start
-    store_partials(plan, sP, acc, warp, g, q, T)
-    zero_accumulators(plan, acc)
-    cute.arch.sync_threads()
-    for j in cutlass.range_constexpr(ceil_div(Rh * T, op.threads)):
-        idx = tidx + j * op.threads
-        b = idx // Rh
-        r = idx % Rh
-        if b < cnt:
-            gv = sum_partials(sP, r, b, W)
-            uv = sum_partials(sP, Rh + r, b, W)
-            mAct[start + b, rb * Rh + r] = situ(gv, uv, GATE_LIMIT, UP_LIMIT).to(cutlass.BFloat16)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def _down_epilogue(op, plan, sP, sLast, acc, item, n_groups, mWeights, mGroupStart, mSorted, mO, mCounters, mC,
-                   tidx, warp, g, q):
-    """moe_w2's pipelined path: store one finished item's o rows, arrive on its row block's counter
-    (acq_rel, after a CTA barrier); the CTA that completes the row block resets the counter and
-    combines it (the per-item path's epilogue)."""
-    T, R, W, RB = op.batch, op.rows_per_cta, op.warps, op.row_blocks
-    u = item // RB
-    rb = item % RB
-    start = mGroupStart[u]
-    cnt = mGroupStart[u + 1] - start
-    store_partials(plan, sP, acc, warp, g, q, T)
-    zero_accumulators(plan, acc)
-    cute.arch.sync_threads()
-    for j in cutlass.range_constexpr(ceil_div(R * T, op.threads)):
-        idx = tidx + j * op.threads
-        b = idx // R
-        r = idx % R
-        if b < cnt:
-            mO[mSorted[start + b], rb * R + r] = sum_partials(sP, r, b, W)
-    # one arrival per item: the race audit wants every write of o published in the iteration
-    # that wrote it
-    _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
-
-
 @cute.jit
 def _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC):
     """moe_w2's arrival on row block rb, in every path, after this CTA's o writes of the item:
@@ -1194,5 +754,5 @@ class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit fin
     mutant = "routing_before_wait"
 
     def __init__(self, shape: dict, **tunables):
-        # a CTA per item: the early read is of the CTA's own group (a persistent grid has none yet)
-        super().__init__(shape, **{**tunables, "pdl": 1, "stream_ctas_per_sm": 0})
+        # the early read is of the CTA's own group
+        super().__init__(shape, **{**tunables, "pdl": 1})

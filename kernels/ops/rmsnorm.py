@@ -11,7 +11,7 @@ rounded once, like the reference: (x * rstd) * gamma in fp32, then bf16.
 
 from kernels import reference
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import (
+from kernels.ops.parts.common import (
     BF16_PER_VECTOR,
     WARP,
     ceil_div,

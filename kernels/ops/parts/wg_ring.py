@@ -12,7 +12,7 @@ read the slot are done). Warp 0 is the producer as a whole (a TMA copy elects it
 
 from __future__ import annotations
 
-from kernels.ops.common import cute, cutlass
+from kernels.ops.parts.common import cute, cutlass
 
 WG_M = 64  # wgmma M: weight rows per warpgroup
 SWIZZLE_ALIGN = 1024  # a 128-byte-swizzled shared tile starts on a 1 KB boundary

@@ -18,7 +18,7 @@ coalesced 16-byte global loads. What this module adds:
 All functions here run at trace time inside a `@cute.kernel` (plain Python decides every branch).
 """
 
-from kernels.ops.common import BF16_PER_VECTOR, WARP, coherent_copy_atom, cute, cutlass, weight_load_atom
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, coherent_copy_atom, cute, cutlass, weight_load_atom
 
 K_STEP = 32  # k covered by one pair of m16n8k16 mmas
 ROWS_PER_TILE = 8  # mma N
@@ -144,50 +144,6 @@ def mma_step(mma, acc, x32, w32):
                 cute.gemm(mma, acc[mb][nt], a, b, acc[mb][nt])
 
 
-def largest_unroll(steps: int, cap: int) -> int:
-    """The largest divisor of `steps` not above `cap` (at least 1): load groups of equal size, so a
-    flattened (item, group) loop needs no tail."""
-    return max(d for d in range(1, max(1, min(steps, cap)) + 1) if steps % d == 0)
-
-
-def new_fragments(plan: MmaPlan, n_tiles: int, x_present):
-    """Register buffers for one load group of `plan.k_unroll` steps: (wv[step][tile], xv[step][slot]),
-    None for a padding slot (`x_present[slot]` False); filled by `load_group_into`."""
-    bf16 = cutlass.BFloat16
-    vec = cute.make_layout(((1, BF16_PER_VECTOR),))
-    wv = [[cute.make_rmem_tensor(vec, bf16) for _ in range(n_tiles)] for _ in range(plan.k_unroll)]
-    xv = [[cute.make_rmem_tensor(vec, bf16) if p else None for p in x_present] for _ in range(plan.k_unroll)]
-    return wv, xv
-
-
-def load_group_into(plan: MmaPlan, frags, w_tiles, gX, x_rows, warp, g, q, first):
-    """Issue this lane's loads of the `plan.k_unroll` k steps from step `first` (dynamic) into
-    `frags` (see `_load_steps`); nothing waits for them here."""
-    bf16 = cutlass.BFloat16
-    w_atom = weight_load_atom(bf16)
-    x_atom = coherent_copy_atom(bf16)
-    wv, xv = frags
-    for u in range(plan.k_unroll):
-        kv = ((first + u) * plan.warps + warp) * VECTORS_PER_STEP + q
-        for i, (gW, row0) in enumerate(w_tiles):
-            cute.copy(w_atom, gW[(None, (row0 + g, kv))], wv[u][i])
-        for s, row in enumerate(x_rows):
-            if row is not None:
-                cute.copy(x_atom, gX[(None, (row, kv))], xv[u][s])
-
-
-def mma_group(plan: MmaPlan, acc, frags):
-    """acc += the mmas of one loaded group (k permuted identically in A and B)."""
-    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)))
-    _mma_steps(plan, mma, acc, frags)
-
-
-def zero_accumulators(plan: MmaPlan, acc):
-    for mb in range(plan.batch_tiles):
-        for nt in range(plan.row_tiles):
-            acc[mb][nt].fill(0.0)
-
-
 def _flat(frags):
     wv, xv = frags
     return [t for step in wv for t in step] + [t for step in xv for t in step if t is not None]
@@ -280,6 +236,6 @@ def expert_view(mW, e, rows: int, cols: int):
 
 __all__ = [
     "BATCH_PER_TILE", "K_STEP", "ROWS_PER_TILE", "WARP", "MmaPlan", "accumulate", "expert_view",
-    "largest_unroll", "load_group_into", "mma_group", "new_accumulators", "new_fragments", "zero_accumulators", "padded_batch", "partials_layout", "sigmoid", "situ", "store_partials", "sum_partials",
+    "new_accumulators", "padded_batch", "partials_layout", "sigmoid", "situ", "store_partials", "sum_partials",
     "vector_view", "x_row_slots",
 ]

@@ -21,7 +21,7 @@ order, so every sum runs in a fixed order (bitwise deterministic).
 `@cute.kernel` (those with a run-time branch are `@cute.jit`).
 """
 
-from kernels.ops.common import BF16_PER_VECTOR, WARP, coherent_copy_atom, cute, cutlass, warp_allreduce_sum
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, coherent_copy_atom, cute, cutlass, warp_allreduce_sum
 
 
 class StreamPlan:

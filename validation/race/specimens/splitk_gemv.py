@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
-from kernels.ops.common import cute, cutlass
+from kernels.ops.parts.common import cute, cutlass
 
 MUTANTS = ("relaxed_atomic", "missing_barrier", "nc_partials", "divergent_barrier")
 WARP = 32
