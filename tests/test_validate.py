@@ -667,3 +667,35 @@ def test_presign_command_reads_the_validator_at_the_merge_base(tmp_path, capsys)
     assert "cannot read plan" in capsys.readouterr().err
     assert presign(base="no-such-rev") == 2
     assert "no merge base" in capsys.readouterr().err
+
+
+def _block_signable(tmp_path):
+    """The composite: a block plan of alpha's variants as the block's cases at two batches, and
+    the bundle a GPU job would write from it."""
+    root, base, head, plan, bundle = _signable(tmp_path)
+    cases = {side: [{"role": "alpha", "kernel": "alpha", "shape": v["variant"], "tunables": {},
+                     "cubin_sha256": v[side]["cubin_sha256"]} for v in plan["variants"]]
+             for side in ("head", "base")}
+    block_plan = {"schema": V.BLOCK_PLAN_SCHEMA, "kernel": "block", "base": {"ref": base, "sha": base},
+                  "head": {"sha": head},
+                  "batches": [{"batch": c["shape"]["batch"], "head": {"cases": [c]}, "base": {"cases": [cb]}}
+                              for c, cb in zip(cases["head"], cases["base"])]}
+    bundle["change"]["kernel"] = "block"
+    return root, base, block_plan, bundle
+
+
+def test_presign_accepts_the_block_plans_bundle(tmp_path):
+    from gate_fixtures import validator_of
+
+    root, base, plan, bundle = _block_signable(tmp_path)
+    assert V.presign_problems(bundle, plan, merge_base=base, validator=validator_of(root)) == []
+
+
+def test_presign_refuses_a_block_bundle_with_a_cubin_the_plan_does_not_name(tmp_path):
+    from gate_fixtures import validator_of
+
+    root, base, plan, bundle = _block_signable(tmp_path)
+    bundle["binaries"][0]["cubin_sha256"] = "f" * 64
+    problems = V.presign_problems(bundle, plan, merge_base=base, validator=validator_of(root))
+    assert any("ffffffffffffffff of the bundle is not the plan's" in p for p in problems), problems
+    assert any("of the plan is not in the bundle" in p for p in problems), problems

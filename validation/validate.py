@@ -31,6 +31,7 @@ from typing import Callable
 from kernels.manifest import REPO_ROOT, KernelSpec, ManifestError, load_manifest
 
 from . import bundle as B
+from .block_stage import BLOCK_SCHEMA as BLOCK_PLAN_SCHEMA  # the composite `block`'s plan
 from .isolate import run_stage
 
 DEFAULT_BUILD_ROOT = REPO_ROOT / "build"
@@ -584,21 +585,29 @@ def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
 
     It must be a well-formed, unsigned bundle of the plan's kernel, timed against the plan's base
     revision (which must be `merge_base`, when given), whose head and base binaries are exactly
-    the plan's (variant and cubin sha256 on each side), produced by `validator` (the validator's
+    the plan's (variant and cubin sha256 on each side; for the composite `block`, kernel, variant
+    and cubin sha256 of every case at every batch), produced by `validator` (the validator's
     fingerprint at the merge base, when given). Reads data only: nothing of the bundle or the plan
     is executed.
     """
     problems = B.schema_problems(bundle)
     if problems:
         return ["not a well-formed bundle: " + "; ".join(problems[:4])]
+    composite = plan.get("schema") == BLOCK_PLAN_SCHEMA if isinstance(plan, dict) else False
     try:
         kernel, base_sha = plan["kernel"], plan["base"]["sha"]
-        planned = {side: _binaries_of([(e["variant"], e[side]["cubin_sha256"]) for e in plan["variants"]])
-                   for side in ("head", "base")}
+        if composite:  # the block: every case of every batch, each a (kernel, variant) of its own
+            planned = {side: _binaries_of([({"kernel": c["kernel"], **c["shape"]}, c["cubin_sha256"])
+                                           for e in plan["batches"] for c in e[side]["cases"]])
+                       for side in ("head", "base")}
+        else:
+            planned = {side: _binaries_of([(e["variant"], e[side]["cubin_sha256"]) for e in plan["variants"]])
+                       for side in ("head", "base")}
     except (KeyError, TypeError) as e:
-        return [f"the plan is malformed ({type(e).__name__}: {e}); it is not a {PLAN_SCHEMA} plan"]
-    if plan.get("schema") != PLAN_SCHEMA:
-        problems.append(f"the plan is not a {PLAN_SCHEMA} plan")
+        return [f"the plan is malformed ({type(e).__name__}: {e}); it is not a {PLAN_SCHEMA} "
+                f"or {BLOCK_PLAN_SCHEMA} plan"]
+    if plan.get("schema") not in (PLAN_SCHEMA, BLOCK_PLAN_SCHEMA):
+        problems.append(f"the plan is not a {PLAN_SCHEMA} or {BLOCK_PLAN_SCHEMA} plan")
     if bundle.get("signature"):
         problems.append("the bundle is already signed")
     change = bundle["change"]
@@ -609,8 +618,12 @@ def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
     if merge_base is not None and base_sha != merge_base:
         problems.append(f"the plan was prepared against {str(base_sha)[:12]}, not the merge base {merge_base[:12]}")
     for side in ("head", "base"):
-        recorded = _binaries_of([(b.get("variant"), b.get("cubin_sha256")) for b in bundle["binaries"]
-                                 if isinstance(b, dict) and b.get("side") == side and b.get("kernel") == kernel])
+        if composite:
+            recorded = _binaries_of([({"kernel": b.get("kernel"), **(b.get("variant") or {})}, b.get("cubin_sha256"))
+                                     for b in bundle["binaries"] if isinstance(b, dict) and b.get("side") == side])
+        else:
+            recorded = _binaries_of([(b.get("variant"), b.get("cubin_sha256")) for b in bundle["binaries"]
+                                     if isinstance(b, dict) and b.get("side") == side and b.get("kernel") == kernel])
         for variant, sha in sorted(planned[side] - recorded):
             problems.append(f"{side} binary {variant} {sha[:16]} of the plan is not in the bundle")
         for variant, sha in sorted(recorded - planned[side]):

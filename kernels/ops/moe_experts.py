@@ -34,7 +34,7 @@ boxes fetch W2_e's rows and them (full and empty mbarriers, kernels/ops/parts/wg
 moe_w13's are gathered rows of z, so every thread copies W13_e's 32 gate + 32 up rows and its
 token's row by cp.async, and SiTU meets each gate row with its up row through shared memory.
 
-moe_w2's combine (both designs), the split-K pattern of kernels/ops/splitk_gemv.py: after a CTA
+moe_w2's combine (both designs), the split-K pattern of validation/race/specimens/splitk_gemv.py: after a CTA
 barrier thread 0 adds 1 to the row block's gpu-scope counter with acq_rel semantics; the CTA that
 completes the row block's n_groups-th item resets the counter (release) and sums, for every
 token, w_k * o[t * top_k + k] over k in order 0..top_k-1 (fixed order: bitwise deterministic),
