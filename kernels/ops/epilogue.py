@@ -19,6 +19,10 @@ group of 8 output elements (one 16-byte bf16 vector); a CTA of `threads` threads
 `threads` groups of one row (grid: groups of the row / threads, rows). Every operand is an
 activation written by the previous launch, so every load is a plain coherent one (never the
 read-only path: kernels/ops/parts/common.py).
+
+Both are written as tile functions (`tile(item, tidx, smem, ...)`, item = (group block, row)):
+the device work of one CTA's groups given the thread's index; the @cute.kernel is the thin
+wrapper item = (blockIdx.x, blockIdx.y).
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class _RowwiseOp(OpBase):
     def launch_config(self) -> LaunchConfig:
         return LaunchConfig(grid=(ceil_div(self.groups, self.threads), self.batch, 1), block=(self.threads, 1, 1))
 
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory: none (the epilogues are register-only)."""
+        return {}
+
 
 class SituOp(_RowwiseOp):
     """gated_situ: a = bf16(SiTU(gu[:, :width], gu[:, width:])), gu fp32 [batch, 2 * width]."""
@@ -84,9 +92,16 @@ class SituOp(_RowwiseOp):
 
     @cute.kernel
     def kernel(self, mGU: cute.Tensor, mA: cute.Tensor):
-        f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
         cx, row, _ = cute.arch.block_idx()
+        self.tile((cx, row), tidx, self.allocate_smem(None), mGU, mA)
+
+    @cute.jit
+    def tile(self, item, tidx, smem, mGU: cute.Tensor, mA: cute.Tensor):
+        """Trace-time: work item `item` = (group block, row), run by `threads` threads (`tidx`
+        this one's index); `smem` is unused (`allocate_smem`)."""
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        cx, row = item
         v = cx * self.threads + tidx  # this thread's group of 8 outputs
         half = self.width // F32_PER_VECTOR  # fp32 vectors from a gate element to its up element
         gGU = cute.zipped_divide(mGU, (1, F32_PER_VECTOR))  # ((1, 4), (batch, 2 * width / 4))
@@ -128,9 +143,16 @@ class ResidualOp(_RowwiseOp):
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor):
-        f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tidx, _, _ = cute.arch.thread_idx()
         cx, row, _ = cute.arch.block_idx()
+        self.tile((cx, row), tidx, self.allocate_smem(None), mX, mR, mS, mOut)
+
+    @cute.jit
+    def tile(self, item, tidx, smem, mX: cute.Tensor, mR: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor):
+        """Trace-time: work item `item` = (group block, row), run by `threads` threads (`tidx`
+        this one's index); `smem` is unused (`allocate_smem`)."""
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        cx, row = item
         v = cx * self.threads + tidx
         atom = coherent_copy_atom(bf16)
         vec = cute.make_layout(((BF16_PER_VECTOR,),))

@@ -7,6 +7,10 @@ weight) before any arithmetic, so all of a row's loads are in flight at once. Th
 goes thread -> warp (butterfly shuffles) -> CTA (one fp32 per warp in shared memory, summed by
 every thread in warp order, so the statistic is bitwise the same on every run). The output is
 rounded once, like the reference: (x * rstd) * gamma in fp32, then bf16.
+
+Written as a tile function (`tile(item, tidx, smem, ...)`): the device work of one row, given the
+thread's index and the shared memory the caller allocated (`allocate_smem`); the @cute.kernel is
+the thin wrapper item = blockIdx.x.
 """
 
 from kernels import reference
@@ -78,14 +82,27 @@ class RMSNormOp(OpBase):
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mG: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mX, mG, mY)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all): "warp_sums" (fp32 [warps], one partial sum of squares per warp)."""
+        return {"warp_sums": smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.warps,)), byte_alignment=16)}
+
+    @cute.jit
+    def tile(self, item, tidx, smem, mX: cute.Tensor, mG: cute.Tensor, mY: cute.Tensor):
+        """Trace-time: work item `item` (the row), run by `threads` threads (`tidx` this one's
+        index), over the shared memory `smem` (`allocate_smem`)."""
         T = self.threads
         V = self.vectors_per_thread
         NV = self.vectors
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
+        row = item
         warp = tidx // WARP
         lane = tidx % WARP
 
@@ -116,8 +133,7 @@ class RMSNormOp(OpBase):
             ss = ss + (xf * xf).reduce(cute.ReductionOp.ADD, f32(0.0), 0)
         ss = warp_allreduce_sum(ss)
 
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(f32, cute.make_layout((self.warps,)), byte_alignment=16)
+        sW = smem["warp_sums"]
         if lane == 0:
             sW[warp] = ss
         cute.arch.sync_threads()
