@@ -196,26 +196,43 @@ class SharedGateUpOp(OpBase):
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mA: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mH, mW, mA)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all). Stream design: "gate", "up" (the CTA's W rows), "h" (as 16-byte vectors) and the
+        fp32 partials "partials_gate", "partials_up" [batch, warps]; mma design: "partials"."""
+        f32 = cutlass.Float32
         if cutlass.const_expr(self.stream):
-            self._stream_body(mH, mW, mA)
-        else:
-            self._mma_body(mH, mW, mA)
+            P, B = self.sp, self.batch
+            vG = _smem_rows(smem, P.k, P.rows)
+            vU = _smem_rows(smem, P.k, P.rows)
+            vH = _smem_rows(smem, P.k, B)
+            sPg = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
+            sPu = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
+            return {"gate": vG, "up": vU, "h": vH, "partials_gate": sPg, "partials_up": sPu}
+        return {"partials": smem.allocate_tensor(f32, partials_layout(2 * self.half_rows, self.pb, self.warps),
+                                                 byte_alignment=16)}
 
     @cute.jit
-    def _stream_body(self, mH, mW, mA):
-        """Trace-time body of the stream design (see `_plan_stream`)."""
+    def tile(self, item, tidx, smem, mH, mW, mA):
+        """Trace-time: work item `item` (a block of output columns), run by `threads` threads
+        (`tidx` this one's index), over the shared memory `smem` (`allocate_smem`)."""
+        if cutlass.const_expr(self.stream):
+            self._stream_tile(item, tidx, smem, mH, mW, mA)
+        else:
+            self._mma_tile(item, tidx, smem, mH, mW, mA)
+
+    @cute.jit
+    def _stream_tile(self, bidx, tidx, smem, mH, mW, mA):
+        """Trace-time: the stream design's work item (see `_plan_stream`)."""
         P = self.sp
         B, S = self.batch, self.inter
-        f32 = cutlass.Float32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        vG = _smem_rows(smem, P.k, P.rows)
-        vU = _smem_rows(smem, P.k, P.rows)
-        vH = _smem_rows(smem, P.k, B)
-        sPg = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
-        sPu = smem.allocate_tensor(f32, cute.make_layout((B, P.warps)), byte_alignment=16)
+        vG, vU, vH = smem["gate"], smem["up"], smem["h"]
+        sPg, sPu = smem["partials_gate"], smem["partials_up"]
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
         gH = cute.zipped_divide(mH, (1, BF16_PER_VECTOR))
         row0 = bidx * P.rows
@@ -241,8 +258,8 @@ class SharedGateUpOp(OpBase):
                         mA[bb, row0 + rr] = a.to(cutlass.BFloat16)
 
     @cute.jit
-    def _mma_body(self, mH, mW, mA):
-        """Trace-time body of the mma design (batches past `stream_max_batch`)."""
+    def _mma_tile(self, rb, tidx, smem, mH, mW, mA):
+        """Trace-time: the mma design's work item (batches past `stream_max_batch`)."""
         T, S = self.batch, self.inter
         Rh = self.half_rows
         NH = self.row_tiles // 2
@@ -250,15 +267,12 @@ class SharedGateUpOp(OpBase):
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        rb, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
         lane = tidx % WARP
         g = lane // 4
         q = lane % 4
 
-        smem = cutlass.memory.SmemAllocator()
-        sP = smem.allocate_tensor(f32, partials_layout(2 * Rh, self.pb, W), byte_alignment=16)
+        sP = smem["partials"]
         gW = vector_view(mW)
         w_tiles = ([(gW, rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)]
                    + [(gW, S + rb * Rh + nt * ROWS_PER_TILE) for nt in range(NH)])
@@ -359,28 +373,46 @@ class LatentOutOp(OpBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mN: cute.Tensor, mWu: cute.Tensor, mA: cute.Tensor, mWd: cute.Tensor,
                mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mX, mN, mWu, mA, mWd, mOut)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all). Stream design: "w_up", "n", "w_down", "a" (16-byte vectors) and the fp32 partials
+        "partials_up", "partials_down" [batch, warps]; mma design: "partials"."""
+        f32 = cutlass.Float32
         if cutlass.const_expr(self.stream):
-            self._stream_body(mX, mN, mWu, mA, mWd, mOut)
-        else:
-            self._mma_body(mX, mN, mWu, mA, mWd, mOut)
+            Pu, Pd, B = self.sp_up, self.sp_down, self.batch
+            vWu = _smem_rows(smem, Pu.k, Pu.rows)
+            vN = _smem_rows(smem, Pu.k, B)
+            vWd = _smem_rows(smem, Pd.k, Pd.rows)
+            vA = _smem_rows(smem, Pd.k, B)
+            sPu = smem.allocate_tensor(f32, cute.make_layout((B, Pu.warps)), byte_alignment=16)
+            sPd = smem.allocate_tensor(f32, cute.make_layout((B, Pd.warps)), byte_alignment=16)
+            return {"w_up": vWu, "n": vN, "w_down": vWd, "a": vA, "partials_up": sPu, "partials_down": sPd}
+        return {"partials": smem.allocate_tensor(f32, partials_layout(2 * self.rows_per_cta, self.pb, self.warps),
+                                                 byte_alignment=16)}
 
     @cute.jit
-    def _stream_body(self, mX, mN, mWu, mA, mWd, mOut):
-        """Trace-time body of the stream design (see `_plan_stream`)."""
+    def tile(self, item, tidx, smem, mX, mN, mWu, mA, mWd, mOut):
+        """Trace-time: work item `item` (a block of output columns), run by `threads` threads
+        (`tidx` this one's index), over the shared memory `smem` (`allocate_smem`)."""
+        if cutlass.const_expr(self.stream):
+            self._stream_tile(item, tidx, smem, mX, mN, mWu, mA, mWd, mOut)
+        else:
+            self._mma_tile(item, tidx, smem, mX, mN, mWu, mA, mWd, mOut)
+
+    @cute.jit
+    def _stream_tile(self, bidx, tidx, smem, mX, mN, mWu, mA, mWd, mOut):
+        """Trace-time: the stream design's work item (see `_plan_stream`)."""
         Pu, Pd = self.sp_up, self.sp_down
         B = self.batch
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
-
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        vWu = _smem_rows(smem, Pu.k, Pu.rows)
-        vN = _smem_rows(smem, Pu.k, B)
-        vWd = _smem_rows(smem, Pd.k, Pd.rows)
-        vA = _smem_rows(smem, Pd.k, B)
-        sPu = smem.allocate_tensor(f32, cute.make_layout((B, Pu.warps)), byte_alignment=16)
-        sPd = smem.allocate_tensor(f32, cute.make_layout((B, Pd.warps)), byte_alignment=16)
+        vWu, vN, vWd, vA = smem["w_up"], smem["n"], smem["w_down"], smem["a"]
+        sPu, sPd = smem["partials_up"], smem["partials_down"]
         row0 = bidx * Pu.rows
 
         if tidx < Pu.threads:  # up section: W_up rows and n
@@ -406,8 +438,8 @@ class LatentOutOp(OpBase):
                         mOut[bb, row0 + rr] = (mX[bb, row0 + rr].to(f32) + up + sh).to(bf16)
 
     @cute.jit
-    def _mma_body(self, mX, mN, mWu, mA, mWd, mOut):
-        """Trace-time body of the mma design (batches past `stream_max_batch`)."""
+    def _mma_tile(self, bidx, tidx, smem, mX, mN, mWu, mA, mWd, mOut):
+        """Trace-time: the mma design's work item (batches past `stream_max_batch`)."""
         T = self.batch
         R = self.rows_per_cta
         NT = self.row_tiles
@@ -415,16 +447,13 @@ class LatentOutOp(OpBase):
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
         lane = tidx % WARP
         g = lane // 4
         q = lane % 4
         row0 = bidx * R
 
-        smem = cutlass.memory.SmemAllocator()
-        sP = smem.allocate_tensor(f32, partials_layout(2 * R, self.pb, W), byte_alignment=16)
+        sP = smem["partials"]
         rows = x_row_slots(self.plan_up.batch_tiles, T, g, lambda i: i)
         gWu = vector_view(mWu)
         acc_up = new_accumulators(self.plan_up)
