@@ -76,8 +76,12 @@ class Routing:
 
 
 def select_experts(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Ids [T, k] of the top_k experts by scores + bias, descending; ties to the lower index."""
+    """Ids [T, k] of the top_k experts by scores + bias, descending; ties to the lower index.
+
+    A non-finite biased score (NaN, +-inf) ranks as -inf, as vLLM's router treats it: a NaN never
+    wins a slot, and an expert whose score overflowed is chosen only when nothing finite is left."""
     biased = scores + bias.to(scores.dtype)
+    biased = torch.where(torch.isfinite(biased), biased, torch.full_like(biased, float("-inf")))
     order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
     return order[:, :top_k].to(torch.int32)
 
