@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import time
 
 from . import ir
+from . import steps as steps_mod
 from .cfg import CFG
 from .dataflow import LOADED_PTR, UNKNOWN_SLOT, Provenance, slot_of
 
@@ -86,6 +87,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("points-to-undeclared", ERROR,
          "an access through a pointer loaded from a declared task table at a slot the declaration "
          "does not name (or declares scalar), or an offset the audit cannot tell"),
+    Rule("load-before-step-wait", ERROR,
+         "load of a pipeline step's cross-CTA data in a synchronizing loop ordered only by the wait "
+         "for another step (or slot): each flag's acquire orders its own step's data"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -387,9 +391,22 @@ def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | 
     return RawFinding("tagged-weak-access", ins, f"access to tagged buffer {names} is {why}", tuple(hit))
 
 
-def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set[str], step):
-    """Generic forward analysis over boolean facts. `must` facts join by AND, the others by OR.
-    `step(instr, state)` updates `state` in place. Returns the IN state of every block."""
+def _meet(sides: list[frozenset]) -> frozenset:
+    """Must-join of sets of step keys: a key holds after the join when every side holds it or a
+    key that implies it (fewer constraints: the empty key orders every step)."""
+    acc = sides[0]
+    for other in sides[1:]:
+        acc = frozenset({k for k in acc if any(o <= k for o in other)}
+                        | {k for k in other if any(a <= k for a in acc)})
+    return acc
+
+
+def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set[str], step,
+             head_state=None):
+    """Generic forward analysis over boolean facts and sets. `must` facts join by AND (sets by
+    `_meet`), the others by OR (union). `step(instr, state)` updates `state` in place. At a
+    block of `reset_heads` the state is `reset`, or `head_state(block, [(pred, OUT state)])`
+    when given. Returns the IN state of every block."""
     ins_state: dict[int, dict] = {}
     out: dict[int, dict] = {}
     changed = True
@@ -399,7 +416,8 @@ def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set
             if b == cfg.rpo[0]:
                 st = dict(init)
             elif b in reset_heads:
-                st = dict(reset)
+                st = (dict(reset) if head_state is None else
+                      head_state(b, [(p, out[p]) for p in cfg.blocks[b].preds if p in out]))
             else:
                 preds = [out[p] for p in cfg.blocks[b].preds if p in out]
                 if not preds:
@@ -408,7 +426,7 @@ def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set
                 for k in init:
                     vals = [p[k] for p in preds]
                     if isinstance(init[k], frozenset):
-                        st[k] = frozenset().union(*vals)
+                        st[k] = _meet(vals) if k in must else frozenset().union(*vals)
                     else:
                         st[k] = all(vals) if k in must else any(vals)
             if b in reset_heads and b == cfg.rpo[0]:
@@ -551,17 +569,98 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
             return True, prov.guard_is_lane_only(ins.index) and (b not in td or b in lane_blocks)
         return False, False
 
-    def acquired(st: dict, ins: ir.Instr, guard_raw: str | None, lane: bool) -> None:
-        """An acquire by this thread; `guard_raw`: the thread-varying predicate it ran under
-        (only threads holding it acquired), `lane`: that predicate varies only within warps."""
+    def acquired(st: dict, ins: ir.Instr, guard_raw: str | None, lane: bool, keys) -> None:
+        """An acquire by this thread of the flags whose step keys are `keys`; `guard_raw`: the
+        thread-varying predicate it ran under (only threads holding it acquired), `lane`: that
+        predicate varies only within warps."""
         st["S"] = True
+        st["SK"] = st["SK"] | keys
         b = cfg.block_of[ins.index]
         if lane or b in lane_blocks:
             st["L"] = True
         if guard_raw is None:
-            st["A"] = True
+            st["A"] = st["A"] | keys
         else:
-            st["G"] = st["G"] | {guard_raw}
+            st["G"] = st["G"] | {(guard_raw, k) for k in keys}
+
+    # -- steps: which pipeline step of each enclosing synchronizing loop an access touches ----
+    # A flag's wait orders only the data of its own step (MODEL.md: ordering per step): every
+    # acquire carries a key, the (loop, step) pairs of its flag's address; a load is ordered by
+    # a key that agrees with its own on every loop both name. ("pre", loop, base, c): a wait
+    # before the loop on the address `base + c`, credited to the loop's first step when `base`
+    # reaches the loop unchanged.
+    loop_steps = steps_mod.analyze(cfg, heads)
+    body_of = {lp.header: lp.body for lp in cfg.loops if lp.header in loop_steps}
+    key_cache: dict[int, frozenset] = {}
+
+    def key_of(idx: int) -> frozenset:
+        if idx in key_cache:
+            return key_cache[idx]
+        b = cfg.block_of[idx]
+        out = set()
+        for h, ls in loop_steps.items():
+            if b in body_of[h]:
+                s = ls.step_of(idx)
+                if s is not None:
+                    out.add((h, s))
+            else:
+                f = ls.pre_forms.get(idx)
+                if f is not None and f[0] in ls.ivs:
+                    out.add(("pre", h, f[0], f[1]))
+        key_cache[idx] = frozenset(out)
+        return key_cache[idx]
+
+    def agrees(acq: frozenset, load: frozenset) -> bool:
+        mine = {c[0]: c[1] for c in load if len(c) == 2}
+        return all(mine.get(c[0], c[1]) == c[1] for c in acq if len(c) == 2)
+
+    def ordered(st: dict, ins: ir.Instr) -> bool:
+        lk = key_of(ins.index)
+        if any(agrees(k, lk) for k in st["A"]):
+            return True
+        g = ins.extra.get("guard_raw")
+        return bool(g) and any(gg == g and agrees(k, lk) for gg, k in st["G"])
+
+    def head_state(b: int, preds: list[tuple[int, dict]]) -> dict:
+        """A synchronizing loop's header: a fresh iteration, but a wait the previous iteration
+        made for the next step (a wait rotated to the bottom), or the prologue made for the
+        first, still orders that step's data."""
+        st = dict(zero)
+        body = body_of.get(b)
+        if body is None:
+            return st
+        ivs = loop_steps[b].ivs
+
+        def back(p, keys):  # the previous iteration's step s+1 is this one's step s
+            adv = loop_steps[b].advance.get(p)
+            if adv is None:
+                return frozenset()
+            # an earlier step's wait is not carried (that keeps the sets finite)
+            return frozenset(frozenset((c[0], c[1] - adv) if len(c) == 2 and c[0] == b else c for c in k)
+                             for k in keys
+                             if any(len(c) == 2 and c[0] == b for c in k)
+                             and all(c[1] - adv >= 0 for c in k if len(c) == 2 and c[0] == b))
+
+        def enter(keys):  # the prologue's waits on the loop's induction registers
+            out = set()
+            for k in keys:
+                nk = set()
+                for c in k:
+                    if len(c) == 4 and c[1] == b:
+                        if c[2] in ivs:
+                            nk.add((b, c[3] // ivs[c[2]]))
+                    else:
+                        nk.add(c)
+                out.add(frozenset(nk))
+            return frozenset(out)
+
+        sides = [enter(s["A"]) for p, s in preds if p not in body] + \
+                [back(p, s["A"]) for p, s in preds if p in body]
+        st["A"] = _meet(sides) if sides else frozenset()
+        st["SK"] = frozenset().union(*([enter(s["SK"]) for p, s in preds if p not in body]
+                                      + [back(p, s["SK"]) for p, s in preds if p in body]))
+        st["S"] = bool(st["SK"])
+        return st
 
     # -- ordering: loads of cross-CTA data after a wait ---------------------------------------
     # A (must): this thread acquired (or a barrier followed some thread's acquire) since the
@@ -575,26 +674,31 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
         graw = ins.extra.get("guard_raw") if some else None
         poll = (k in (ir.LOAD, ir.ATOM) and _touches_sync(ins, prov, roles)
                 and (ins.strong if sass else not _is_acquire(ins)))
+        if ins.dests and st["A"]:  # a prologue's wait is credited only while its base lives
+            dead = set(ins.dests)
+            if any(len(c) == 4 and c[2] in dead and cfg.block_of[ins.index] not in body_of[c[1]]
+                   for kk in st["A"] for c in kk):
+                st["A"] = frozenset(frozenset(c for c in kk if not (len(c) == 4 and c[2] in dead))
+                                    for kk in st["A"])
         if poll:  # a read of a sync flag without acquire semantics (SASS: every one)
+            st["RK"] = st["RK"] | {key_of(ins.index)}
             if graw:
                 st["RG"] = st["RG"] | {graw}
                 st["Rl"] = st["Rl"] or lane
             else:
                 st["R"] = True
         elif not sass and _is_acquire(ins):
-            acquired(st, ins, graw, lane)
+            acquired(st, ins, graw, lane, frozenset({key_of(ins.index)}))
         elif (k == ir.INVALIDATE if sass else k == ir.FENCE) and (st["R"] or st["RG"]):
             if st["R"]:
-                acquired(st, ins, graw, lane)
+                acquired(st, ins, graw, lane, st["RK"])
             for g in st["RG"]:
-                acquired(st, ins, g, st["Rl"])
+                acquired(st, ins, g, st["Rl"], st["RK"])
         if k == ir.BARRIER and st["S"]:
-            st["A"] = True
+            st["A"] = st["A"] | st["SK"]
         if ins.extra.get("warp_sync") and st["L"]:
-            st["A"] = True
-        if emit is None or k != ir.LOAD or st["A"] or _is_acquire(ins):
-            return
-        if ins.extra.get("guard_raw") and ins.extra["guard_raw"] in st["G"]:
+            st["A"] = st["A"] | st["SK"]
+        if emit is None or k != ir.LOAD or _is_acquire(ins) or ordered(st, ins):
             return
         bufs = _buffer_params(prov, ins.index, roles)
         polled, some_acq = before if k == ir.LOAD and not ins.strong and ins.sem == ir.WEAK else (
@@ -606,7 +710,16 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
         hit = sorted(hit | weak_sync)
         if hit:
             names = ", ".join(repr(roles.names.get(p, p)) for p in hit)
-            if some_acq:
+            lk = {c[0]: c[1] for c in key_of(ins.index) if len(c) == 2}
+            waited = sorted({c[1] for kk in st["A"] | st["SK"] | {k for _, k in st["G"]}
+                             for c in kk if len(c) == 2 and c[0] in lk})
+            if lk and (st["A"] or st["SK"] or st["G"]):
+                emit(RawFinding("load-before-step-wait", ins,
+                                f"load of {names} for step s{lk and max(lk.values()):+d} of its loop is "
+                                f"ordered only by the wait for step(s) {', '.join(f's{w:+d}' for w in waited) or '(another loop)'}: "
+                                "a flag's acquire orders the data of its own step only (wait for this "
+                                "step's flag, or the same slot, before the load)", tuple(hit)))
+            elif some_acq:
                 emit(RawFinding("load-before-wait", ins,
                                 f"load of {names} after another thread's acquire with no CTA barrier (or, "
                                 "for a lane's acquire, warp sync) after that acquire: the acquire orders "
@@ -620,8 +733,9 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
                                 f"load of {names}, written by other CTAs or another launch, is not "
                                 "ordered by a gpu-scope acquire earlier in its iteration", tuple(hit)))
 
-    zero = {"A": False, "S": False, "R": False, "L": False, "G": frozenset(), "RG": frozenset(), "Rl": False}
-    st_in = _forward(cfg, zero, heads, zero, {"A"}, order_step)
+    zero = {"A": frozenset(), "S": False, "SK": frozenset(), "R": False, "RK": frozenset(), "L": False,
+            "G": frozenset(), "RG": frozenset(), "Rl": False}
+    st_in = _forward(cfg, zero, heads, zero, {"A"}, order_step, head_state)
     _replay(cfg, st_in, order_step, findings.append)
     lap("ordering")
 
