@@ -6,7 +6,9 @@ Builds (or takes from the build cache) each manifest kernel's default variant, t
 PTX and SASS `--repeat` times and prints the median seconds per kernel and, summed over the
 kernels, per analysis (parse, cfg+provenance, and each rule group `check_function` times). The
 build is outside the timing. Run from the repository root with it on PYTHONPATH; on an older
-tree whose audit reports no per-rule timings only the totals print."""
+tree whose audit reports no per-rule timings only the totals print. `step-keys` is the per-step
+ordering rule's own analysis (induction variables, validation/race/steps.py); its key checks
+run inside `ordering`."""
 
 from __future__ import annotations
 

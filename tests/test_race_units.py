@@ -549,3 +549,28 @@ def test_an_unattributed_tma_copy_before_the_wait_is_an_error():
         rep = audit_ptx(MAP_HEADER, roles, sass_text=_map_sass(body))
         hits = [f for f in rep.findings if f.rule == "load-before-griddep-wait"]
         assert bool(hits) == bad and all(f.sass for f in hits), [str(f) for f in rep.findings]
+
+
+def test_steps_reads_the_induction_pattern_in_ptx_and_strength_reduced_sass():
+    """The PTX counts steps on an index (s += 1, then scaled); ptxas walks the addresses
+    themselves (R += 0x100) and may give a spin and its loop one header. Both read as the same
+    steps: the flag waited is step 0, the early load at +256 bytes step 1."""
+    from pathlib import Path
+
+    from validation.race import steps
+
+    here = Path(__file__).resolve().parent / "fixtures" / "race"
+    ptx_text = (here / "step_ptr_next_before_wait.ptx").read_text()
+    fn = parse_ptx(ptx_text)[0]
+    sfn = parse_sass((here / "step_ptr_next_before_wait.sass").read_text(), fn.params)[0]
+    for f in (fn, sfn):
+        cfg = CFG(f)
+        found = {}
+        for lp in cfg.loops:
+            ls = steps.analyze_loop(cfg, lp)
+            for ins in f.instrs:
+                if ins.kind == ir.LOAD and cfg.block_of[ins.index] in lp.body:
+                    s = ls.step_of(ins.index)
+                    if s is not None:
+                        found.setdefault(ins.index, set()).add(s)
+        assert {frozenset(v) for v in found.values()} >= {frozenset({0}), frozenset({1})}, f.dialect

@@ -589,7 +589,9 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
     # a key that agrees with its own on every loop both name. ("pre", loop, base, c): a wait
     # before the loop on the address `base + c`, credited to the loop's first step when `base`
     # reaches the loop unchanged.
+    lap("ordering")
     loop_steps = steps_mod.analyze(cfg, heads)
+    lap("step-keys")  # induction variables and steps of the synchronizing loops (steps.py)
     body_of = {lp.header: lp.body for lp in cfg.loops if lp.header in loop_steps}
     key_cache: dict[int, frozenset] = {}
 
