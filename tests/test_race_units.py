@@ -352,16 +352,13 @@ def test_declared_static_or_sync_waits_and_bounds_read_before_the_loop_are_not_f
     assert "undeclared-sync" in audit_ptx(_ptx(inside), ["activation", "activation", "scalar"]).rules_hit()
 
 
-def test_sass_lines_padded_with_whitespace_parse_fast():
-    """nvdisasm pads some lines with long whitespace runs (no `;`): the line pattern must not
-    backtrack on them (it took 0.4 s a line, 25 s for one router kernel)."""
-    import time
-
+def test_sass_lines_padded_with_whitespace_parse():
+    """nvdisasm pads some lines with long whitespace runs (no `;`): they parse to their
+    instruction (the pattern once backtracked on them: 0.4 s a line; its speed is the audit
+    benchmark's, benchmarks/race_audit_rules.py, not a test's)."""
     line = "        /*24ec0*/                   STL [R1+0x1c], R19" + " " * 200
     text = ".text.k:\n" + "\n".join([line, "        /*24ed0*/   EXIT ;  /* 0x000fea0003800000 */"] * 50)
-    t0 = time.perf_counter()
     fn = parse_sass(text)[0]
-    assert time.perf_counter() - t0 < 0.5
     assert [i.opcode for i in fn.instrs[:2]] == ["STL", "EXIT"] and fn.instrs[0].text == "STL [R1+0x1c], R19"
 
 
