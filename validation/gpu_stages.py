@@ -31,16 +31,13 @@ from kernels.manifest import load_manifest
 
 from . import defences as D
 from .check import judge
-from .kernel_checks import MultiKernel, is_multi_output, judge_variant
+from .kernel_checks import OP_CLASS_KERNELS, MultiKernel, is_multi_output, judge_variant
 from .numerics import DEFAULT_SEEDS, DISTRIBUTIONS, Case, case_matrix, gpu_configuration, load_policy
 from .opinputs import OP_DEFS, OpDef, build_inputs, map_tensors, op_def
 
 BASE_CONFIG = "k3"  # eps and widths of the model the kernels serve
 STRESS_RUNS = 32
 KERNEL_OWNED_ROLES = ("scratch", "sync")
-# Kernels that compute a part of their manifest reference op (shared_gate_up: the shared expert's
-# a = SiTU(h @ W_sgu.T); latent_out: the block's last step): their op class's reference judges them.
-OP_CLASS_JUDGED = ("shared_gate_up", "latent_out")  # buffers the kernel needs that the reference op has no name for
 
 
 class StageError(RuntimeError):
@@ -174,9 +171,10 @@ class KernelAdapter:
 
 def judged_by_op_class(meta: dict) -> bool:
     """Whether a build is judged by validation.kernel_checks (on its op class's own reference):
-    several outputs, a kernel that computes a part of its reference op (OP_CLASS_JUDGED), or a
-    reference op without an input builder here (prodcons, splitk_gemv)."""
-    if is_multi_output(meta) or meta.get("kernel") in OP_CLASS_JUDGED:
+    several outputs, a kernel of kernel_checks.OP_CLASS_KERNELS (the routed experts among them:
+    the generic path would clone their weights), or a reference op without an input builder here
+    (prodcons, splitk_gemv)."""
+    if is_multi_output(meta) or meta.get("kernel") in OP_CLASS_KERNELS:
         return True
     try:
         ref = load_manifest().kernel(meta["kernel"]).reference

@@ -43,6 +43,11 @@ F32, F64 = torch.float32, torch.float64
 KERNEL_OWNED_ROLES = ("scratch", "sync")
 ROUTER_KERNELS = ("router", "router_select")
 EXPERT_KERNELS = ("moe_w13", "moe_w2")
+# Every kernel judged here rather than by the reference op's `judge` (validation/check.py): the
+# multi-output ones, the routed experts (their inputs carry the grouping the reference ops have no
+# name for, and their 59 GB of k3 weights must be drawn once and fingerprinted, never cloned), and
+# the kernels that compute a part of their manifest reference op (shared_gate_up, latent_out).
+OP_CLASS_KERNELS = (*ROUTER_KERNELS, *EXPERT_KERNELS, "shared_gate_up", "latent_out")
 TIE_CASES = ("triples", "all", "mixed")
 ROUTINGS = ("uniform", "hot", "same", "distinct")
 WEIGHTS_ABS_TOL = 1e-5
@@ -280,9 +285,62 @@ def _poison(t: torch.Tensor, which: int) -> torch.Tensor:
     return t.fill_(INT_POISON[which])
 
 
+class BuildMismatch(ValueError):
+    """A build whose meta.json this checkout's op class cannot stand for: its parameters' tensor
+    specs differ from the op's at the build's variant, or the op refuses the build's tunables."""
+
+
+def known_tunables(kernel: str) -> set[str] | None:
+    """The tunables this checkout's manifest declares for `kernel` (None: not a manifest kernel)."""
+    from kernels.manifest import ManifestError, load_manifest
+
+    try:
+        return set(load_manifest().kernel(kernel).tunable_defaults())
+    except (ManifestError, KeyError):
+        return None
+
+
 def op_instance(meta: dict, op_path: str):
+    """This checkout's op class at a build's variant: the judge's reference and tensor layout.
+
+    A build of another revision (a plan's base) may carry tunables today's class no longer has
+    (the router's 16 of 83f6b15): the op is built with only the tunables today's manifest
+    declares, the others left out (`op.dropped_tunables`). What the judge takes from the op,
+    the reference and the parameters' shapes, must then agree with the build's own meta.json:
+    `check_specs` refuses the build otherwise."""
     mod, _, cls = op_path.partition(":")
-    return getattr(importlib.import_module(mod), cls)(dict(meta["variant"]), **meta.get("tunables", {}))
+    tun = dict(meta.get("tunables") or {})
+    known = known_tunables(meta.get("kernel", ""))
+    kept = tun if known is None else {k: v for k, v in tun.items() if k in known}
+    try:
+        op = getattr(importlib.import_module(mod), cls)(dict(meta["variant"]), **kept)
+    except ValueError as e:
+        raise BuildMismatch(f"{meta.get('kernel')} {meta.get('variant')}: this checkout's {cls} refuses the "
+                            f"build's tunables {kept} ({e})") from None
+    op.dropped_tunables = sorted(set(tun) - set(kept))
+    return op
+
+
+def check_specs(meta: dict, op, owned_roles=KERNEL_OWNED_ROLES) -> None:
+    """Raise BuildMismatch unless every tensor parameter of the build (besides its own scratch and
+    sync buffers, allocated from meta.json as they are) has the shape and dtype `op` gives it."""
+    specs = op.tensor_specs()
+    bad = []
+    for p in meta["params"]:
+        sp = p["spec"]
+        if sp.get("kind") != "tensor" or p.get("role") in owned_roles:
+            continue
+        mine = specs.get(p["name"])
+        if mine is None or list(mine.shape) != list(sp.get("shape", ())) or mine.dtype != sp.get("dtype"):
+            got = None if mine is None else f"{list(mine.shape)} {mine.dtype}"
+            bad.append(f"{p['name']}: build {sp.get('shape')} {sp.get('dtype')}, op {got}")
+    if bad:
+        dropped = getattr(op, "dropped_tunables", [])
+        raise BuildMismatch(
+            f"{meta.get('kernel')} {meta.get('variant')} (build {meta.get('key', '?')[:16]}): its parameters are "
+            f"not those of this checkout's op at that variant ({'; '.join(bad)})"
+            + (f"; tunables this checkout does not know, left out: {dropped}" if dropped else "")
+            + ": it cannot be judged on this checkout's reference")
 
 
 class MultiKernel:
@@ -304,6 +362,7 @@ class MultiKernel:
 
             op_path = load_manifest().kernel(self.name).op
         self.op = op_instance(self.meta, op_path)
+        check_specs(self.meta, self.op)
         self.specs = self.op.tensor_specs()
         self.params = self.meta["params"]
         self.device = torch.device(device)
