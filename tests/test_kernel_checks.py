@@ -279,3 +279,57 @@ def test_the_clone_counter_sees_the_generic_judge_clone_the_weights(monkeypatch)
     D.invoke(D.CallableSubject(lambda **kw: op.reference(**kw), "reference", "cpu"), ins, delay_s=0)
     monkeypatch.setattr(torch.Tensor, "clone", real_clone)
     assert tuple(ins["w13"].shape) in seen and tuple(ins["w2"].shape) in seen
+
+
+def test_bench_times_a_base_build_with_tunables_this_checkout_does_not_know(tmp_path, monkeypatch):
+    """gpu_stages.bench_stage --base revision on a multi-output kernel (stand-in launcher and
+    timer): the base build's meta.json carries tunables today's op refuses; both sides are timed
+    into the same output buffers and the row names both binaries."""
+    import json
+
+    import benchmarks.common as common
+    from validation import bench
+    from validation import gpu_stages as GS
+
+    dirs = {}
+    for side in ("head", "base"):
+        meta = fake_meta("router", MINI_ROUTER)
+        meta["hashes"] = {"cubin_sha256": side[0] * 64}
+        if side == "base":
+            meta["tunables"] = {**meta["tunables"], "arrive": 3, "row_tiles": 1}
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "meta.json").write_text(json.dumps(meta))
+        dirs[side] = str(tmp_path / side)
+    launched = []
+
+    def multi(d, cache=None):
+        box = [None, {}]
+        ref = reference_launcher(box)
+        mk = KC.MultiKernel(d, device="cpu", cache=cache,
+                            launcher=lambda args: (launched.append((d, args[3].data_ptr())), ref(args)))
+        box[0] = mk
+        return mk
+
+    monkeypatch.setattr(GS, "MultiKernel", multi)
+    monkeypatch.setattr(bench, "rotation_copies", lambda nbytes: (2, True))
+
+    def fake_measure(base_fn, head_fn):
+        for i in range(2):
+            base_fn(i), head_fn(i)
+        return {"base": [10.0 + 0.01 * i for i in range(12)], "head": [10.0 + 0.01 * i for i in range(12)],
+                "graph": True}
+
+    monkeypatch.setattr(bench, "measure_interleaved", fake_measure)
+    monkeypatch.setattr(common, "gpu_environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(common, "read_bandwidth", lambda: {"tbps": 4.5, "kernel": "r", "readers": {
+        "r": {"p90_us": 1.0, "p10_us": 1.0, "median_us": 1.0}}})
+    monkeypatch.setattr(common, "copy_bandwidth", lambda: {"tbps": 4.2, "kernel": "c", "p90_us": 1.0,
+                                                           "p10_us": 1.0, "median_us": 1.0})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    (case,) = GS.bench_stage([dirs["head"]], base="revision", base_dirs=[dirs["base"]])["cases"]
+    assert "error" not in case, case.get("error")
+    assert case["verdict"] == "SAME" and case["copies"] == 2 and case["batch"] == 2
+    assert case["binary"]["cubin_sha256"] == "h" * 64 and case["base_binary"]["cubin_sha256"] == "b" * 64
+    assert "arrive" in case["base_binary"]["tunables"]
+    ptrs = {d: {p for dd, p in launched if dd == d} for d in dirs.values()}
+    assert ptrs[dirs["base"]] and ptrs[dirs["base"]] == ptrs[dirs["head"]]
