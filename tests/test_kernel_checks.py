@@ -333,3 +333,30 @@ def test_bench_times_a_base_build_with_tunables_this_checkout_does_not_know(tmp_
     assert "arrive" in case["base_binary"]["tunables"]
     ptrs = {d: {p for dd, p in launched if dd == d} for d in dirs.values()}
     assert ptrs[dirs["base"]] and ptrs[dirs["base"]] == ptrs[dirs["head"]]
+
+
+def test_a_kernel_that_keeps_results_by_input_address_fails_reshuffled_inputs():
+    """reshuffled_inputs: new values in the same buffers must give new outputs; a launcher that
+    replays what it wrote for an input address it has seen fails it (the honest one passes)."""
+    honest = KC.judge_variant(make("router_select", MINI_SEL), seeds=(0,), stress_runs=2)
+    assert next(c for c in honest["checks"] if c["name"] == "reshuffled_inputs")["passed"]
+
+    box = [None, {}]
+    ref = reference_launcher(box)
+    kept = {}
+
+    def by_address(args):
+        mk = box[0]
+        named = {p["name"]: a for p, a in zip(mk.params, args)}
+        key = named["logits"].data_ptr()
+        if key in kept:
+            for n in mk.outs:
+                named[n].copy_(kept[key][n])
+            return
+        ref(args)
+        kept[key] = {n: named[n].clone() for n in mk.outs}
+
+    mk = KC.MultiKernel(meta=fake_meta("router_select", MINI_SEL), device="cpu", launcher=by_address)
+    box[0] = mk
+    res = mk.same_buffers(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
+    assert not res["passed"] and "new values in the previous launch's input buffers" in res["detail"], res

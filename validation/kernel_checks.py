@@ -10,7 +10,10 @@ are judged here, per case of `kernel_cases`:
   * outputs poisoned with NaN (integers with -1) before the launch, then with a finite sentinel
     (-7) before a second launch on the same inputs: every element must be written, and the two
     launches must agree bitwise (poisoned_outputs, determinism);
-  * inputs cloned before the launch and compared bitwise after (input_mutation);
+  * inputs cloned (past BIG_INPUT_BYTES: fingerprinted) before the launch and compared bitwise
+    after (input_mutation);
+  * another seed's values written into the first case's input buffers, launched again: it must
+    match its own reference (reshuffled_inputs; a result kept by address fails);
   * `sync` buffers zeroed once and back at zero after every launch; `scratch` poisoned first;
   * floating outputs against the float64 oracle with the float32-compute path as yardstick
     (`numerics.compare_output`, the policy of validation/tolerances.toml);
@@ -575,6 +578,32 @@ class MultiKernel:
         return {"runs": runs, "differing": differing, "sync_left_nonzero": left,
                 "passed": differing == 0 and left == 0}
 
+    def same_buffers(self, case: KCase, policy) -> dict:
+        """reshuffled_inputs: a launch on `case`, then another seed's values of the same kind written
+        into the same input buffers (same addresses; the static weights are the same tensors
+        anyway), launched again: it must match its own reference (a kernel keeping results keyed
+        by an address, in a global of its own, fails)."""
+        ins, _ = self.inputs(case)
+        try:
+            self.launch(ins, 0)
+            left = self.sync_left()
+            other = KCase(case.kernel, case.variant, case.seed + 1000, case.what)
+            new, extra = self.inputs(other)
+            for n, t in new.items():
+                if ins[n] is not t:
+                    ins[n].copy_(t)
+            outs = self.launch(ins, 0)
+            left += self.sync_left()
+        except Exception as e:  # noqa: BLE001 - a failed launch is this check's failure
+            return {"name": "reshuffled_inputs", "passed": False, "applicable": True,
+                    "detail": f"launch failed: {type(e).__name__}: {e}", "cases": [case.case_id]}
+        _, reasons = self.compare(other, ins, extra, outs, policy)
+        reasons = left + reasons
+        return {"name": "reshuffled_inputs", "passed": not reasons, "applicable": True,
+                "detail": (f"new values in the previous launch's input buffers: {'; '.join(reasons[:2])}" if reasons
+                           else "new values written into the previous launch's input buffers matched their own reference"),
+                "cases": [case.case_id, other.case_id]}
+
 
 def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: int = STRESS_RUNS) -> dict:
     """Every case of the variant, defences as checks, and the stress: one entry of the numerics
@@ -584,6 +613,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
     cases = kernel_cases(mk.name, mk.variant, seeds)
     rows = [mk.judge_case(c, policy) for c in cases]
     st = mk.stress(cases[0], stress_runs)
+    reshuffled = mk.same_buffers(cases[0], policy)
     mk.cache.clear()
 
     def check(name, key, ok_detail):
@@ -598,6 +628,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
         check("input_mutation", "input_mutation", "no input modified in {n} cases (cloned and compared bitwise)"),
         check("precision_vs_oracle", "relative error", "all {n} cases within the policy against the float64 oracle"),
         check("determinism", "determinism", "two launches per case bitwise identical in {n} cases"),
+        reshuffled,
     ]
     for c in checks:
         c["passed"] = c["passed"] and not any(r["reasons"] and r["reasons"][0].startswith("launch failed")
@@ -605,7 +636,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
     binary = {"kernel": mk.name, "side": "head", "variant": mk.variant, "tunables": mk.meta.get("tunables", {}),
               "build_key": mk.meta.get("key"), "cubin_sha256": mk.sha256,
               "cubin_code_sha256": (mk.meta.get("hashes") or {}).get("cubin_code_sha256")}
-    passed = all(r["passed"] for r in rows) and st["passed"]
+    passed = all(r["passed"] for r in rows) and st["passed"] and reshuffled["passed"]
     return {"binary": binary, "label": mk.label, "passed": passed,
             "cases": [{**r, "kernel": mk.name, "variant": mk.variant} for r in rows], "checks": checks,
             "stress": st, "seeds": list(seeds), "seconds": round(time.time() - t0, 2)}
