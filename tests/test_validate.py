@@ -618,7 +618,9 @@ def test_presign_accepts_the_plans_bundle_from_the_merge_bases_validator(tmp_pat
 
 @pytest.mark.parametrize("damage, message", [
     (lambda b, p: b["binaries"][0].update(cubin_sha256="f" * 64),
-     'head binary {"batch": 1, "n": 64} ffffffffffffffff of the bundle is not the plan\'s'),
+     'head binary {"batch": 1, "kernel": "alpha", "n": 64} ffffffffffffffff of the bundle is not the plan\'s'),
+    (lambda b, p: b["binaries"][0].update(kernel="beta"),
+     'head binary {"batch": 1, "kernel": "beta", "n": 64}'),
     (lambda b, p: b["binaries"].pop(), "of the plan is not in the bundle"),
     (lambda b, p: b["change"].update(base="torch"), "the bundle was timed against torch, not the plan's base"),
     (lambda b, p: p["base"].update(sha="e" * 40), "the plan was prepared against eeeeeeeeeeee, not the merge base"),

@@ -31,16 +31,13 @@ from kernels.manifest import load_manifest
 
 from . import defences as D
 from .check import judge
-from .kernel_checks import MultiKernel, is_multi_output, judge_variant
+from .kernel_checks import OP_CLASS_KERNELS, MultiKernel, is_multi_output, judge_variant
 from .numerics import DEFAULT_SEEDS, DISTRIBUTIONS, Case, case_matrix, gpu_configuration, load_policy
 from .opinputs import OP_DEFS, OpDef, build_inputs, map_tensors, op_def
 
 BASE_CONFIG = "k3"  # eps and widths of the model the kernels serve
 STRESS_RUNS = 32
 KERNEL_OWNED_ROLES = ("scratch", "sync")
-# Kernels that compute a part of their manifest reference op (shared_gate_up: the shared expert's
-# a = SiTU(h @ W_sgu.T); latent_out: the block's last step): their op class's reference judges them.
-OP_CLASS_JUDGED = ("shared_gate_up", "latent_out")  # buffers the kernel needs that the reference op has no name for
 
 
 class StageError(RuntimeError):
@@ -174,9 +171,10 @@ class KernelAdapter:
 
 def judged_by_op_class(meta: dict) -> bool:
     """Whether a build is judged by validation.kernel_checks (on its op class's own reference):
-    several outputs, a kernel that computes a part of its reference op (OP_CLASS_JUDGED), or a
-    reference op without an input builder here (prodcons, splitk_gemv)."""
-    if is_multi_output(meta) or meta.get("kernel") in OP_CLASS_JUDGED:
+    several outputs, a kernel of kernel_checks.OP_CLASS_KERNELS (the routed experts among them:
+    the generic path would clone their weights), or a reference op without an input builder here
+    (prodcons, splitk_gemv)."""
+    if is_multi_output(meta) or meta.get("kernel") in OP_CLASS_KERNELS:
         return True
     try:
         ref = load_manifest().kernel(meta["kernel"]).reference
@@ -331,8 +329,7 @@ def _same_signature(a: KernelAdapter, b: KernelAdapter) -> str | None:
 
 def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | None = None) -> dict:
     """One variant: head (and base) interleaved, the verdict and both bandwidth fractions."""
-    from .bench import (bandwidth_check, case_verdict, compare_samples, measure_interleaved,
-                        rotation_copies, summarize)
+    from .bench import rotation_copies
 
     base_name = None
     a = KernelAdapter(d)
@@ -372,41 +369,20 @@ def _bench_variant(d, cfg, ceilings: dict, base: str | None, base_dir: str | Non
         def base_fn(i, sets=sets, fn=fn):
             fn(sets[i % len(sets)])
 
-    m = measure_interleaved(base_fn, head)
-    a.check_sync()  # every timed launch must have left the counters as it found them
-    if base == "revision":
-        b.check_sync()
-    comp = compare_samples(m["base"], m["head"]) if m["base"] else None
-    hs = summarize(m["head"])
-    head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
-    base_bw = None
-    bs = None
-    if m["base"]:
-        bs = summarize(m["base"])
-        base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
-    verdict, reason = case_verdict(comp, head_bw)
-    row = ({
-        "case_id": f"{a.meta['kernel']}/{a.label}", "name": f"{a.meta['kernel']} {a.label}",
-        "kernel": a.meta["kernel"], "variant": a.variant, "batch": a.batch, "bytes": nbytes,
-        "base": bs, "head": hs, "change": comp.change if comp else None,
-        "speedup": comp.speedup if comp else None, "p_value": comp.p_value if comp else None,
-        "noise": comp.noise if comp else hs["rel_iqr"], "head_bandwidth": head_bw,
-        "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2, "copies": copies,
-        "verdict": verdict, "reason": reason, "binary": a.binary(), "base_binary": base_binary,
-        "base_name": base_name,
-    })
-    print(f"bench {a.label}: head {hs['median']:.2f} us"
-          + (f", base {bs['median']:.2f} us" if bs else "")
-          + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
-    return row
+    def check_sync():  # every timed launch must have left the counters as it found them
+        a.check_sync()
+        if base == "revision":
+            b.check_sync()
+
+    return _ab_row(a.meta["kernel"], a.variant, a.label, base_fn, head, check_sync, nbytes, ceilings,
+                   past_l2=past_l2, copies=copies, binary=a.binary(), base_binary=base_binary, base_name=base_name)
 
 
 def _bench_multi(d, cfg, ceilings: dict, base: str | None, base_dir: str | None = None) -> dict:
     """A multi-output kernel: head (and the base revision's build) interleaved on rotated inputs.
     Routed experts rotate routings (their weights are shared: tens of GB), the others rotate
     copies of every input past the L2 (at most MAX_ROTATION)."""
-    from .bench import (bandwidth_check, case_verdict, compare_samples, measure_interleaved,
-                        rotation_copies, summarize)
+    from .bench import rotation_copies
     from .kernel_checks import EXPERT_KERNELS, KCase, bytes_moved
 
     a = MultiKernel(d)
@@ -438,10 +414,30 @@ def _bench_multi(d, cfg, ceilings: dict, base: str | None, base_dir: str | None 
         def base_fn(i, k=b.launcher):
             k(b_args[i % len(b_args)])
 
+    def check_sync():
+        left = a.sync_left() + (b.sync_left() if b is not None else [])
+        if left:
+            raise StageError("after the timed launches: " + "; ".join(left))
+
+    binary = {"kernel": a.name, "side": "head", "variant": a.variant, "tunables": a.meta.get("tunables", {}),
+              "build_key": a.meta.get("key"), "cubin_sha256": a.sha256}
+    try:
+        return _ab_row(a.name, a.variant, a.label, base_fn, head, check_sync, nbytes, ceilings,
+                       past_l2=past_l2, copies=len(sets), binary=binary, base_binary=base_binary,
+                       base_name="the kernel at the base revision" if b is not None else None)
+    finally:
+        a.cache.clear()
+
+
+def _ab_row(kernel: str, variant: dict, label: str, base_fn, head, check_sync, nbytes: int, ceilings: dict, *,
+            past_l2: bool, copies: int, binary: dict, base_binary: dict | None, base_name: str | None) -> dict:
+    """Time `head` (and `base_fn`, interleaved), check the sync words with `check_sync()` (it raises
+    StageError), and return the case row: both summaries, the A/B comparison, both bandwidth
+    fractions of the read ceiling and the verdict."""
+    from .bench import bandwidth_check, case_verdict, compare_samples, measure_interleaved, summarize
+
     m = measure_interleaved(base_fn, head)
-    left = a.sync_left() + (b.sync_left() if b is not None else [])
-    if left:
-        raise StageError("after the timed launches: " + "; ".join(left))
+    check_sync()
     comp = compare_samples(m["base"], m["head"]) if m["base"] else None
     hs = summarize(m["head"])
     head_bw = bandwidth_check(nbytes, hs["median"], hs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
@@ -450,19 +446,15 @@ def _bench_multi(d, cfg, ceilings: dict, base: str | None, base_dir: str | None 
         bs = summarize(m["base"])
         base_bw = bandwidth_check(nbytes, bs["median"], bs["rel_iqr"], ceilings["read_tbps"], ceilings["read_noise"])
     verdict, reason = case_verdict(comp, head_bw)
-    binary = {"kernel": a.name, "side": "head", "variant": a.variant, "tunables": a.meta.get("tunables", {}),
-              "build_key": a.meta.get("key"), "cubin_sha256": a.sha256}
-    print(f"bench {a.label}: head {hs['median']:.2f} us" + (f", base {bs['median']:.2f} us" if bs else "")
+    print(f"bench {label}: head {hs['median']:.2f} us" + (f", base {bs['median']:.2f} us" if bs else "")
           + f", {head_bw['fraction_of_read']:.1%} of read, {verdict}", flush=True)
-    a.cache.clear()
-    return {"case_id": f"{a.name}/{a.label}", "name": f"{a.name} {a.label}", "kernel": a.name,
-            "variant": a.variant, "batch": a.variant.get("batch"), "bytes": nbytes, "base": bs, "head": hs,
+    return {"case_id": f"{kernel}/{label}", "name": f"{kernel} {label}", "kernel": kernel, "variant": variant,
+            "batch": variant.get("batch"), "bytes": nbytes, "base": bs, "head": hs,
             "change": comp.change if comp else None, "speedup": comp.speedup if comp else None,
             "p_value": comp.p_value if comp else None, "noise": comp.noise if comp else hs["rel_iqr"],
             "head_bandwidth": head_bw, "base_bandwidth": base_bw, "graph": m["graph"], "l2_rotated": past_l2,
-            "copies": len(sets), "verdict": verdict, "reason": reason, "binary": binary,
-            "base_binary": base_binary,
-            "base_name": "the kernel at the base revision" if b is not None else None}
+            "copies": copies, "verdict": verdict, "reason": reason, "binary": binary,
+            "base_binary": base_binary, "base_name": base_name}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,10 @@ are judged here, per case of `kernel_cases`:
   * outputs poisoned with NaN (integers with -1) before the launch, then with a finite sentinel
     (-7) before a second launch on the same inputs: every element must be written, and the two
     launches must agree bitwise (poisoned_outputs, determinism);
-  * inputs cloned before the launch and compared bitwise after (input_mutation);
+  * inputs cloned (past BIG_INPUT_BYTES: fingerprinted) before the launch and compared bitwise
+    after (input_mutation);
+  * another seed's values written into the first case's input buffers, launched again: it must
+    match its own reference (reshuffled_inputs; a result kept by address fails);
   * `sync` buffers zeroed once and back at zero after every launch; `scratch` poisoned first;
   * floating outputs against the float64 oracle with the float32-compute path as yardstick
     (`numerics.compare_output`, the policy of validation/tolerances.toml);
@@ -43,6 +46,11 @@ F32, F64 = torch.float32, torch.float64
 KERNEL_OWNED_ROLES = ("scratch", "sync")
 ROUTER_KERNELS = ("router", "router_select")
 EXPERT_KERNELS = ("moe_w13", "moe_w2")
+# Every kernel judged here rather than by the reference op's `judge` (validation/check.py): the
+# multi-output ones, the routed experts (their inputs carry the grouping the reference ops have no
+# name for, and their 59 GB of k3 weights must be drawn once and fingerprinted, never cloned), and
+# the kernels that compute a part of their manifest reference op (shared_gate_up, latent_out).
+OP_CLASS_KERNELS = (*ROUTER_KERNELS, *EXPERT_KERNELS, "shared_gate_up", "latent_out")
 TIE_CASES = ("triples", "all", "mixed")
 ROUTINGS = ("uniform", "hot", "same", "distinct")
 WEIGHTS_ABS_TOL = 1e-5
@@ -280,9 +288,62 @@ def _poison(t: torch.Tensor, which: int) -> torch.Tensor:
     return t.fill_(INT_POISON[which])
 
 
+class BuildMismatch(ValueError):
+    """A build whose meta.json this checkout's op class cannot stand for: its parameters' tensor
+    specs differ from the op's at the build's variant, or the op refuses the build's tunables."""
+
+
+def known_tunables(kernel: str) -> set[str] | None:
+    """The tunables this checkout's manifest declares for `kernel` (None: not a manifest kernel)."""
+    from kernels.manifest import ManifestError, load_manifest
+
+    try:
+        return set(load_manifest().kernel(kernel).tunable_defaults())
+    except (ManifestError, KeyError):
+        return None
+
+
 def op_instance(meta: dict, op_path: str):
+    """This checkout's op class at a build's variant: the judge's reference and tensor layout.
+
+    A build of another revision (a plan's base) may carry tunables today's class no longer has
+    (the router's 16 of 83f6b15): the op is built with only the tunables today's manifest
+    declares, the others left out (`op.dropped_tunables`). What the judge takes from the op,
+    the reference and the parameters' shapes, must then agree with the build's own meta.json:
+    `check_specs` refuses the build otherwise."""
     mod, _, cls = op_path.partition(":")
-    return getattr(importlib.import_module(mod), cls)(dict(meta["variant"]), **meta.get("tunables", {}))
+    tun = dict(meta.get("tunables") or {})
+    known = known_tunables(meta.get("kernel", ""))
+    kept = tun if known is None else {k: v for k, v in tun.items() if k in known}
+    try:
+        op = getattr(importlib.import_module(mod), cls)(dict(meta["variant"]), **kept)
+    except ValueError as e:
+        raise BuildMismatch(f"{meta.get('kernel')} {meta.get('variant')}: this checkout's {cls} refuses the "
+                            f"build's tunables {kept} ({e})") from None
+    op.dropped_tunables = sorted(set(tun) - set(kept))
+    return op
+
+
+def check_specs(meta: dict, op, owned_roles=KERNEL_OWNED_ROLES) -> None:
+    """Raise BuildMismatch unless every tensor parameter of the build (besides its own scratch and
+    sync buffers, allocated from meta.json as they are) has the shape and dtype `op` gives it."""
+    specs = op.tensor_specs()
+    bad = []
+    for p in meta["params"]:
+        sp = p["spec"]
+        if sp.get("kind") != "tensor" or p.get("role") in owned_roles:
+            continue
+        mine = specs.get(p["name"])
+        if mine is None or list(mine.shape) != list(sp.get("shape", ())) or mine.dtype != sp.get("dtype"):
+            got = None if mine is None else f"{list(mine.shape)} {mine.dtype}"
+            bad.append(f"{p['name']}: build {sp.get('shape')} {sp.get('dtype')}, op {got}")
+    if bad:
+        dropped = getattr(op, "dropped_tunables", [])
+        raise BuildMismatch(
+            f"{meta.get('kernel')} {meta.get('variant')} (build {meta.get('key', '?')[:16]}): its parameters are "
+            f"not those of this checkout's op at that variant ({'; '.join(bad)})"
+            + (f"; tunables this checkout does not know, left out: {dropped}" if dropped else "")
+            + ": it cannot be judged on this checkout's reference")
 
 
 class MultiKernel:
@@ -304,6 +365,7 @@ class MultiKernel:
 
             op_path = load_manifest().kernel(self.name).op
         self.op = op_instance(self.meta, op_path)
+        check_specs(self.meta, self.op)
         self.specs = self.op.tensor_specs()
         self.params = self.meta["params"]
         self.device = torch.device(device)
@@ -516,6 +578,32 @@ class MultiKernel:
         return {"runs": runs, "differing": differing, "sync_left_nonzero": left,
                 "passed": differing == 0 and left == 0}
 
+    def same_buffers(self, case: KCase, policy) -> dict:
+        """reshuffled_inputs: a launch on `case`, then another seed's values of the same kind written
+        into the same input buffers (same addresses; the static weights are the same tensors
+        anyway), launched again: it must match its own reference (a kernel keeping results keyed
+        by an address, in a global of its own, fails)."""
+        ins, _ = self.inputs(case)
+        try:
+            self.launch(ins, 0)
+            left = self.sync_left()
+            other = KCase(case.kernel, case.variant, case.seed + 1000, case.what)
+            new, extra = self.inputs(other)
+            for n, t in new.items():
+                if ins[n] is not t:
+                    ins[n].copy_(t)
+            outs = self.launch(ins, 0)
+            left += self.sync_left()
+        except Exception as e:  # noqa: BLE001 - a failed launch is this check's failure
+            return {"name": "reshuffled_inputs", "passed": False, "applicable": True,
+                    "detail": f"launch failed: {type(e).__name__}: {e}", "cases": [case.case_id]}
+        _, reasons = self.compare(other, ins, extra, outs, policy)
+        reasons = left + reasons
+        return {"name": "reshuffled_inputs", "passed": not reasons, "applicable": True,
+                "detail": (f"new values in the previous launch's input buffers: {'; '.join(reasons[:2])}" if reasons
+                           else "new values written into the previous launch's input buffers matched their own reference"),
+                "cases": [case.case_id, other.case_id]}
+
 
 def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: int = STRESS_RUNS) -> dict:
     """Every case of the variant, defences as checks, and the stress: one entry of the numerics
@@ -525,6 +613,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
     cases = kernel_cases(mk.name, mk.variant, seeds)
     rows = [mk.judge_case(c, policy) for c in cases]
     st = mk.stress(cases[0], stress_runs)
+    reshuffled = mk.same_buffers(cases[0], policy)
     mk.cache.clear()
 
     def check(name, key, ok_detail):
@@ -539,6 +628,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
         check("input_mutation", "input_mutation", "no input modified in {n} cases (cloned and compared bitwise)"),
         check("precision_vs_oracle", "relative error", "all {n} cases within the policy against the float64 oracle"),
         check("determinism", "determinism", "two launches per case bitwise identical in {n} cases"),
+        reshuffled,
     ]
     for c in checks:
         c["passed"] = c["passed"] and not any(r["reasons"] and r["reasons"][0].startswith("launch failed")
@@ -546,7 +636,7 @@ def judge_variant(mk: MultiKernel, *, seeds=(0, 1), policy=None, stress_runs: in
     binary = {"kernel": mk.name, "side": "head", "variant": mk.variant, "tunables": mk.meta.get("tunables", {}),
               "build_key": mk.meta.get("key"), "cubin_sha256": mk.sha256,
               "cubin_code_sha256": (mk.meta.get("hashes") or {}).get("cubin_code_sha256")}
-    passed = all(r["passed"] for r in rows) and st["passed"]
+    passed = all(r["passed"] for r in rows) and st["passed"] and reshuffled["passed"]
     return {"binary": binary, "label": mk.label, "passed": passed,
             "cases": [{**r, "kernel": mk.name, "variant": mk.variant} for r in rows], "checks": checks,
             "stress": st, "seeds": list(seeds), "seconds": round(time.time() - t0, 2)}

@@ -579,14 +579,19 @@ def _binaries_of(entries) -> set[tuple[str, str]]:
     return {(json.dumps(v, sort_keys=True), str(h)) for v, h in entries}
 
 
+def _kernel_variant(kernel, variant) -> dict:
+    """A binary's identity besides its hash: its kernel and variant in one mapping."""
+    return {"kernel": kernel, **variant} if isinstance(variant, dict) else {"kernel": kernel, "variant": variant}
+
+
 def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
                      validator: tuple[str, dict[str, str]] | None = None) -> list[str]:
     """Why `bundle` (unsigned, written by the GPU job) must not be signed; empty when it may.
 
     It must be a well-formed, unsigned bundle of the plan's kernel, timed against the plan's base
     revision (which must be `merge_base`, when given), whose head and base binaries are exactly
-    the plan's (variant and cubin sha256 on each side; for the composite `block`, kernel, variant
-    and cubin sha256 of every case at every batch), produced by `validator` (the validator's
+    the plan's (kernel, variant and cubin sha256 of each on each side: a kernel plan's variants, the
+    composite `block`'s every case at every batch), produced by `validator` (the validator's
     fingerprint at the merge base, when given). Reads data only: nothing of the bundle or the plan
     is executed.
     """
@@ -596,13 +601,13 @@ def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
     composite = plan.get("schema") == BLOCK_PLAN_SCHEMA if isinstance(plan, dict) else False
     try:
         kernel, base_sha = plan["kernel"], plan["base"]["sha"]
-        if composite:  # the block: every case of every batch, each a (kernel, variant) of its own
-            planned = {side: _binaries_of([({"kernel": c["kernel"], **c["shape"]}, c["cubin_sha256"])
-                                           for e in plan["batches"] for c in e[side]["cases"]])
-                       for side in ("head", "base")}
-        else:
-            planned = {side: _binaries_of([(e["variant"], e[side]["cubin_sha256"]) for e in plan["variants"]])
-                       for side in ("head", "base")}
+        # (kernel, variant, cubin sha256) per side: the block's every case of every batch, each a
+        # kernel of its own; a kernel's plan, its variants
+        entries = {side: ([(c["kernel"], c["shape"], c["cubin_sha256"]) for e in plan["batches"] for c in e[side]["cases"]]
+                          if composite else [(kernel, e["variant"], e[side]["cubin_sha256"]) for e in plan["variants"]])
+                   for side in ("head", "base")}
+        planned = {side: _binaries_of([(_kernel_variant(k, v), h) for k, v, h in entries[side]])
+                   for side in ("head", "base")}
     except (KeyError, TypeError) as e:
         return [f"the plan is malformed ({type(e).__name__}: {e}); it is not a {PLAN_SCHEMA} "
                 f"or {BLOCK_PLAN_SCHEMA} plan"]
@@ -617,13 +622,9 @@ def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
         problems.append(f"the bundle was timed against {str(change.get('base'))[:12]}, not the plan's base {str(base_sha)[:12]}")
     if merge_base is not None and base_sha != merge_base:
         problems.append(f"the plan was prepared against {str(base_sha)[:12]}, not the merge base {merge_base[:12]}")
-    for side in ("head", "base"):
-        if composite:
-            recorded = _binaries_of([({"kernel": b.get("kernel"), **(b.get("variant") or {})}, b.get("cubin_sha256"))
-                                     for b in bundle["binaries"] if isinstance(b, dict) and b.get("side") == side])
-        else:
-            recorded = _binaries_of([(b.get("variant"), b.get("cubin_sha256")) for b in bundle["binaries"]
-                                     if isinstance(b, dict) and b.get("side") == side and b.get("kernel") == kernel])
+    for side in ("head", "base"):  # a binary of another kernel than the plan's is not the plan's
+        recorded = _binaries_of([(_kernel_variant(b.get("kernel"), b.get("variant")), b.get("cubin_sha256"))
+                                 for b in bundle["binaries"] if isinstance(b, dict) and b.get("side") == side])
         for variant, sha in sorted(planned[side] - recorded):
             problems.append(f"{side} binary {variant} {sha[:16]} of the plan is not in the bundle")
         for variant, sha in sorted(recorded - planned[side]):
