@@ -80,8 +80,6 @@ def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
 class _GroupedBase(OpBase):
     """Shape {"batch", "n_experts", "latent", "expert_inter", "top_k"} plus tunables."""
 
-    mutant: str | None = None  # set only by the audit's planted mutants (end of this module)
-
     def __init__(self, shape: dict, **tunables):
         unknown = set(tunables) - set(DEFAULT_TUNABLES)
         if unknown:
@@ -416,13 +414,17 @@ class ExpertsUpOp(_GroupedBase):
         cb = bidx % self.col_blocks
         vW, vX, sP = smem["w"], smem["x"], smem["partials"]
 
-        early = None
-        if cutlass.const_expr(self.mutant == "routing_before_wait"):
-            early = mGroupExpert[u]  # the planted hazard the audit must flag
+        early = self._expert_before_wait(u, mGroupExpert)
         self._pdl_wait()  # the routing and z are the router's outputs
         if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
             self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
                                  mSorted, mAct)
+
+    def _expert_before_wait(self, u, mGroupExpert):
+        """Trace-time: the group's expert id where read before `griddepcontrol.wait`, else None
+        (the item reads it after the wait): the routing is the router's output, so this op reads
+        none of it early."""
+        return None
 
     @cute.jit
     def _up_stream_item(self, P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
@@ -800,13 +802,3 @@ def _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, 
                 for k in cutlass.range_constexpr(1, K):
                     s = s + mWeights[t, k] * mO[t * K + k, col]
                 mC[t, col] = s.to(cutlass.BFloat16)
-
-
-# The audit's planted mutant (`fasttrack audit moe_w13 --mutant routing_before_wait`): the stream
-# path with pdl reads the group's expert id, the router's output, before griddepcontrol.wait.
-class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit finds it by this name)
-    mutant = "routing_before_wait"
-
-    def __init__(self, shape: dict, **tunables):
-        # the early read is of the CTA's own group
-        super().__init__(shape, **{**tunables, "pdl": 1})
