@@ -74,7 +74,7 @@ reached 72-76%; from batch 8 the warpgroup design is faster than cuBLAS on most 
 
 from kernels import reference
 from kernels.ops.parts import pdl, stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import (
     BF16_PER_VECTOR,
     HAVE_DSL,
@@ -112,12 +112,6 @@ TMA_EVICT_FIRST = 0x12F0000000000000
 TMA_EVICT_LAST = 0x14F0000000000000
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (two groups live)
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "pdl": 0, "stream_max_batch": 1,
-                    "stream_threads": 128, "stream_cta_kib": 8, "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128,
-                    "wg_stages": 6, "wg_min_ctas": 0, "wg_wide_from_batch": 32, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_ring_kib": 160}
-
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 
@@ -126,12 +120,13 @@ class GemvOp(OpBase):
     """One variant of the decode GEMM: shape {"batch", "n", "k", "out_dtype"} plus tunables."""
 
     kernel_name = "gemv"
+    # the tunables' defaults: kernels/manifest.toml [kernels.gemv.tunables]
+    TUNABLES = ("warps_per_cta", "row_tiles", "k_unroll", "pdl", "stream_max_batch", "stream_threads",
+                "stream_cta_kib", "wg_from_batch", "wg_rows", "wg_k", "wg_stages", "wg_min_ctas",
+                "wg_wide_from_batch", "wg_tma_hint", "wg_tma_l2", "wg_k64_from_n", "wg_ring_kib")
 
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"gemv: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch, self.n, self.k = int(shape["batch"]), int(shape["n"]), int(shape["k"])
         except KeyError as e:

@@ -52,7 +52,7 @@ memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, sever
 
 from kernels import reference
 from kernels.ops.parts import pdl, stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import BF16_PER_VECTOR, HAVE_DSL, WARP, ceil_div, cute, cutlass
 from kernels.ops.parts.decode_mma import expert_view, situ, vector_view
 from kernels.ops.parts import wg_ring
@@ -63,9 +63,6 @@ from kernels.ops.parts.tma import TensorMap, TmaTensorSpec
 MAX_BATCH = 64
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml).
-DEFAULT_TUNABLES = {"stream_threads": 128, "stream_cta_kib": 32, "pdl": 1, "stream_slots": 1,
-                    "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 WG_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 
@@ -80,11 +77,11 @@ def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
 class _GroupedBase(OpBase):
     """Shape {"batch", "n_experts", "latent", "expert_inter", "top_k"} plus tunables."""
 
+    # the tunables' defaults: kernels/manifest.toml [kernels.moe_w13.tunables], [kernels.moe_w2.tunables]
+    TUNABLES = ("stream_threads", "stream_cta_kib", "pdl", "stream_slots", "wg", "wg_stages", "wg_k", "wg_n")
+
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"{self.kernel_name}: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch = int(shape["batch"])
             self.n_experts = int(shape["n_experts"])
