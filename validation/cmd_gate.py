@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--executor", metavar="local|ray|ray:ADDRESS", default=None,
                    help="where variants compile (default: $FASTTRACK_BUILD_EXECUTOR, else local processes)")
     p.add_argument("--jobs", type=int, default=None, help="local compile processes (default: CPU count, at most 4)")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="build the change's code without bubblewrap (kernels/sandbox.py), for hosts that "
+                        "lack it; by default every compile child runs sandboxed, and the gate exits 2 "
+                        "where the sandbox cannot run")
 
 
 def run(args) -> int:
@@ -64,7 +68,8 @@ def run(args) -> int:
             raise UserError(str(e), EXIT_ERROR) from None
     verdict = run_gate(args.base, args.head, repo=args.repo, run_gpu=args.run_gpu,
                        scope_only=args.scope_only, front_matter=args.front_matter,
-                       executor=executor, jobs=args.jobs)
+                       executor=executor, jobs=args.jobs,
+                       **({"sandbox": None} if args.no_sandbox else {}))
     if args.out:
         out = Path(args.out)
     else:
