@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
                    help="the RFC front-matter (TOML) holding the speedup claim "
                         "(default: the rfc.toml the change carries)")
     p.add_argument("--json", action="store_true", help="print verdict.json to stdout")
+    p.add_argument("--github-output", metavar="FILE",
+                   help="append the verdict as step outputs to FILE ($GITHUB_OUTPUT): status=, "
+                        "kernels=<JSON list of every touched kernel> and targets=<JSON list of the "
+                        "validate entries the evidence needs>, each list usable as a job matrix")
     p.add_argument("--executor", metavar="local|ray|ray:ADDRESS", default=None,
                    help="where variants compile (default: $FASTTRACK_BUILD_EXECUTOR, else local processes)")
     p.add_argument("--jobs", type=int, default=None, help="local compile processes (default: CPU count, at most 4)")
@@ -56,7 +60,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from .cli import UserError
-    from .gate import DEFAULT_OUT, EXIT_ERROR, GateError, run_gate, write_outputs
+    from .gate import DEFAULT_OUT, EXIT_ERROR, GateError, ci_outputs, run_gate, write_outputs
 
     executor = None
     if args.executor:
@@ -82,6 +86,12 @@ def run(args) -> int:
     except OSError as e:
         raise UserError(f"cannot write to {out}: {e.strerror}", EXIT_ERROR) from None
 
+    if args.github_output:
+        try:
+            with open(args.github_output, "a", encoding="utf-8") as f:
+                f.writelines(f"{k}={v}\n" for k, v in ci_outputs(verdict).items())
+        except OSError as e:
+            raise UserError(f"cannot write to {args.github_output}: {e.strerror}", EXIT_ERROR) from None
     if verdict.status == "error":
         print(f"fasttrack gate: ERROR (exit {verdict.exit_code}); outputs in {out}")
         raise UserError("; ".join(verdict.reasons), verdict.exit_code)

@@ -982,6 +982,21 @@ def render_outputs(v: GateVerdict) -> dict[str, str]:
     return out
 
 
+def ci_outputs(v: GateVerdict | dict) -> dict[str, str]:
+    """The verdict as CI step outputs (name -> one-line value): `status`; `kernels`, the JSON
+    list of every touched kernel of an eligible change (empty otherwise), usable as a job
+    matrix; `targets`, the `fasttrack validate` entries its evidence needs (those kernels, then
+    the decode path's composite when the change spans a path)."""
+    d = v.to_dict() if isinstance(v, GateVerdict) else v
+    eligible = d.get("status") == "pass"
+    kernels = [str(k) for k in d.get("kernels") or []] if eligible else []
+    composite = (d.get("policy") or {}).get("composite") if eligible else None
+    targets = kernels + ([str(composite)] if composite else [])
+    compact = {"separators": (",", ":")}
+    return {"status": str(d.get("status")), "kernels": json.dumps(kernels, **compact),
+            "targets": json.dumps(targets, **compact)}
+
+
 def write_outputs(v: GateVerdict, out_dir: str | os.PathLike = DEFAULT_OUT) -> dict[str, Path]:
     """Write the verdict, the HTML report and the PR comment under `out_dir` (each atomically)."""
     out = Path(out_dir)
