@@ -614,7 +614,8 @@ def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".
 
 
 # Violations the rebuilt code can lift: which kernels a change touches is the code's to say.
-_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound"}
+# (A staged kernel's stage rules apply once the code says that kernel alone is touched.)
+_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound", "multiple-stages", "stage-unassigned"}
 
 
 def _built_from_code(scope: ChangeScope, kernels, repo_root: Path) -> tuple[list[BuiltVariant], list[str]]:
@@ -704,7 +705,9 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         return v
     assert decision.status == ELIGIBLE
     what = (f"kernels {', '.join(decision.kernels)} of decode path {decision.path} (composite "
-            f"{decision.composite})" if decision.path else f"kernel {decision.kernel}")
+            f"{decision.composite})" if decision.path else
+            f"stage {decision.stage} of kernel {decision.kernel} (a one-stage change)" if decision.stage
+            else f"kernel {decision.kernel}")
     if scope_only:
         v.status, v.exit_code = "pass", EXIT_PASS
         v.reasons = [f"eligible for fast track: {what}, {decision.counted_lines} lines "
