@@ -108,6 +108,7 @@ def test_a_one_stage_change_is_eligible_and_needs_the_kernels_bound_evidence(meg
     v = _gate(root, base, commit(root, "evidence"))
     assert (v.status, v.exit_code) == ("pass", EXIT_PASS), v.reasons
     assert v.evidence["bound"] == {"mega": "evidence_reports/mega/bundle.json"}
+    assert v.reasons[0].startswith("stage attn of kernel mega (a one-stage change): 2 variants rebuilt")
 
     # Evidence for another binary of the kernel does not bind.
     other = [BuiltVariant(b.kernel, b.variant, b.tunables, "0" * 64) for b in built]
