@@ -158,7 +158,7 @@ MANIFEST = "kernels/manifest.toml"
 # tunable edits, i.e. for the tuner and for replays of its trajectories.
 SET_TUNABLE_DEFAULTS = {
     "name": "set_tunable_defaults",
-    "description": "Set the kernel's tunable defaults in its op module and its manifest entry.",
+    "description": "Set the kernel's tunable defaults in its manifest entry (the one place they are declared).",
     "input_schema": {
         "type": "object",
         "properties": {"values": {"type": "object"}},
@@ -306,8 +306,7 @@ class Toolbox:
                            f"change so far: +{added} -{deleted} lines")
 
     def _set_tunable_defaults(self, inp: dict) -> ToolOutcome:
-        from agent.tunables import (TunableEditError, manifest_change_reason, rewrite_manifest_defaults,
-                                    rewrite_module_defaults)
+        from agent.tunables import TunableEditError, manifest_change_reason, rewrite_manifest_defaults
 
         values = inp["values"]
         if not isinstance(values, dict) or not values:
@@ -327,25 +326,12 @@ class Toolbox:
                                          self.s.kernel)
             if why:
                 return ToolOutcome(f"refused: {why}", True)
-            module_edits = {}
-            for src in self.s.spec.sources:
-                path, name = self.s.scope.editable_path(src)
-                text = path.read_text(encoding="utf-8")
-                try:
-                    module_edits[name] = (path, rewrite_module_defaults(text, values))
-                except TunableEditError:
-                    continue  # this source does not hold the defaults
         except TunableEditError as e:
             return ToolOutcome(f"cannot set defaults: {e}", True)
         with self.s.guard.critical():
             write_file_atomic(manifest_path, new_manifest)
-            for name, (path, text) in module_edits.items():
-                write_file_atomic(path, text)
-        for name in [MANIFEST, *module_edits]:
-            self.s.note_edit(name)
-        where = ", ".join([MANIFEST, *module_edits])
-        note = "" if module_edits else " (no source holds a *TUNABLES dict: only the manifest changed)"
-        return ToolOutcome(f"set {values} in {where}{note}")
+        self.s.note_edit(MANIFEST)
+        return ToolOutcome(f"set {values} in {MANIFEST}")
 
     def _show_diff(self, inp: dict) -> ToolOutcome:
         d = diff_text(self.s.worktree)

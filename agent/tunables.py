@@ -1,68 +1,20 @@
 """Changing a kernel's tunable defaults: the one change the tuner makes.
 
-A kernel's defaults live twice and must agree: in its op module (a module-level dict literal such as
-`DEFAULT_TUNABLES = {...}`, one of the kernel's declared sources) and in its manifest entry
-(`[kernels.K.tunables]`, `name = { choices = [...], default = v }`). Both are rewritten in place,
-touching only the default values, and the manifest change is then checked to be exactly that: the
+A kernel's defaults are declared once, in its manifest entry (`[kernels.K.tunables]`,
+`name = { choices = [...], default = v }`); the op modules know their tunables by name only and read
+the defaults from the manifest (kernels/ops/base.py `op_tunables`). The manifest is rewritten in
+place, touching only the default values, and the change is then checked to be exactly that: the
 same manifest with this kernel's tunable defaults changed (the gate treats any other manifest change
 as a change of scope).
 """
 
 from __future__ import annotations
 
-import ast
 import re
 
 
 class TunableEditError(ValueError):
     """The defaults cannot be rewritten (no dict literal, unknown tunable, value not a choice)."""
-
-
-def _find_defaults_dict(tree: ast.Module) -> ast.Dict | None:
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) else [])
-        for t in targets:
-            if isinstance(t, ast.Name) and "TUNABLES" in t.id.upper() and isinstance(node.value, ast.Dict):
-                return node.value
-    return None
-
-
-def module_defaults(source: str) -> dict | None:
-    """The module's default-tunables dict literal, or None when it has none."""
-    d = _find_defaults_dict(ast.parse(source))
-    return None if d is None else ast.literal_eval(d)
-
-
-def rewrite_module_defaults(source: str, new_values: dict) -> str:
-    """`source` with the default-tunables dict's values for the keys of `new_values` replaced."""
-    tree = ast.parse(source)
-    d = _find_defaults_dict(tree)
-    if d is None:
-        raise TunableEditError("the op module has no module-level *TUNABLES dict literal")
-    lines = source.splitlines(keepends=True)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-
-    def pos(lineno, col):  # ast columns are UTF-8 byte offsets
-        line = lines[lineno - 1]
-        return offsets[lineno - 1] + len(line.encode("utf-8")[:col].decode("utf-8"))
-
-    spans = []
-    seen = set()
-    for k, v in zip(d.keys, d.values):
-        if isinstance(k, ast.Constant) and k.value in new_values:
-            spans.append((pos(v.lineno, v.col_offset), pos(v.end_lineno, v.end_col_offset), new_values[k.value]))
-            seen.add(k.value)
-    missing = set(new_values) - seen
-    if missing:
-        raise TunableEditError(f"the op module's defaults have no key(s) {sorted(missing)}")
-    out = source
-    for start, end, value in sorted(spans, reverse=True):
-        out = out[:start] + repr(value) + out[end:]
-    ast.parse(out)
-    return out
 
 
 def _toml_value(v) -> str:

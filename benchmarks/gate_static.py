@@ -1,14 +1,15 @@
 """How long the gate's static verdict takes for a one-kernel change (scope, base and head builds
 of the touched kernel's variants, static audit), on a scratch clone of this repository.
 
-    python benchmarks/gate_static.py [--runs 2] [--jobs N] [--executor local|ray]
+    python benchmarks/gate_static.py [--runs 2] [--jobs N] [--executor local|ray] [--profile FILE]
 
 The change: rmsnorm's EPS (kernels/ops/rmsnorm.py), a real code change of one kernel, all of
 its manifest variants (7 batches x 2 widths). The first run warms the shared cache (build/) with
 the base builds; each timed run then edits EPS to a value not built before, so the head builds
 are cold and the base builds warm: the cache a gate meets on a pull request. The last line
 repeats a run's head (fully warm). Prints the gate's own timings (verdict.scope.timings) and the
-wall time; the machine's load average beside them.
+wall time; the machine's load average beside them. `--profile FILE` writes a cProfile of the
+fully warm repeat (read it with `python -m pstats FILE`, e.g. `sort cumulative`, `stats 40`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--executor", default=None)
+    ap.add_argument("--profile", metavar="FILE", help="write a cProfile of the fully warm repeat to FILE")
     args = ap.parse_args(argv)
     from gate_fixtures import commit, scratch_clone, write
 
@@ -43,16 +45,25 @@ def main(argv=None) -> int:
         src = (root / "kernels/ops/rmsnorm.py").read_text()
         stamp = int(time.time()) % 100000
 
-        def run(label: str, eps: str, new: bool = True):
+        def run(label: str, eps: str, new: bool = True, profile: str | None = None):
             if new:
                 write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", f"EPS = {eps}"))
                 head = commit(root, f"rmsnorm: eps {eps}")
             else:
                 head = run.last
             run.last = head
+            prof = None
+            if profile:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             t0 = time.monotonic()
             v = run_gate(base, head, repo=root, build_root=REPO / "build", executor=executor, jobs=args.jobs)
             wall = time.monotonic() - t0
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(profile)
             t = v.scope.get("timings", {})
             n = (v.scope.get("code") or {}).get("rmsnorm", {}).get("variants")
             print(f"{label:<34} static {t.get('static_s', float('nan')):6.1f} s (scope+builds {t.get('scope_s')} s, "
@@ -62,7 +73,7 @@ def main(argv=None) -> int:
         run("warm-up (base and head cold)", f"1.{stamp}e-6")
         for i in range(args.runs):
             run(f"run {i + 1} (base warm, head cold)", f"{i + 2}.{stamp}e-6")
-        run("repeat (base and head warm)", "", new=False)
+        run("repeat (base and head warm)", "", new=False, profile=args.profile)
     return 0
 
 

@@ -105,12 +105,19 @@ def block_variants(cfg: ModelConfig, batch: int, *, gemv_router: bool | None = N
                    gemv_dense: bool | None = None) -> list[tuple[str, str, dict]]:
     """(role, kernel, manifest shape) of every kernel variant the block launches at `batch`, in
     launch order (on one stream); `gemv_router` / `gemv_dense` override the plan's router and
-    output choices (a plan built under other choices). The gemv shapes are the foundation's problems but one,
+    output choices (a plan built under other choices; the router kernel takes at most
+    ROUTER_MAX_BATCH tokens, kernels/ops/router.py, a ValueError past it). The gemv shapes are the foundation's problems but one,
     W_sgu's with fp32 output (12288 x 7168 at k3), which the foundation proof times in bf16."""
     T = batch
     H, L, S, E = cfg.hidden, cfg.latent, cfg.shared_inter, cfg.n_experts
     gemv_router = router_by_gemv(batch) if gemv_router is None else gemv_router
     gemv_dense = dense_by_gemv(batch) if gemv_dense is None else gemv_dense
+    if not gemv_router:
+        from kernels.ops.router import ROUTER_MAX_BATCH
+
+        if batch > ROUTER_MAX_BATCH:
+            raise ValueError(f"block at batch {batch}: the router kernel routes at most {ROUTER_MAX_BATCH} tokens "
+                             "(past that the router's projections are gemv launches)")
     experts = {"n_experts": E, "latent": L, "expert_inter": cfg.expert_inter, "top_k": cfg.top_k}
 
     def gemv(n, k, out="bfloat16"):

@@ -179,16 +179,30 @@ def _package_inits(mod: str, repo_root: Path) -> list[Path]:
     return out
 
 
+# (repo-relative path, sha256 of the bytes) -> the modules the file imports: the closures of
+# every kernel at base and at head share most files (kernels/ops/base.py, parts/, ...), and a
+# file's imports depend on nothing but its path and its bytes, so each is parsed once a process.
+_IMPORTS: dict[tuple[str, str], frozenset[str]] = {}
+
+
 def _imports_of(path: Path, repo_root: Path) -> set[str]:
     """Module names `path` imports (absolute, relative ones resolved), anywhere in the file."""
     rel = path.relative_to(repo_root).with_suffix("")
+    data = path.read_bytes()
+    key = (rel.as_posix(), hashlib.sha256(data).hexdigest())
+    if key not in _IMPORTS:
+        _IMPORTS[key] = frozenset(_parse_imports(data, rel))
+    return set(_IMPORTS[key])
+
+
+def _parse_imports(data: bytes, rel: Path) -> set[str]:
     package = list(rel.parts[:-1])  # the package a relative import starts from
     try:
-        tree = ast.parse(path.read_bytes(), filename=str(rel))
+        tree = ast.parse(data, filename=str(rel))
     except SyntaxError:
         return set()  # the compile reports it, with its line
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -201,6 +215,18 @@ def _imports_of(path: Path, repo_root: Path) -> set[str]:
                 names.add(mod)
                 names.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import submodule`
     return names
+
+
+def _statements(tree: ast.AST):
+    """Every statement of a module, nested ones included (an import is always a statement):
+    walks statement lists only, never into expressions, which hold most of a module's nodes."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for value in vars(node).values():
+            if isinstance(value, list):
+                todo.extend(x for x in value if isinstance(x, (ast.stmt, ast.excepthandler, ast.match_case)))
 
 
 def source_closure(spec: KernelSpec, repo_root: Path = REPO_ROOT) -> list[str]:
@@ -733,13 +759,15 @@ def build_requests(requests: list[BuildRequest], *, root: Path = DEFAULT_ROOT, f
     total, done = len(requests), 0
     groups: dict[tuple, list[int]] = {}
     prepared: dict[tuple, tuple] = {}
+    version: list[str] = []  # read once per call (it walks every installed distribution)
     for i, rq in enumerate(requests):
         gkey = (rq.spec.name, str(Path(rq.repo_root).resolve()), id(rq.spec))
         if gkey not in prepared:
             try:
                 files = source_closure(rq.spec, rq.repo_root)
                 sources = {f: _sha256_file(Path(rq.repo_root) / f) for f in files}
-                prepared[gkey] = (files, sources, dsl_version())
+                version = version or [dsl_version()]
+                prepared[gkey] = (files, sources, version[0])
             except BuildError as e:
                 prepared[gkey] = e
         prep = prepared[gkey]

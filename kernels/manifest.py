@@ -2,7 +2,10 @@
 
 `kernels/manifest.toml` names, per kernel: its source files, its op class, its reference op,
 the role of every launch parameter (in launch order), its tunables with their ranges, and its
-validation shapes; and the decode paths (`[paths.<name>]`: the kernels one model's decode step
+validation shapes; for a kernel that reads a task table, what each slot of an entry points to
+(`points_to`); for a persistent kernel made of stages, its stages (`stages`: the scope units of
+a fast-track change, with the buffers each reads and writes and the protocol between them); and
+the decode paths (`[paths.<name>]`: the kernels one model's decode step
 runs, and the composite entry whose evidence covers them end to end). The gate, the audit and the
 agent read it through this module; nothing else decides a kernel's scope.
 
@@ -54,6 +57,20 @@ class Tunable:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One stage of a persistent kernel (`[[kernels.K.stages]]`): the declared sources that hold
+    its device code, the buffers it reads and writes, and the protocol by which it waits for the
+    stages that write what it reads (e.g. "counters"). A fast-track change of a staged kernel
+    touches one stage (validation/policy.py)."""
+
+    name: str
+    sources: tuple[str, ...]
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    protocol: str = ""
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     name: str
     description: str
@@ -65,6 +82,14 @@ class KernelSpec:
     shapes: tuple[dict, ...]  # one dict per variant (batch and problem size)
     syncs_across_ctas: bool = False
     extra: dict = field(default_factory=dict)
+    # task-table parameter -> {"stride": entry bytes, "slots": {byte offset: role}} (the audit's
+    # `points_to`, validation/race/MODEL.md); None when the kernel reads no task table
+    points_to: dict | None = None
+    stages: tuple[Stage, ...] = ()
+
+    def stages_of(self, path: str) -> list[str]:
+        """The stages whose sources include the repo-relative `path` (several for a shared file)."""
+        return [st.name for st in self.stages if path in st.sources]
 
     def param(self, name: str) -> ParamSpec:
         for p in self.params:
@@ -194,6 +219,9 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
         if s.startswith("/") or ".." in Path(s).parts:
             raise ManifestError(f"kernel {name!r}: source {s!r} must be a repo-relative path")
 
+    points_to = _parse_points_to(name, raw.get("points_to"), {p.name: p for p in params})
+    stages = _parse_stages(name, raw.get("stages"), sources)
+
     return KernelSpec(
         name=name,
         description=raw.get("description", ""),
@@ -206,8 +234,100 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
         syncs_across_ctas=bool(raw.get("syncs_across_ctas", False)),
         extra={k: v for k, v in raw.items() if k not in {
             "description", "op", "reference", "sources", "params", "tunables", "shapes",
-            "syncs_across_ctas"}},
+            "syncs_across_ctas", "points_to", "stages"}},
+        points_to=points_to,
+        stages=stages,
     )
+
+
+SLOT_BYTES = 8  # one task-table slot: a 64-bit pointer (or, for role "scalar", a 64-bit number)
+
+
+def _parse_points_to(name: str, raw, params: dict[str, ParamSpec]) -> dict | None:
+    """`[kernels.K.points_to.<param>]` with `stride = BYTES` and `slots = { "OFFSET" = "ROLE" }`
+    -> {param: {"stride": int, "slots": {int: role}}}. TOML keys are strings, so the offsets are
+    converted to byte offsets; each slot's 8 bytes lie inside one entry and overlap no other."""
+    if raw is None:
+        return None
+    where = f"kernel {name!r}: points_to"
+    if not isinstance(raw, dict) or not raw:
+        raise ManifestError(f"{where} must be a table of [kernels.{name}.points_to.<param>] tables")
+    out = {}
+    for param, decl in raw.items():
+        at = f"{where} {param!r}"
+        if param not in params:
+            raise ManifestError(f"{at}: not a parameter of the kernel ({', '.join(params) or 'none'})")
+        if params[param].role == "scalar":
+            raise ManifestError(f"{at}: the parameter is a scalar, not a task table in memory")
+        if not isinstance(decl, dict):
+            raise ManifestError(f"{at} must be a table with stride and slots")
+        extra = set(decl) - {"stride", "slots"}
+        if extra:
+            raise ManifestError(f"{at}: unknown key(s) {', '.join(sorted(extra))} (stride, slots)")
+        stride = decl.get("stride")
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride < SLOT_BYTES:
+            raise ManifestError(f"{at}: stride must be an integer number of bytes, at least {SLOT_BYTES}")
+        slots_raw = decl.get("slots")
+        if not isinstance(slots_raw, dict) or not slots_raw:
+            raise ManifestError(f"{at}: slots must be a non-empty table {{ \"OFFSET\" = \"ROLE\" }}")
+        slots: dict[int, str] = {}
+        for key, role in slots_raw.items():
+            slot = f"{at} slot {key!r}"
+            if not str(key).isdigit():
+                raise ManifestError(f"{slot}: the offset must be a non-negative integer number of bytes")
+            off = int(key)
+            if off in slots:
+                raise ManifestError(f"{slot}: offset {off} declared twice")
+            if off % SLOT_BYTES or off + SLOT_BYTES > stride:
+                raise ManifestError(f"{slot}: a slot is {SLOT_BYTES} aligned bytes inside one {stride}-byte "
+                                    f"entry (offsets 0, {SLOT_BYTES}, ... {stride - SLOT_BYTES})")
+            if role not in ROLES:
+                raise ManifestError(f"{slot}: role {role!r} is not a role ({', '.join(ROLES)})")
+            slots[off] = role
+        out[param] = {"stride": stride, "slots": dict(sorted(slots.items()))}
+    return out
+
+
+def _parse_stages(name: str, raw, sources: tuple[str, ...]) -> tuple[Stage, ...]:
+    """`[[kernels.K.stages]]` with name, sources (a subset of the kernel's declared sources),
+    reads and writes (buffer names) and protocol."""
+    if raw is None:
+        return ()
+    where = f"kernel {name!r}: stages"
+    if not isinstance(raw, list) or not raw:
+        raise ManifestError(f"{where} must be an array of [[kernels.{name}.stages]] tables")
+    out: list[Stage] = []
+    for i, st in enumerate(raw):
+        if not isinstance(st, dict):
+            raise ManifestError(f"{where}[{i}] must be a table")
+        sname = st.get("name")
+        if not isinstance(sname, str) or not sname:
+            raise ManifestError(f"{where}[{i}]: name must be a non-empty string")
+        at = f"kernel {name!r}: stage {sname!r}"
+        extra = set(st) - {"name", "sources", "reads", "writes", "protocol"}
+        if extra:
+            raise ManifestError(f"{at}: unknown key(s) {', '.join(sorted(extra))} (name, sources, reads, "
+                                "writes, protocol)")
+        if sname in {x.name for x in out}:
+            raise ManifestError(f"{at}: declared twice")
+
+        def names(key: str, required: bool) -> tuple[str, ...]:
+            v = st.get(key, None if required else [])
+            if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v) or (required and not v):
+                raise ManifestError(f"{at}: {key} must be a {'non-empty ' if required else ''}list of strings")
+            if len(set(v)) != len(v):
+                raise ManifestError(f"{at}: {key} names {sorted(x for x in set(v) if v.count(x) > 1)[0]!r} twice")
+            return tuple(v)
+
+        ssources = names("sources", True)
+        undeclared = [x for x in ssources if x not in sources]
+        if undeclared:
+            raise ManifestError(f"{at}: source {undeclared[0]} is not among the kernel's declared sources")
+        protocol = st.get("protocol", "")
+        if not isinstance(protocol, str):
+            raise ManifestError(f"{at}: protocol must be a string (e.g. \"counters\")")
+        out.append(Stage(sname, ssources, names("reads", False), names("writes", False), protocol))
+    return tuple(out)
 
 
 def parse_manifest(text: str, path: Path = MANIFEST_PATH) -> Manifest:

@@ -16,7 +16,7 @@ API_KEY = "sk-ant-api03-TESTKEY-do-not-leak-0123456789abcdef"
 TOY_SOURCE = '''\
 """A toy op standing in for a CuTe DSL kernel in the agent tests."""
 
-DEFAULT_TUNABLES = {"threads": 128, "unroll": 2}
+TUNABLES = ("threads", "unroll")  # their defaults: the manifest's [kernels.toy.tunables]
 
 
 def kernel(x):

@@ -77,7 +77,7 @@ def test_successful_proposal_ends_in_one_commit(repo, capsys):
     assert first["messages"][-1]["content"][-1]["cache_control"] == {"type": "ephemeral"}
     assert "kernels/ops/toy.py" in first["messages"][0]["content"][0]["text"]
     (viewed,) = tool_results(api.requests[1])
-    assert viewed["tool_use_id"] == "t1" and not viewed["is_error"] and "DEFAULT_TUNABLES" in viewed["content"]
+    assert viewed["tool_use_id"] == "t1" and not viewed["is_error"] and "TUNABLES" in viewed["content"]
     # The assistant turn is sent back verbatim before the results.
     assert api.requests[1]["messages"][-2]["content"][1]["id"] == "t1"
     # Only the moving breakpoint of the latest message: earlier messages lose theirs.

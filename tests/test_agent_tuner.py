@@ -3,6 +3,7 @@ module and the manifest, and the offline flow through measurement files."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
@@ -16,8 +17,7 @@ from agent_helpers import MANIFEST, FakeBackends, git, make_repo
 from agent import cli
 from agent.proposers.tuner import (MEASUREMENTS_SCHEMA, Timing, config_key, decide, schedule, shape_key,
                                    sources_sha256, spread_pick, successive_halving)
-from agent.tunables import (TunableEditError, manifest_change_reason, module_defaults, rewrite_manifest_defaults,
-                            rewrite_module_defaults)
+from agent.tunables import TunableEditError, manifest_change_reason, rewrite_manifest_defaults
 from kernels.manifest import parse_manifest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -102,14 +102,9 @@ def test_decision_requires_gain_and_no_regression():
     assert d["chosen"] is None and d["reason"].startswith("defaults already best")
 
 
-def test_rewrite_module_and_manifest_defaults():
-    src = 'X = 1\nDEFAULT_TUNABLES = {"threads": 128,  # why\n    "unroll": 2}\n'
-    out = rewrite_module_defaults(src, {"threads": 256})
-    assert module_defaults(out) == {"threads": 256, "unroll": 2} and "# why" in out
+def test_rewrite_manifest_defaults():
     with pytest.raises(TunableEditError):
-        rewrite_module_defaults(src, {"nope": 1})
-    with pytest.raises(TunableEditError):
-        rewrite_module_defaults("X = 1\n", {"threads": 1})
+        rewrite_manifest_defaults(MANIFEST, "toy", {"nope": 1})
     new = rewrite_manifest_defaults(MANIFEST, "toy", {"threads": 256, "unroll": 4})
     spec = parse_manifest(new).kernel("toy")
     assert spec.tunable_defaults() == {"threads": 256, "unroll": 4}
@@ -123,8 +118,9 @@ def test_rewrite_module_and_manifest_defaults():
 
 def test_real_manifest_defaults_can_be_rewritten_in_place():
     """Every real kernel's tunables: each non-default choice a tuner may pick (explorer-only ones
-    are never defaults) rewrites to a defaults-only change, and the op module's defaults (where
-    it has a *TUNABLES dict) agree with the manifest's."""
+    are never defaults) rewrites to a defaults-only change, and no source of a kernel declares
+    default values of its own (a module-level dict literal keyed by tunable names): the manifest
+    is the one place."""
     text = (REPO_ROOT / "kernels" / "manifest.toml").read_text()
     manifest = parse_manifest(text)
     for spec in manifest.kernels.values():
@@ -135,14 +131,13 @@ def test_real_manifest_defaults_can_be_rewritten_in_place():
             new = rewrite_manifest_defaults(text, spec.name, {t.name: other})
             assert manifest_change_reason(text, new, spec.name) is None, (spec.name, t.name)
             assert parse_manifest(new).kernel(spec.name).tunable_defaults()[t.name] == other
-        # The op module's defaults are the manifest's (the tuner changes both together).
+        names = {t.name for t in spec.tunables}
         for src in spec.sources:
-            path = REPO_ROOT / src
-            found = module_defaults(path.read_text()) if path.exists() else None
-            if found is not None and set(found) == {t.name for t in spec.tunables}:
-                assert found == spec.tunable_defaults(), (spec.name, src)
-                other = {t.name: next((c for c in t.choices if c != t.default), t.default) for t in spec.tunables}
-                assert module_defaults(rewrite_module_defaults(path.read_text(), other)) == other
+            tree = ast.parse((REPO_ROOT / src).read_text())
+            for node in tree.body:
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+                    keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                    assert not (names and keys >= names), (spec.name, src, node.lineno)
 
 
 def run_tuner(repo, *extra, backends=None):
@@ -163,11 +158,10 @@ def test_tuner_commits_the_measured_best_defaults(tmp_path, capsys):
     s = json.loads((only_run(repo) / "summary.json").read_text())
     branch, run_id = s["branch"], s["run_id"]
     files = sorted(git(repo, "show", "--name-only", "--format=", branch).splitlines())
-    assert files == sorted(["kernels/manifest.toml", "kernels/ops/toy.py", f"evidence_reports/{run_id}/rfc.toml",
+    assert files == sorted(["kernels/manifest.toml", f"evidence_reports/{run_id}/rfc.toml",
                             f"evidence_reports/{run_id}/agent.json", f"evidence_reports/{run_id}/tuning.json"])
     assert parse_manifest(git(repo, "show", f"{branch}:kernels/manifest.toml")).kernel("toy").tunable_defaults() \
         == {"threads": 256, "unroll": 4}
-    assert module_defaults(git(repo, "show", f"{branch}:kernels/ops/toy.py")) == {"threads": 256, "unroll": 4}
     rfc = tomllib.loads(git(repo, "show", f"{branch}:evidence_reports/{run_id}/rfc.toml"))
     assert rfc["claim"]["speedup"] is True and "NVIDIA H200" in rfc["summary"]
     assert "'threads': 256, 'unroll': 4" not in rfc["alternatives"]  # the chosen setting is no alternative

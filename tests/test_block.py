@@ -62,8 +62,37 @@ def test_block_tunables_are_manifest_choices_and_the_ops_take_the_declared_desig
                 wg = (name == "moe_w2" and T >= 2) or (name == "moe_w13" and T >= 16)
                 op = (ExpertsUpOp if name == "moe_w13" else ExpertsDownOp)(shape, **tun)
                 assert op.wg == wg and op.launch_config().pdl == (not wg), (name, T)
-    assert block_tunables("router", 16) == {"warps_per_cta": 16, "row_tiles": 2, "down_row_tiles": 4}
+    assert block_tunables("router", 16) == {} and block_tunables("moe_w2", 16) == {"wg": 1}
     assert block_tunables("router", 1) == {} and block_tunables("moe_w13", 3) == {}
+
+
+def test_every_block_plan_tunable_is_a_known_tunable_of_a_kernel_launched_there():
+    """kernels/block_plan.toml names, at each batch, only kernels the block launches at that
+    batch, and only tunables (and choices) their manifest entry declares and their op knows: a
+    stale entry (the tunables of a deleted design, of a kernel the batch does not run) fails."""
+    import importlib
+
+    from kernels import block as B
+    from kernels.build import resolve_tunables
+
+    man = load_manifest()
+    for T, entry in B.block_plan().items():
+        launched = {name for _role, name, _shape in block_variants(K3, T)}
+        for name, tun in entry["tunables"].items():
+            assert name in launched, (T, name)
+            spec = man.kernel(name)
+            assert set(tun) <= {t.name for t in spec.tunables}, (T, name, tun)
+            resolve_tunables(spec, tun)  # a value that is not one of its choices raises
+            mod, _, cls = spec.op.partition(":")
+            assert set(tun) <= set(getattr(importlib.import_module(mod), cls).TUNABLES), (T, name, tun)
+
+
+def test_the_router_kernel_is_refused_past_its_batches():
+    from kernels import block as B
+
+    assert [r for r, _, _ in B.block_variants(K3, 4, gemv_router=False)][:2] == ["norm_pre", "router"]
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        B.block_variants(K3, 8, gemv_router=False)
 
 
 def test_the_block_plan_is_one_declared_table():
@@ -127,7 +156,7 @@ class _Fake:
         self.log.append((self.role, args))
 
 
-@pytest.mark.parametrize("T, router, dense", [(8, False, False), (8, True, False), (64, True, True)])
+@pytest.mark.parametrize("T, router, dense", [(4, False, False), (8, True, False), (64, True, True)])
 def test_block_chain_passes_each_launch_its_producers_outputs(T, router, dense, monkeypatch):
     """On CPU with recording kernels (one stream): the launch order and which buffer each
     launch reads and writes, with the fused router and dense ops, with the router's projections
@@ -239,7 +268,7 @@ def test_the_block_stage_runs_the_plans_cubins_not_the_checkouts(tmp_path, monke
     with pytest.raises(BP.BlockError, match=r"the plan has no moe_w2 variant .*batch 32"):
         BP.plan_dirs(cases[:at["w2"]], tmp_path, 32)("moe_w2", dict(variants[at["w2"]][2]))
     assert BP.plan_variants(cases) == variants
-    legacy = B.block_variants(K3, 32, gemv_router=False, gemv_dense=False)
+    legacy = B.block_variants(K3, 4, gemv_router=False, gemv_dense=False)
     assert [r for r, _, _ in legacy] == ["norm_pre", "router", "w13", "w2", "norm_latent", "shared_gate_up",
                                          "latent_out"]
     # load_block_kernels takes exactly those folders (no lookup under a build root)

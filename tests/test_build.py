@@ -61,6 +61,41 @@ def test_source_closure_follows_repo_imports(tmp_path):
     ]
 
 
+def test_source_closure_finds_imports_nested_in_any_statement_and_reads_each_files_bytes(tmp_path, monkeypatch):
+    """Imports under if/try/except/with/class/def/match count; a file's imports are parsed once
+    per (path, bytes) (the base and head trees share most files), and new bytes are parsed anew."""
+    from kernels import build as B
+
+    def tree(root, extra=""):
+        (root / "pkg").mkdir(parents=True)
+        (root / "pkg" / "__init__.py").write_text("")
+        for m in ("a", "b", "c", "d", "e", "f", "g"):
+            (root / "pkg" / f"{m}.py").write_text("")
+        (root / "pkg" / "op.py").write_text(
+            "if X:\n    import pkg.a\nelse:\n    pass\n"
+            "try:\n    pass\nexcept ImportError:\n    from pkg import b\nfinally:\n    pass\n"
+            "with ctx():\n    from . import c\n"
+            "class K:\n    def m(self):\n        for _ in y:\n            import pkg.d\n"
+            "match v:\n    case 1:\n        import pkg.e\n"
+            "while w:\n    import pkg.f\n" + extra)
+        return root
+
+    man = parse_manifest(
+        '[kernels.k]\nop = "pkg.op:Op"\nreference = "r:f"\nsources = ["pkg/op.py"]\n'
+        'params = [{ name = "x", role = "activation" }]\n[kernels.k.shapes]\nn = [1]\n'
+    )
+    parsed = []
+    real = B._parse_imports
+    monkeypatch.setattr(B, "_IMPORTS", {})
+    monkeypatch.setattr(B, "_parse_imports", lambda data, rel: parsed.append(rel.as_posix()) or real(data, rel))
+    want = ["pkg/__init__.py"] + [f"pkg/{m}.py" for m in "abcdef"] + ["pkg/op.py"]
+    assert source_closure(man.kernel("k"), tree(tmp_path / "base")) == want
+    n = len(parsed)
+    assert source_closure(man.kernel("k"), tree(tmp_path / "head")) == want and len(parsed) == n
+    assert source_closure(man.kernel("k"), tree(tmp_path / "new", "import pkg.g\n")) == sorted(want + ["pkg/g.py"])
+    assert parsed.count("pkg/op") == 2
+
+
 def test_source_closure_of_fixture_includes_the_op_contract(manifest):
     files = source_closure(manifest.kernel("scale"))
     assert "kernels/ops/base.py" in files and "tests/fixtures/scale_op.py" in files

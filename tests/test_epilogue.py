@@ -64,7 +64,8 @@ def test_params_and_tunables_follow_the_manifest():
             lc = op.launch_config()
             # a thread per 8 outputs, every output covered once
             assert lc.grid[1] == shape["batch"] and lc.grid[0] * lc.block[0] * 8 >= shape["width"] > (lc.grid[0] - 1) * lc.block[0] * 8
-        assert EP.DEFAULT_TUNABLES == spec.tunable_defaults()
+        assert set(cls.TUNABLES) == set(spec.tunable_defaults())
+        assert cls(dict(spec.shapes[0])).tunables == spec.tunable_defaults()
 
 
 def test_rejects_what_it_cannot_compute():

@@ -21,7 +21,10 @@ SPEC = load_manifest().kernel("gemv")
 
 
 def test_default_tunables_are_the_manifest_defaults():
-    assert G.DEFAULT_TUNABLES == SPEC.tunable_defaults()
+    """The op knows the manifest's tunables by name and takes their defaults from it (declared once)."""
+    assert set(G.GemvOp.TUNABLES) == set(SPEC.tunable_defaults())
+    assert G.GemvOp(SPEC.shapes[0]).tunables == SPEC.tunable_defaults()
+    assert not hasattr(G, "DEFAULT_TUNABLES")
 
 
 def test_every_manifest_variant_is_valid_with_default_tunables():

@@ -35,8 +35,8 @@ def test_params_follow_the_manifest():
         spec = load_manifest().kernel(name)
         for shape in spec.shapes:
             assert list(cls(shape).tensor_specs()) == [p.name for p in spec.params]
-    assert LO.SHARED_GATE_UP_TUNABLES == load_manifest().kernel("shared_gate_up").tunable_defaults()
-    assert LO.LATENT_OUT_TUNABLES == load_manifest().kernel("latent_out").tunable_defaults()
+        assert set(cls.TUNABLES) == set(spec.tunable_defaults())
+        assert cls(spec.shapes[0]).tunables == spec.tunable_defaults()
 
 
 K3_SGU = {"hidden": 7168, "shared_inter": 6144}

@@ -12,7 +12,7 @@ pytest.importorskip("cutlass")
 
 from kernels.manifest import load_manifest  # noqa: E402
 from validation.cli import main  # noqa: E402
-from validation.race.artifacts import build_variant_of, op_spec  # noqa: E402
+from validation.race.artifacts import build_variant_of, mutant_spec  # noqa: E402
 
 PRODCONS_ROLES = ["--param", "gamma=static", "--param", "w=static", "--param", "stage=scratch",
                   "--param", "flags=sync"]
@@ -21,8 +21,7 @@ PRODCONS_ROLES = ["--param", "gamma=static", "--param", "w=static", "--param", "
 def _built(kernel: str, mutant: str | None, into: Path) -> tuple[Path, Path]:
     spec = load_manifest().kernel(kernel)
     if mutant:
-        mod, _, cls = spec.op.partition(":")
-        spec = op_spec(spec, f"{mod}:{cls}_{mutant}", name=f"{kernel}__{mutant}")
+        spec = mutant_spec(spec, mutant)
     art = build_variant_of(spec)
     ptx, cubin = into / f"{kernel}_{mutant}.ptx", into / f"{kernel}_{mutant}.cubin"
     shutil.copy(art.paths["ptx"], ptx)

@@ -14,7 +14,7 @@ pytest.importorskip("cutlass")
 
 from kernels.manifest import load_manifest  # noqa: E402
 from validation.race import ir  # noqa: E402
-from validation.race.artifacts import audit_kernel, build_variant_of, op_spec  # noqa: E402
+from validation.race.artifacts import audit_kernel, build_variant_of, mutant_spec  # noqa: E402
 from validation.race.cfg import CFG  # noqa: E402
 from validation.race.ptx import parse_ptx  # noqa: E402
 
@@ -42,7 +42,7 @@ def _gemv_pdl_report(mutant: str | None):
 
     spec = load_manifest().kernel("gemv")
     if mutant:
-        spec = op_spec(spec, f"kernels.ops.gemv:GemvOp_{mutant}", name=f"gemv__{mutant}")
+        spec = mutant_spec(spec, mutant)
     return audit_artifact(build_variant_of(spec, PDL_SHAPE, {"pdl": 1}), spec)
 
 
@@ -65,8 +65,7 @@ def test_pdl_gemv_passes_and_its_hoisted_x_load_is_flagged():
 def _ptx_of(kernel: str, mutant: str | None = None) -> str:
     spec = load_manifest().kernel(kernel)
     if mutant:
-        mod, _, cls = spec.op.partition(":")
-        spec = op_spec(spec, f"{mod}:{cls}_{mutant}", name=f"{kernel}__{mutant}")
+        spec = mutant_spec(spec, mutant)
     art = build_variant_of(spec)
     return Path(art.paths["ptx"]).read_text()
 
@@ -247,7 +246,7 @@ def test_pdl_tma_gemv_passes_and_its_early_x_copy_is_flagged():
     assert [p["size"] for p in good_art.meta["params"][:2]] == [128, 128]
     good = audit_artifact(good_art, spec)
     assert good.clean and good.checked == ["ptx", "sass"], [str(f) for f in good.findings]
-    mspec = op_spec(spec, "kernels.ops.gemv:GemvOp_x_before_wait", name="gemv__x_before_wait")
+    mspec = mutant_spec(spec, "x_before_wait")
     bad = audit_artifact(build_variant_of(mspec, TMA_PDL_SHAPE, tun), mspec)
     hits = [f for f in bad.errors if f.rule == "load-before-griddep-wait"]
     assert hits and {tuple(f.params) for f in hits} == {("x",)}, [str(f) for f in bad.findings]

@@ -18,7 +18,10 @@ SPEC = load_manifest().kernel("rmsnorm")
 
 
 def test_default_tunables_are_the_manifest_defaults():
-    assert RN.DEFAULT_TUNABLES == SPEC.tunable_defaults()
+    """The op knows the manifest's tunables by name and takes their defaults from it (declared once)."""
+    assert set(RN.RMSNormOp.TUNABLES) == set(SPEC.tunable_defaults())
+    assert RN.RMSNormOp(SPEC.shapes[0]).tunables == SPEC.tunable_defaults()
+    assert not hasattr(RN, "DEFAULT_TUNABLES")
 
 
 def test_every_manifest_variant_and_tunable_choice_is_valid():
@@ -68,7 +71,7 @@ def test_op_module_imports_without_the_dsl():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(RN.DEFAULT_TUNABLES["threads"])
+    assert out.stdout.strip() == str(SPEC.tunable_defaults()["threads"])
 
 
 @pytest.mark.slow

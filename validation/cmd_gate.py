@@ -45,14 +45,22 @@ def add_parser(sub) -> None:
                    help="the RFC front-matter (TOML) holding the speedup claim "
                         "(default: the rfc.toml the change carries)")
     p.add_argument("--json", action="store_true", help="print verdict.json to stdout")
+    p.add_argument("--github-output", metavar="FILE",
+                   help="append the verdict as step outputs to FILE ($GITHUB_OUTPUT): status=, "
+                        "kernels=<JSON list of every touched kernel> and targets=<JSON list of the "
+                        "validate entries the evidence needs>, each list usable as a job matrix")
     p.add_argument("--executor", metavar="local|ray|ray:ADDRESS", default=None,
                    help="where variants compile (default: $FASTTRACK_BUILD_EXECUTOR, else local processes)")
     p.add_argument("--jobs", type=int, default=None, help="local compile processes (default: CPU count, at most 4)")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="build the change's code without bubblewrap (kernels/sandbox.py), for hosts that "
+                        "lack it; by default every compile child runs sandboxed, and the gate exits 2 "
+                        "where the sandbox cannot run")
 
 
 def run(args) -> int:
     from .cli import UserError
-    from .gate import DEFAULT_OUT, EXIT_ERROR, GateError, run_gate, write_outputs
+    from .gate import DEFAULT_OUT, EXIT_ERROR, GateError, ci_outputs, run_gate, write_outputs
 
     executor = None
     if args.executor:
@@ -64,7 +72,8 @@ def run(args) -> int:
             raise UserError(str(e), EXIT_ERROR) from None
     verdict = run_gate(args.base, args.head, repo=args.repo, run_gpu=args.run_gpu,
                        scope_only=args.scope_only, front_matter=args.front_matter,
-                       executor=executor, jobs=args.jobs)
+                       executor=executor, jobs=args.jobs,
+                       **({"sandbox": None} if args.no_sandbox else {}))
     if args.out:
         out = Path(args.out)
     else:
@@ -77,6 +86,12 @@ def run(args) -> int:
     except OSError as e:
         raise UserError(f"cannot write to {out}: {e.strerror}", EXIT_ERROR) from None
 
+    if args.github_output:
+        try:
+            with open(args.github_output, "a", encoding="utf-8") as f:
+                f.writelines(f"{k}={v}\n" for k, v in ci_outputs(verdict).items())
+        except OSError as e:
+            raise UserError(f"cannot write to {args.github_output}: {e.strerror}", EXIT_ERROR) from None
     if verdict.status == "error":
         print(f"fasttrack gate: ERROR (exit {verdict.exit_code}); outputs in {out}")
         raise UserError("; ".join(verdict.reasons), verdict.exit_code)

@@ -6,7 +6,11 @@
      base, so a change cannot loosen it): not eligible -> exit 3, every failing rule listed;
      nothing kernel-related touched -> "no kernel change", exit 0;
   2. build: the touched kernel's manifest variants are rebuilt (kernels/build.py) from the checkout,
-     which must match `head` under kernels/;
+     which must match `head` under kernels/; every compile child (it imports the change's
+     sources: untrusted code) runs inside kernels/sandbox.py's bubblewrap sandbox, as the agent's
+     builds do (no network, a clean environment, no key store, nothing of the repository but the
+     staged sources); no bubblewrap -> exit 2, unless the caller opts out (`sandbox=None`,
+     `fasttrack gate --no-sandbox`);
   3. static race audit of the rebuilt binaries (validation/race), "not run" while it is absent;
   4. evidence: a committed bundle under evidence_reports/ (read at head) whose signature verifies
      against the trusted keys (read at the merge base), whose head cubin hashes equal the
@@ -396,9 +400,31 @@ def _repo_relative_build(entry: dict, repo_root: Path) -> dict:
     return entry
 
 
-def default_builder(repo_root: Path, manifest=None) -> Builder:
+DEFAULT_SANDBOX = "default"  # run_gate's `sandbox`: kernels.sandbox.Sandbox hiding the repository's key store
+
+
+def gate_sandbox(sandbox, repo_root: Path):
+    """The sandbox the gate's compile children run in: `sandbox` itself, or for DEFAULT_SANDBOX a
+    kernels.sandbox.Sandbox that also hides `repo_root`'s key store; None when the caller opted
+    out (`sandbox=None`). GateError (exit 2) when it cannot run here: the gate never runs the
+    change's code unsandboxed unless told to."""
+    if sandbox is None:
+        return None
+    from kernels.sandbox import Sandbox
+
+    sb = Sandbox(key_roots=(str(repo_root),)) if sandbox == DEFAULT_SANDBOX else sandbox
+    problem = sb.problem()
+    if problem:
+        raise GateError(f"the gate builds the change's code only inside a sandbox, and it cannot run here: "
+                        f"{problem}; on a host without bubblewrap, `fasttrack gate --no-sandbox` builds "
+                        "unsandboxed (the head's code then runs with this process's environment and files)")
+    return sb
+
+
+def default_builder(repo_root: Path, manifest=None, sandbox=None) -> Builder:
     """A builder of every manifest variant of a kernel with kernels/build.py (default tunables),
-    compiling the sources of the checkout at `repo_root` into its `build/` cache."""
+    compiling the sources of the checkout at `repo_root` into its `build/` cache, each compile
+    child inside `sandbox` (a kernels.sandbox.Sandbox) when given."""
 
     def build(kernel: str) -> list[BuiltVariant]:
         try:
@@ -407,7 +433,7 @@ def default_builder(repo_root: Path, manifest=None) -> Builder:
             raise GateError(f"cannot build: kernels.build is not importable ({e})") from None
         try:
             arts = kbuild.build_kernel(kernel, root=Path(repo_root) / "build", manifest=manifest,
-                                       repo_root=Path(repo_root))
+                                       repo_root=Path(repo_root), sandbox=sandbox)
         except kbuild.BuildError as e:
             raise KernelBuildFailed(str(e)) from None
         except ImportError as e:  # the DSL is missing: infrastructure, not the change
@@ -568,25 +594,28 @@ def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".
              validator: Callable[[str, str], dict] | None = None,
              cuda_available: Callable[[], bool] = _cuda_available,
              code_build: Callable | None = None, executor=None, jobs: int | None = None,
-             build_root: str | os.PathLike | None = None) -> GateVerdict:
+             build_root: str | os.PathLike | None = None, sandbox=DEFAULT_SANDBOX) -> GateVerdict:
     """Judge the change from `base` to `head` (the working tree when None). Never raises for a
     user's error: those become a verdict with status "error" and exit code 2.
 
     The touched kernels are decided by their rebuilt code (`validation.scope.compare_code`: base
     and head builds into the shared cache `build_root`, default <repo>/build, on `executor`);
     `code_build(requests) -> results` replaces the build (tests). A `builder(kernel)` without a
-    `code_build` judges by declared-source ownership instead, as before the code was compared."""
+    `code_build` judges by declared-source ownership instead, as before the code was compared.
+    Real builds run their compile children in `sandbox` (`gate_sandbox`: by default bubblewrap,
+    an error where it cannot run; None builds unsandboxed)."""
     try:
         return _run_gate(base, head, repo=repo, run_gpu=run_gpu, scope_only=scope_only,
                          front_matter=front_matter, builder=builder, auditor=auditor,
                          validator=validator, cuda_available=cuda_available, code_build=code_build,
-                         executor=executor, jobs=jobs, build_root=build_root)
+                         executor=executor, jobs=jobs, build_root=build_root, sandbox=sandbox)
     except (GateError, ScopeError, PolicyError, FrontMatterError) as e:
         return GateVerdict("error", EXIT_ERROR, [str(e)], base=base, head=head, cause=str(e))
 
 
 # Violations the rebuilt code can lift: which kernels a change touches is the code's to say.
-_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound"}
+# (A staged kernel's stage rules apply once the code says that kernel alone is touched.)
+_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound", "multiple-stages", "stage-unassigned"}
 
 
 def _built_from_code(scope: ChangeScope, kernels, repo_root: Path) -> tuple[list[BuiltVariant], list[str]]:
@@ -609,7 +638,7 @@ def _validate_command(kernel: str, merge_base: str) -> str:
 
 
 def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, auditor, validator,
-              cuda_available, code_build, executor, jobs, build_root) -> GateVerdict:
+              cuda_available, code_build, executor, jobs, build_root, sandbox) -> GateVerdict:
     import time
 
     t0 = time.monotonic()
@@ -619,6 +648,13 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     policy = policy_at(r, scope.merge_base)
     decision: PolicyDecision = evaluate_policy(scope, policy)
     by_code = builder is None or code_build is not None
+    resolved: list = []
+
+    def sandboxed():
+        """The build sandbox, checked once, only when something really compiles."""
+        if not resolved:
+            resolved.append(gate_sandbox(sandbox, repo_root))
+        return resolved[0]
     timings: dict[str, float] = {"scope_s": 0.0}
     # Rules no build can lift (protected paths, the manifest's semantics, ...) answer before
     # anything compiles, and before the closures are read; otherwise the code decides which
@@ -636,7 +672,8 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         if code_candidates(scope):
             try:
                 scope = compare_code(scope, repo=r.working_tree_dir, build=code_build, executor=executor,
-                                     jobs=jobs, root=Path(build_root) if build_root else repo_root / "build")
+                                     jobs=jobs, root=Path(build_root) if build_root else repo_root / "build",
+                                     sandbox=None if code_build else sandboxed())
             except ImportError as e:
                 raise GateError(f"cannot build to compare the code: {e}") from None
             decision = evaluate_policy(scope, policy)
@@ -668,7 +705,9 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
         return v
     assert decision.status == ELIGIBLE
     what = (f"kernels {', '.join(decision.kernels)} of decode path {decision.path} (composite "
-            f"{decision.composite})" if decision.path else f"kernel {decision.kernel}")
+            f"{decision.composite})" if decision.path else
+            f"stage {decision.stage} of kernel {decision.kernel} (a one-stage change)" if decision.stage
+            else f"kernel {decision.kernel}")
     if scope_only:
         v.status, v.exit_code = "pass", EXIT_PASS
         v.reasons = [f"eligible for fast track: {what}, {decision.counted_lines} lines "
@@ -688,7 +727,7 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     else:
         if builder is None:
             _check_checkout(r, scope.head)
-            builder = default_builder(repo_root, scope.head_manifest)
+            builder = default_builder(repo_root, scope.head_manifest, sandboxed())
         for k in decision.kernels:
             try:
                 built.extend(builder(k))
@@ -763,7 +802,8 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
                       "candidates": [], "validator_sha256": base_validator[0], "bound": {}}
         entries = [(k, False) for k in decision.kernels] + ([(decision.composite, True)] if decision.composite else [])
         rebuild = _head_rebuilder(r, scope, code_build, executor, jobs,
-                                  Path(build_root) if build_root else repo_root / "build") if decision.by_code else None
+                                  Path(build_root) if build_root else repo_root / "build",
+                                  sandboxed) if decision.by_code else None
         for k, is_composite in entries:
             checks: list[BundleCheck] = []
             bound: tuple[str, dict] | None = None
@@ -841,9 +881,9 @@ def _run_gate(base, head, *, repo, run_gpu, scope_only, front_matter, builder, a
     return v
 
 
-def _head_rebuilder(r, scope: ChangeScope, code_build, executor, jobs, root: Path):
+def _head_rebuilder(r, scope: ChangeScope, code_build, executor, jobs, root: Path, sandboxed=lambda: None):
     """Builds (kernel, variant, tunables) at head into the shared cache: what a composite bundle
-    ran at other tunables than the manifest defaults."""
+    ran at other tunables than the manifest defaults (compile children in `sandboxed()`)."""
     def rebuild(want: list[tuple[str, dict, dict]]) -> dict:
         import tempfile
 
@@ -865,7 +905,8 @@ def _head_rebuilder(r, scope: ChangeScope, code_build, executor, jobs, root: Pat
                     continue
                 reqs.append(kb.BuildRequest(spec, dict(variant), tun, tree))
                 keys.append((k, _canon(variant), _canon(tun)))
-            results = (code_build or (lambda q: kb.build_requests(q, root=root, executor=executor, jobs=jobs)))(reqs)
+            results = (code_build or (lambda q: kb.build_requests(q, root=root, executor=executor, jobs=jobs,
+                                                                  sandbox=sandboxed())))(reqs)
         for kk, a in zip(keys, results):
             out[kk] = str(a) if isinstance(a, Exception) else BuiltVariant(
                 kernel=a.kernel, variant=dict(a.shape), tunables=dict(a.tunables or {}), cubin_sha256=a.cubin_sha256,
@@ -942,6 +983,21 @@ def render_outputs(v: GateVerdict) -> dict[str, str]:
     out["report.html"] = env.get_template("gate.html.j2").render(**ctx)
     out["pr_comment.md"] = env.get_template("pr_comment.md.j2").render(**ctx)
     return out
+
+
+def ci_outputs(v: GateVerdict | dict) -> dict[str, str]:
+    """The verdict as CI step outputs (name -> one-line value): `status`; `kernels`, the JSON
+    list of every touched kernel of an eligible change (empty otherwise), usable as a job
+    matrix; `targets`, the `fasttrack validate` entries its evidence needs (those kernels, then
+    the decode path's composite when the change spans a path)."""
+    d = v.to_dict() if isinstance(v, GateVerdict) else v
+    eligible = d.get("status") == "pass"
+    kernels = [str(k) for k in d.get("kernels") or []] if eligible else []
+    composite = (d.get("policy") or {}).get("composite") if eligible else None
+    targets = kernels + ([str(composite)] if composite else [])
+    compact = {"separators": (",", ":")}
+    return {"status": str(d.get("status")), "kernels": json.dumps(kernels, **compact),
+            "targets": json.dumps(targets, **compact)}
 
 
 def write_outputs(v: GateVerdict, out_dir: str | os.PathLike = DEFAULT_OUT) -> dict[str, Path]:

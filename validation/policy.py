@@ -97,6 +97,7 @@ class PolicyDecision:
     # kernel -> tunable -> the choices the change adds (bound evidence must cover each)
     new_choices: dict = field(default_factory=dict)
     by_code: bool = False  # whether the touched kernels were decided by their rebuilt code
+    stage: str | None = None  # the one stage an eligible change of a staged kernel touches
 
     @property
     def eligible(self) -> bool:
@@ -251,6 +252,12 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
         if b.syncs_across_ctas != h.syncs_across_ctas:
             out.append(Violation("manifest-sync", path,
                                  f"kernel {name!r}: syncs_across_ctas changed"))
+        if b.points_to != h.points_to:
+            out.append(Violation("manifest-points-to", path,
+                                 f"kernel {name!r}: points_to changed (what each task-table slot points "
+                                 "to: the roles the audit checks the table's pointers against)"))
+        if b.stages != h.stages:
+            out.append(Violation("manifest-stages", path, _stages_change(name, b.stages, h.stages)))
         if b.extra != h.extra:
             keys = sorted(k for k in set(b.extra) | set(h.extra) if b.extra.get(k) != h.extra.get(k))
             out.append(Violation("manifest-tolerances", path,
@@ -284,6 +291,61 @@ def manifest_changes(base: Manifest | None, head: Manifest | None) -> tuple[list
         if mine["defaults"] or mine["new_choices"] or mine["new_tunables"]:
             own[name] = mine
     return out, own
+
+
+def _stages_change(name: str, base, head) -> str:
+    """Why a change of a kernel's stage declarations needs full review, naming what changed."""
+    b, h = {st.name: st for st in base}, {st.name: st for st in head}
+    what = [f"stage {n} added" for n in sorted(set(h) - set(b))]
+    what += [f"stage {n} removed" for n in sorted(set(b) - set(h))]
+    for n in sorted(set(b) & set(h)):
+        fields = [f for f in ("sources", "reads", "writes", "protocol") if getattr(b[n], f) != getattr(h[n], f)]
+        if fields:
+            what.append(f"stage {n}: {', '.join(fields)}")
+    if not what:
+        what.append("the stages' order")
+    return (f"kernel {name!r}: stage declarations changed ({'; '.join(what)}): the stages' buffers, "
+            "protocol and sources are the kernel's contract between its stages")
+
+
+def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, str]) -> tuple[list[Violation], str | None]:
+    """(violations, the one stage touched) of a change whose only touched kernel is `kernel`.
+
+    For a staged kernel (manifest `stages`), every changed path that is a source of the kernel
+    or in its build closure (companions aside) must lie in the sources of exactly one stage, the same for every
+    path (a file several stages share touches all of them): then the change is a one-stage
+    change. A path in no stage (the kernel's shared code) or paths in two stages go to full
+    review. (None, no violation) for a kernel without stages."""
+    man = scope.head_manifest
+    spec = man.kernels.get(kernel) if man else None
+    if spec is None or not spec.stages:
+        return [], None
+    out: list[Violation] = []
+    touched: dict[str, list[str]] = {}  # stage -> changed paths in it
+    names = ", ".join(st.name for st in spec.stages)
+    closure = set(scope.closures.get(kernel, ())) | set(scope.base_closures.get(kernel, ()))
+    for f in scope.files:
+        cls = classification.get(f.path, "")
+        if cls in ("companion", "manifest"):
+            continue
+        # its declared sources, and any other file its build compiles (a change there is its change)
+        if kernel in f.owners or any(p in closure for p in f.paths()):
+            stages = sorted({st for p in f.paths() for st in spec.stages_of(p)})
+            if not stages:
+                out.append(Violation("stage-unassigned", f.path,
+                                     f"kernel {kernel!r} is staged ({names}) and {f.path} lies in none of "
+                                     "its stages: a change of the kernel's shared code reaches every stage"))
+            for st in stages:
+                touched.setdefault(st, []).append(f.path)
+    if len(touched) > 1:
+        detail = "; ".join(f"{st}: {', '.join(ps)}" for st, ps in sorted(touched.items()))
+        out.append(Violation("multiple-stages", "",
+                             f"kernel {kernel!r}: the change touches {len(touched)} stages ({detail}); a "
+                             "fast-track change of a staged kernel touches one stage (a file shared by "
+                             "stages touches each of them)"))
+    if out or not touched:
+        return out, None
+    return out, next(iter(touched))
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -433,6 +495,13 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
                                         f"touches {len(kernels)} kernels ({detail}){where}; a fast-track "
                                         f"change touches at most {policy.max_kernels}, or kernels of one "
                                         "decode path"))
+    stage = None
+    if len(kernels) == 1:
+        sviol, stage = stage_violations(scope, kernels[0], classification)
+        violations.extend(sviol)
+        if stage:
+            notes.append(f"one-stage change: stage {stage} of kernel {kernels[0]} (its bound, passing "
+                         "evidence covers the stage's contract)")
     if counted > policy.max_changed_lines:
         biggest = sorted((f for f in scope.files if classification.get(f.path, "").startswith("kernel")),
                          key=lambda f: -f.lines)
@@ -460,4 +529,5 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
         composite=composite if status == ELIGIBLE else None,
         new_choices={k: v for k, v in new_choices.items() if k in touched},
         by_code=scope.code is not None,
+        stage=stage if status == ELIGIBLE else None,
     )

@@ -457,7 +457,7 @@ def export_tree(repo, rev: str, dest: Path) -> Path:
 
 def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Path | None = None,
                  build=None, executor=None, jobs: int | None = None, progress=None,
-                 kernels: list[str] | None = None) -> ChangeScope:
+                 kernels: list[str] | None = None, sandbox=None) -> ChangeScope:
     """`scope` with `code` filled: for every kernel of `code_candidates` (or `kernels`), every
     manifest variant built at the merge base and at head (each side's own default tunables) and
     compared by cubin code hash (kernels/cubin.py: every ELF section but the line tables).
@@ -467,7 +467,8 @@ def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Pat
     does not build: its error in `errors`); `changed` names the differing variants; `head` holds
     the head artifacts (what the gate binds and audits). A base variant that does not build counts
     as changed. `build(requests) -> results` is `kernels.build.build_requests` by default (the
-    shared cache `root`, the executor); tests pass fakes.
+    shared cache `root`, the executor, each compile child inside `sandbox`, a
+    kernels.sandbox.Sandbox, when given: the head's sources are untrusted code); tests pass fakes.
     """
     from kernels import build as kb
 
@@ -478,7 +479,8 @@ def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Pat
     root = Path(root) if root is not None else Path(r.working_tree_dir) / "build"
     if build is None:
         def build(reqs):
-            return kb.build_requests(reqs, root=root, executor=executor, jobs=jobs, progress=progress)
+            return kb.build_requests(reqs, root=root, executor=executor, jobs=jobs, progress=progress,
+                                     sandbox=sandbox)
     # The exports live for the process (exported_tree): the closures read the same ones.
     trees = {"base": exported_tree(r, scope.merge_base),
              "head": exported_tree(r, scope.head) if scope.head else Path(r.working_tree_dir)}

@@ -124,6 +124,21 @@ def fake_scalar(spec: ScalarSpec):
     ](spec.value)
 
 
+def op_tunables(kernel: str, names, given: dict) -> dict:
+    """`given` over kernel `kernel`'s manifest defaults (kernels/manifest.toml
+    [kernels.<kernel>.tunables], the one place they are declared; read only for a tunable `given`
+    lacks: the build always passes every one); a ValueError names a tunable not in `names` (the
+    op's known tunables)."""
+    unknown = set(given) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel}: unknown tunables {sorted(unknown)}; known: {sorted(names)}")
+    if set(names) <= set(given):
+        return dict(given)
+    from kernels.manifest import load_manifest
+
+    return {**load_manifest().kernel(kernel).tunable_defaults(), **given}
+
+
 class OpBase:
     """Base for op classes. Subclasses set `kernel_name` and implement the contract above."""
 

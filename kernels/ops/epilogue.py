@@ -28,7 +28,7 @@ wrapper item = (blockIdx.x, blockIdx.y).
 from __future__ import annotations
 
 from kernels import reference
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, coherent_copy_atom, cute, cutlass
 from kernels.ops.parts.decode_mma import situ
 
@@ -36,18 +36,15 @@ MAX_BATCH = 64
 F32_PER_VECTOR = 4
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-# Host-side tunables; must equal the manifest's defaults ([kernels.gated_situ], [kernels.residual]).
-DEFAULT_TUNABLES = {"threads": 128}
-
 
 class _RowwiseOp(OpBase):
     """Shape {"batch", "width"} (width: the output row's elements); a thread per 8 of them."""
 
+    # the tunables' defaults: kernels/manifest.toml [kernels.gated_situ.tunables], [kernels.residual.tunables]
+    TUNABLES = ("threads",)
+
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"{self.kernel_name}: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch, self.width = int(shape["batch"]), int(shape["width"])
         except KeyError as e:

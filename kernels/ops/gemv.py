@@ -48,6 +48,12 @@ Three designs, chosen at build time from the batch:
     counters, no serial last-CTA tail. See `_plan_wg` and `_wg_tma_body`.
 All are deterministic: every sum runs in a fixed order, so a run gives the same bits every time.
 
+Each design is written as a tile function, so that a persistent kernel can call it: `tile(item,
+tidx, smem, ...)` (stream and warp-split; item = a block of weight rows) and `wg_tile` (item =
+(split, row block), a tuple, the splits of a row block one cluster) do one work item's device
+work given the thread's index and the shared memory the caller allocated (`allocate_smem`); the
+@cute.kernel is the thin wrapper item = blockIdx.x (blockIdx.xy for the warpgroup design).
+
 Programmatic dependent launch (`pdl` 1): a decode step is a chain of kernels, and each launch
 pays a ramp (CTAs start, first loads in flight) and a drain (the last CTAs finish). With pdl the
 launcher sets PROGRAMMATIC_STREAM_SERIALIZATION, so this launch may start while the previous
@@ -68,7 +74,7 @@ reached 72-76%; from batch 8 the warpgroup design is faster than cuBLAS on most 
 
 from kernels import reference
 from kernels.ops.parts import pdl, stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import (
     BF16_PER_VECTOR,
     HAVE_DSL,
@@ -106,12 +112,6 @@ TMA_EVICT_FIRST = 0x12F0000000000000
 TMA_EVICT_LAST = 0x14F0000000000000
 LOAD_GROUP_VECTORS = 16  # 16-byte vectors per lane in one load group (two groups live)
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.gemv]).
-DEFAULT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8, "pdl": 0, "stream_max_batch": 1,
-                    "stream_threads": 128, "stream_cta_kib": 8, "wg_from_batch": 8, "wg_rows": 64, "wg_k": 128,
-                    "wg_stages": 6, "wg_min_ctas": 0, "wg_wide_from_batch": 32, "wg_tma_hint": 1, "wg_tma_l2": 0,
-                    "wg_k64_from_n": 12288, "wg_ring_kib": 160}
-
 OUT_DTYPES = ("bfloat16", "float32")
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 
@@ -120,13 +120,13 @@ class GemvOp(OpBase):
     """One variant of the decode GEMM: shape {"batch", "n", "k", "out_dtype"} plus tunables."""
 
     kernel_name = "gemv"
-    mutant: str | None = None  # set only by the audit's planted mutants (MUTANT_OPS below)
+    # the tunables' defaults: kernels/manifest.toml [kernels.gemv.tunables]
+    TUNABLES = ("warps_per_cta", "row_tiles", "k_unroll", "pdl", "stream_max_batch", "stream_threads",
+                "stream_cta_kib", "wg_from_batch", "wg_rows", "wg_k", "wg_stages", "wg_min_ctas",
+                "wg_wide_from_batch", "wg_tma_hint", "wg_tma_l2", "wg_k64_from_n", "wg_ring_kib")
 
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"gemv: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch, self.n, self.k = int(shape["batch"]), int(shape["n"]), int(shape["k"])
         except KeyError as e:
@@ -362,14 +362,46 @@ class GemvOp(OpBase):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mP: cute.Tensor,
                mC: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mX, mW, mY, mP, mC)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all). Stream design: "w" (the CTA's weight rows) and "x" (every x row), both as 16-byte
+        vectors, and "partials" (fp32 [batch, warps]); warp-split design: "partials" (fp32
+        [rows, batch, warps]); warpgroup design: the rings "w" and "x", "last" (a 16-byte word
+        that keeps the later slots at their offsets), "red" (the cluster's reduction slots; None
+        without a cluster) and "bars" (the full, then the empty mbarrier of each stage)."""
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        if cutlass.const_expr(self.wg):
+            return self._wg_smem_tensors(smem)
         if cutlass.const_expr(self.stream):
-            self._stream_body(mX, mW, mY)
-        else:
-            self._warp_k_body(mX, mW, mY)
+            P = self.plan
+            sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
+            sX = smem.allocate_tensor(bf16, cute.make_layout((self.batch * P.k,)), byte_alignment=16)
+            sP = smem.allocate_tensor(f32, cute.make_layout((self.batch, P.warps)), byte_alignment=16)
+            return {"w": cute.zipped_divide(sW, (BF16_PER_VECTOR,)),  # ((8), vectors)
+                    "x": cute.zipped_divide(sX, (BF16_PER_VECTOR,)), "partials": sP}
+        return {"partials": smem.allocate_tensor(f32, cute.make_layout((self.rows_per_cta, self.batch, self.warps)),
+                                                 byte_alignment=16)}
 
     @cute.jit
-    def _warp_k_body(self, mX, mW, mY):
-        """Trace-time body of the small-batch design (see `_plan_warp_k`)."""
+    def tile(self, item, tidx, smem, mX, mW, mY, mP, mC):
+        """Trace-time: work item `item` of the stream or warp-split design (a block of weight
+        rows; the grid's x index), run by `threads` threads (`tidx` this one's index), over the
+        shared memory `smem` (`allocate_smem`). The warpgroup design's item is `wg_tile` (its
+        operands are TMA atoms)."""
+        if cutlass.const_expr(self.stream):
+            self._stream_tile(item, tidx, smem, mX, mW, mY)
+        else:
+            self._warp_k_tile(item, tidx, smem, mX, mW, mY)
+
+    @cute.jit
+    def _warp_k_tile(self, bidx, tidx, smem, mX, mW, mY):
+        """Trace-time: a work item of the small-batch design (see `_plan_warp_k`)."""
         B = self.batch
         R = self.rows_per_cta
         NT = self.row_tiles
@@ -380,8 +412,6 @@ class GemvOp(OpBase):
         f32 = cutlass.Float32
         u32 = cutlass.Uint32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         warp = tidx // WARP
         lane = tidx % WARP
         g = lane // 4
@@ -448,8 +478,7 @@ class GemvOp(OpBase):
             self._pdl_trigger()
 
         # --- reduce the warps' partials in shared memory, in warp order ----------------------
-        smem = cutlass.memory.SmemAllocator()
-        sP = smem.allocate_tensor(f32, cute.make_layout((R, B, W)), byte_alignment=16)
+        sP = smem["partials"]
         for mb in cutlass.range_constexpr(MB):
             for nt in cutlass.range_constexpr(NT):
                 for i in cutlass.range_constexpr(4):
@@ -476,32 +505,19 @@ class GemvOp(OpBase):
                 mY[b, row0 + r] = s.to(mY.element_type)
 
     @cute.jit
-    def _stream_body(self, mX, mW, mY):
-        """Trace-time body of the stream design (see `_plan_stream` and kernels/ops/parts/stream.py)."""
+    def _stream_tile(self, bidx, tidx, smem, mX, mW, mY):
+        """Trace-time: a work item of the stream design (see `_plan_stream` and kernels/ops/parts/stream.py)."""
         P = self.plan
         B = self.batch
         bf16 = cutlass.BFloat16
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
-
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((B * P.k,)), byte_alignment=16)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((B, P.warps)), byte_alignment=16)
-        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))  # ((8), vectors)
-        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
+        vW, vX, sP = smem["w"], smem["x"], smem["partials"]
         gW = cute.zipped_divide(mW, (1, BF16_PER_VECTOR))
 
         stream.copy_row(P, stream.weight_copy_atom(bf16), gW, bidx * P.rows + r, vW, r * P.kv, kv0)
-        early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
-        if cutlass.const_expr(early_x):
-            self._stream_copy_x(mX, vX, r, kv0)
-        self._pdl_wait()  # only static weights are read before it
-        if cutlass.const_expr(not early_x):
-            self._stream_copy_x(mX, vX, r, kv0)
+        self._stream_wait_then_x(mX, vX, r, kv0)
         cute.arch.cp_async_commit_group()
         self._pdl_trigger()
         cute.arch.cp_async_wait_group(0)
@@ -515,6 +531,12 @@ class GemvOp(OpBase):
                 for bb in cutlass.range_constexpr(B):
                     if tidx == rr * B + bb:
                         mY[bb, bidx * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
+
+    def _stream_wait_then_x(self, mX, vX, r, kv0):
+        """Trace-time helper of `_stream_tile`: `griddepcontrol.wait` (with pdl; only static
+        weights are read before it), then x's copies (the previous kernel may be writing x)."""
+        self._pdl_wait()
+        self._stream_copy_x(mX, vX, r, kv0)
 
     @cute.jit
     def _stream_copy_x(self, mX, vX, r, kv0):
@@ -545,13 +567,10 @@ class GemvOp(OpBase):
         while the kernel waits; it keeps plain loads where they are (checked in the SASS)."""
         if self.pdl:
             gW, gX, _w_atom, x_atom, *rest = ld
-            early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
-            self._load_into(bufs, gW, gX, x_atom, x_atom, *rest, 0, x=early_x)
-            _issue_here([t for step in bufs[0] for t in step]
-                        + [t for step in bufs[1] for t in step if early_x and t is not None])
+            self._load_into(bufs, gW, gX, x_atom, x_atom, *rest, 0, x=False)
+            _issue_here([t for step in bufs[0] for t in step])
             self._pdl_wait()
-            if not early_x:
-                self._load_into(bufs, *ld, 0, w=False)
+            self._load_into(bufs, *ld, 0, w=False)
         else:
             self._load_into(bufs, *ld, 0)
 
@@ -622,14 +641,13 @@ class GemvOp(OpBase):
         lay_x = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, bf16, self.stages)
         return mma, lay_w, lay_x
 
-    def _wg_smem_tensors(self):
-        """Trace-time: the shared memory of the design (see `_wg_smem` for its size): the W and
-        x rings, a 16-byte word (`sLast`, unused: it keeps the reduction slots and the barriers
-        at the offsets the shipped cubins have), the cluster's reduction slots (None without a
-        cluster) and the full and empty mbarriers of each stage."""
-        mma, lay_w, lay_x = self._wg_layouts()
+    def _wg_smem_tensors(self, smem) -> dict:
+        """Trace-time: the shared memory of the design from the allocator `smem` (see `_wg_smem`
+        for its size): the W and x rings, a 16-byte word ("last", unused: it keeps the reduction
+        slots and the barriers at the offsets the shipped cubins have), the cluster's reduction
+        slots ("red", None without a cluster) and the full and empty mbarriers of each stage."""
+        _, lay_w, lay_x = self._wg_layouts()
         bf16 = cutlass.BFloat16
-        smem = cutlass.memory.SmemAllocator()
         sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_w.inner)
         sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=WG_SWIZZLE_ALIGN, swizzle=lay_x.inner)
         sLast = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
@@ -639,7 +657,7 @@ class GemvOp(OpBase):
             sRed = smem.allocate_tensor(cutlass.Float32, cute.make_layout(
                 (self.splits, self.batch, pitch), stride=(self.batch * pitch, pitch, 1)), byte_alignment=16)
         bars = smem.allocate_array(cutlass.Int64, 2 * self.stages)
-        return mma, sW, sX, sLast, sRed, bars
+        return {"w": sW, "x": sX, "last": sLast, "red": sRed, "bars": bars}
 
     def _wg_operands(self, mma, sW, sX, tidx):
         """Trace-time: the wgmma operand descriptors of the slots (per warpgroup), the (row,
@@ -695,10 +713,21 @@ class GemvOp(OpBase):
     @cute.kernel
     def tma_kernel(self, tma_x: _CopyAtom, mX: cute.Tensor, tma_w: _CopyAtom, mW: cute.Tensor,
                    mY: cute.Tensor, mP: cute.Tensor, mC: cute.Tensor):
-        self._wg_tma_body(tma_x, mX, tma_w, mW, mY, mP, mC)
+        tidx, _, _ = cute.arch.thread_idx()
+        split, block, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.wg_tile((split, block), tidx, smem, tma_x, mX, tma_w, mW, mY, mP, mC)
 
     @cute.jit
-    def _wg_tma_body(self, tma_x, mX, tma_w, mW, mY, mP, mC):
+    def wg_tile(self, item, tidx, smem, tma_x, mX, tma_w, mW, mY, mP, mC):
+        """Trace-time: the warpgroup design's work item `item` = (split, row block), the grid's
+        (x, y) index (a split is its cluster rank), run by `threads` threads (`tidx` this one's
+        index), over the shared memory `smem` (`allocate_smem`); see `_wg_tma_body`. A caller
+        runs the splits of a row block as one thread block cluster."""
+        self._wg_tma_body(item, tidx, smem, tma_x, mX, tma_w, mW, mY, mP, mC)
+
+    @cute.jit
+    def _wg_tma_body(self, item, tidx, smem, tma_x, mX, tma_w, mW, mY, mP, mC):
         """The warpgroup design with its slots filled by TMA (`cp.async.bulk.tensor`) instead of
         every thread's cp.async: warp 0 is the producer (one elected lane issues). Stage slot s has a full mbarrier
         (one arrival, warp 0's expect-tx of the slot's W and x bytes, completed by the TMA
@@ -717,12 +746,12 @@ class GemvOp(OpBase):
         BK = self.stage_k
         tile_bytes = (self.rows_per_cta + self.batch) * BK * 2
 
-        tidx, _, _ = cute.arch.thread_idx()
-        split, block, _ = cute.arch.block_idx()
+        split, block = item
         lane = tidx % WARP
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         self._wg_entry()
-        mma, sW, sX, sLast, sRed, bars = self._wg_smem_tensors()
+        mma, _, _ = self._wg_layouts()
+        sW, sX, sLast, sRed, bars = smem["w"], smem["x"], smem["last"], smem["red"], smem["bars"]
         full = bars
         empty = bars + S
         if tidx == 0:
@@ -743,24 +772,7 @@ class GemvOp(OpBase):
         kt0 = split * G
         tCrA, tCrB, tCc, acc = self._wg_operands(mma, sW, sX, tidx)
 
-        # --- prologue: every slot (W before a pdl wait: static; x after it) --------------------
-        # The producer is warp 0 as a whole: a TMA copy elects its issuing lane itself
-        # (`elect.sync` over the full warp), so it must never run under a one-lane branch.
-        early_x = self.mutant == "x_before_wait"  # the planted hazard the audit must flag
-        if warp == 0:
-            for st in cutlass.range_constexpr(S):
-                if cutlass.const_expr(st < G):
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
-                    self._tma_copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], full + st, TMA_EVICT_FIRST)
-                    if cutlass.const_expr(not self.pdl or early_x):
-                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
-        if cutlass.const_expr(self.pdl and not early_x):
-            self._pdl_wait()
-            if warp == 0:
-                for st in cutlass.range_constexpr(S):
-                    if cutlass.const_expr(st < G):
-                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
+        self._wg_prologue(warp, full, tile_bytes, kt0, tma_w, tWg, tWs, tma_x, tXg, tXs)
 
         # --- main loop: mbarriers only ---------------------------------------------------------
         for it in cutlass.range(G, unroll=1):
@@ -782,10 +794,30 @@ class GemvOp(OpBase):
                         cute.arch.mbarrier_arrive_and_expect_tx(full + slot, tile_bytes)
                     self._tma_copy(tma_w, tWg[(None, kt0 + nxt)], tWs[(None, slot)], full + slot, TMA_EVICT_FIRST)
                     self._tma_copy(tma_x, tXg[(None, kt0 + nxt)], tXs[(None, slot)], full + slot, TMA_EVICT_LAST)
-        if cutlass.const_expr(self.pdl and early_x):
-            self._pdl_wait()
         self._pdl_trigger()
         self._wg_epilogue(mY, mP, mC, acc, tCc, sW, sLast, sRed, tidx, split, block)
+
+    @cute.jit
+    def _wg_prologue(self, warp, full, tile_bytes, kt0, tma_w, tWg, tWs, tma_x, tXg, tXs):
+        """Trace-time: the prologue of `_wg_tma_body`, every slot's tiles: W's before a pdl wait
+        (static), x's after it (the previous kernel may be writing x). The producer is warp 0 as
+        a whole: a TMA copy elects its issuing lane itself (`elect.sync` over the full warp), so
+        it must never run under a one-lane branch."""
+        S, G = self.stages, self.groups
+        if warp == 0:
+            for st in cutlass.range_constexpr(S):
+                if cutlass.const_expr(st < G):
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(full + st, tile_bytes)
+                    self._tma_copy(tma_w, tWg[(None, kt0 + st)], tWs[(None, st)], full + st, TMA_EVICT_FIRST)
+                    if cutlass.const_expr(not self.pdl):
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
+        if cutlass.const_expr(self.pdl):
+            self._pdl_wait()
+            if warp == 0:
+                for st in cutlass.range_constexpr(S):
+                    if cutlass.const_expr(st < G):
+                        self._tma_copy(tma_x, tXg[(None, kt0 + st)], tXs[(None, st)], full + st, TMA_EVICT_LAST)
 
     def _tma_copy(self, atom, src, dst, bar, policy):
         """Trace-time: one TMA tile copy completing on `bar`; with `wg_tma_hint` 1 it carries
@@ -893,16 +925,3 @@ def _flat(frags):
     """The loaded vectors of a (w, x) fragment group, in a fixed order (padding slots skipped)."""
     wv, xv = frags
     return [t for step in wv for t in step] + [t for step in xv for t in step if t is not None]
-
-
-# Planted mutants for the race audit's tests (built through the real build as "module:Class"):
-# x_before_wait issues the first x loads before griddepcontrol.wait, the hazard PDL invites.
-MUTANTS = ("x_before_wait",)
-
-
-def _mutant_class(mutant: str) -> type:
-    return type(f"GemvOp_{mutant}", (GemvOp,), {"mutant": mutant, "__module__": __name__})
-
-
-MUTANT_OPS = {m: _mutant_class(m) for m in MUTANTS}
-globals().update({cls.__name__: cls for cls in MUTANT_OPS.values()})

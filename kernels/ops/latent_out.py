@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from kernels import reference
 from kernels.ops.parts import stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.parts.decode_mma import (
     BATCH_PER_TILE,
@@ -54,14 +54,6 @@ LOAD_GROUP_VECTORS = 16
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
 STREAM_SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's shared memory (the launcher opts in past 48 KB)
-
-# Host-side tunables; must equal the manifest's defaults ([kernels.shared_gate_up], [kernels.latent_out]).
-# stream_*: the stream design up to `stream_max_batch` tokens: `stream_rows` output rows per CTA,
-# `stream_threads` (`stream_up_threads`, `stream_down_threads`) threads per weight row.
-SHARED_GATE_UP_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8,
-                           "stream_max_batch": 1, "stream_rows": 1, "stream_threads": 128}
-LATENT_OUT_TUNABLES = {"warps_per_cta": 8, "row_tiles": 2, "k_unroll": 8,
-                       "stream_max_batch": 1, "stream_rows": 1, "stream_up_threads": 64, "stream_down_threads": 128}
 
 
 def _plan(batch: int, k: int, warps: int, row_tiles: int, k_unroll: int) -> MmaPlan:
@@ -119,20 +111,17 @@ def _smem_rows(smem, k: int, rows: int):
     return cute.zipped_divide(s, (BF16_PER_VECTOR,))
 
 
-def _tunables(name: str, defaults: dict, tunables: dict) -> dict:
-    unknown = set(tunables) - set(defaults)
-    if unknown:
-        raise ValueError(f"{name}: unknown tunables {sorted(unknown)}; known: {sorted(defaults)}")
-    return {**defaults, **tunables}
-
-
 class SharedGateUpOp(OpBase):
     """shared_gate_up: a_s = bf16(SiTU(h @ W_sgu.T)); shape {"batch", "hidden", "shared_inter"}."""
 
     kernel_name = "shared_gate_up"
+    # the tunables' defaults: kernels/manifest.toml [kernels.shared_gate_up.tunables] (stream_*:
+    # the stream design up to `stream_max_batch` tokens, `stream_rows` output rows per CTA,
+    # `stream_threads` threads per weight row)
+    TUNABLES = ("warps_per_cta", "row_tiles", "k_unroll", "stream_max_batch", "stream_rows", "stream_threads")
 
     def __init__(self, shape: dict, **tunables):
-        super().__init__(shape, **_tunables(self.kernel_name, SHARED_GATE_UP_TUNABLES, tunables))
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch, self.hidden, self.inter = int(shape["batch"]), int(shape["hidden"]), int(shape["shared_inter"])
         except KeyError as e:
@@ -296,9 +285,13 @@ class LatentOutOp(OpBase):
     shape {"batch", "hidden", "latent", "shared_inter"}."""
 
     kernel_name = "latent_out"
+    # the tunables' defaults: kernels/manifest.toml [kernels.latent_out.tunables] (stream_*: as
+    # shared_gate_up's, `stream_up_threads` / `stream_down_threads` per W_up / W_sd row)
+    TUNABLES = ("warps_per_cta", "row_tiles", "k_unroll", "stream_max_batch", "stream_rows", "stream_up_threads",
+                "stream_down_threads")
 
     def __init__(self, shape: dict, **tunables):
-        super().__init__(shape, **_tunables(self.kernel_name, LATENT_OUT_TUNABLES, tunables))
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch = int(shape["batch"])
             self.hidden, self.latent, self.inter = int(shape["hidden"]), int(shape["latent"]), int(shape["shared_inter"])

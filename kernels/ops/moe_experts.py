@@ -39,6 +39,12 @@ barrier thread 0 adds 1 to the row block's gpu-scope counter with acq_rel semant
 completes the row block's n_groups-th item resets the counter (release) and sums, for every
 token, w_k * o[t * top_k + k] over k in order 0..top_k-1 (fixed order: bitwise deterministic),
 rounding c to bf16 once. The host zeroes the counters once.
+Both ops are written as tile functions, so that a persistent kernel can call them: `tile(item,
+tidx, smem, ...)` (moe_w2's warpgroup path: `wg_tile`, whose operands are TMA atoms) is the
+device work of one work item, given the thread's index and the shared memory the caller
+allocated (`allocate_smem`); the item is the linear index of (group u, block b) =
+(item // blocks, item % blocks), and each @cute.kernel is the thin wrapper item = blockIdx.x.
+
 Why moe_w2 keeps the counters rather than a CTA that streams one output row of all 16 experts
 (16 x 6 KB): that CTA needs the 16 activation rows beside them (another 96 KB), 192 KB of shared
 memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, several per SM.
@@ -46,7 +52,7 @@ memory, one CTA per SM; the stream design measured best with 8-16 KB CTAs, sever
 
 from kernels import reference
 from kernels.ops.parts import pdl, stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import BF16_PER_VECTOR, HAVE_DSL, WARP, ceil_div, cute, cutlass
 from kernels.ops.parts.decode_mma import expert_view, situ, vector_view
 from kernels.ops.parts import wg_ring
@@ -57,9 +63,6 @@ from kernels.ops.parts.tma import TensorMap, TmaTensorSpec
 MAX_BATCH = 64
 GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml).
-DEFAULT_TUNABLES = {"stream_threads": 128, "stream_cta_kib": 32, "pdl": 1, "stream_slots": 1,
-                    "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
 _CopyAtom = cute.CopyAtom if HAVE_DSL else object  # a kernel annotation (the GPU host has no DSL)
 WG_SMEM_LIMIT = 225 * 1024  # under sm_90's 227 KB opt-in maximum per CTA, with the DSL's static 1 KB
 
@@ -74,13 +77,11 @@ def expert_outputs_ref(z, ids, w13, w2, compute_dtype=None):
 class _GroupedBase(OpBase):
     """Shape {"batch", "n_experts", "latent", "expert_inter", "top_k"} plus tunables."""
 
-    mutant: str | None = None  # set only by the audit's planted mutants (end of this module)
+    # the tunables' defaults: kernels/manifest.toml [kernels.moe_w13.tunables], [kernels.moe_w2.tunables]
+    TUNABLES = ("stream_threads", "stream_cta_kib", "pdl", "stream_slots", "wg", "wg_stages", "wg_k", "wg_n")
 
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"{self.kernel_name}: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch = int(shape["batch"])
             self.n_experts = int(shape["n_experts"])
@@ -169,6 +170,18 @@ class _GroupedBase(OpBase):
         return routing_groups_ref(ids, self.n_experts)
 
 
+def _stream_smem(op, smem) -> dict:
+    """Trace-time: the stream path's shared memory (both ops): "w" the CTA's weight rows and "x"
+    the `x_slots` activation rows, as 16-byte vectors, and "partials" (fp32 [x_slots, warps])."""
+    P, S = op.stream_plan, op.x_slots
+    bf16 = cutlass.BFloat16
+    sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
+    sX = smem.allocate_tensor(bf16, cute.make_layout((S * P.k,)), byte_alignment=16)
+    sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S, P.warps)), byte_alignment=16)
+    return {"w": cute.zipped_divide(sW, (BF16_PER_VECTOR,)), "x": cute.zipped_divide(sX, (BF16_PER_VECTOR,)),
+            "partials": sP}
+
+
 class ExpertsUpOp(_GroupedBase):
     """moe_w13: act[pos] = bf16(SiTU(z[token] @ W13_e.T)) for every sorted position of every group."""
 
@@ -255,13 +268,40 @@ class ExpertsUpOp(_GroupedBase):
     @cute.kernel
     def kernel(self, mZ: cute.Tensor, mW: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor,
                mGroupStart: cute.Tensor, mSorted: cute.Tensor, mAct: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all). Stream path: "w" (the CTA's weight rows) and "x" (the activation slots), both as
+        16-byte vectors, and "partials" (fp32 [slots, warps]); warpgroup path: the rings "w" and
+        "x" (128-byte-swizzled slots) and "acc" (fp32 [64, wg_n], the accumulators' exchange)."""
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
         if cutlass.const_expr(self.wg):
-            self._up_wg(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
-        else:
-            self._up_stream(mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+            M, N = wg_ring.WG_M, self.wg_n
+            _, lay_w, lay_x = wg_ring.layouts(M, N, self.stage_k, self.stages)
+            sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_w.inner)
+            sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_x.inner)
+            sAcc = smem.allocate_tensor(f32, cute.make_layout((M, N), stride=(N, 1)), byte_alignment=16)
+            return {"w": sW, "x": sX, "acc": sAcc}
+        return _stream_smem(self, smem)
 
     @cute.jit
-    def _up_wg(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+    def tile(self, item, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+        """Trace-time: work item `item`, the linear index of (group u, column block cb) =
+        (item // blocks, item % blocks) (`col_blocks` or `row_blocks` of the design), run by
+        `threads` threads (`tidx` this one's index), over the shared memory `smem`
+        (`allocate_smem`). An item whose group is past n_groups does nothing."""
+        if cutlass.const_expr(self.wg):
+            self._up_wg(item, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+        else:
+            self._up_stream(item, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+
+    @cute.jit
+    def _up_wg(self, bidx, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
         """The warpgroup path (see `_plan_up_wg`): tiles numbered across the item's chunks of
         `wg_n` tokens; per tile: this thread's copies of the tile landed, the async-proxy
         fence, one CTA barrier, then the copies of the tile S - 1 ahead into the slot the
@@ -271,18 +311,12 @@ class ExpertsUpOp(_GroupedBase):
         S, BK, N, KT = self.stages, self.stage_k, self.wg_n, self.k_tiles
         L, I, R, RB = self.latent, self.inter, self.half_rows, self.row_blocks
         bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
         M = wg_ring.WG_M
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         u = bidx // RB
         cb = bidx % RB
-        mma, lay_w, lay_x = wg_ring.layouts(M, N, BK, S)
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, lay_w.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_w.inner)
-        sX = smem.allocate_tensor(bf16, lay_x.outer, byte_alignment=wg_ring.SWIZZLE_ALIGN, swizzle=lay_x.inner)
-        sAcc = smem.allocate_tensor(f32, cute.make_layout((M, N), stride=(N, 1)), byte_alignment=16)
+        mma, _, _ = wg_ring.layouts(M, N, BK, S)
+        sW, sX, sAcc = smem["w"], smem["x"], smem["acc"]
 
         n_groups = mNGroups[0]
         if u < n_groups:  # CTA-uniform: every thread takes the same branch
@@ -364,36 +398,30 @@ class ExpertsUpOp(_GroupedBase):
         return thr_x.partition_S(cute.local_tile(gZ, (N, self.stage_k), (0, None)))
 
     @cute.jit
-    def _up_stream(self, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
+    def _up_stream(self, bidx, tidx, smem, mZ, mW, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct):
         """The stream path (see the module docstring): CTA (group u, column block cb) copies gate
         rows cb*R .. cb*R+R-1 and up rows I + cb*R .. of expert group_expert[u] and the group's
         first `x_slots` z rows, then, a chunk of tokens at a time, writes
         act[pos, cb*R + r] = bf16(SiTU(gate . z[token], up . z[token])) for each sorted position."""
         P = self.stream_plan
-        S = self.x_slots
-        bf16 = cutlass.BFloat16
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         r = tidx // P.row_threads  # the CTA's row: gate rows first, then the up rows
         kv0 = tidx % P.row_threads
         u = bidx // self.col_blocks
         cb = bidx % self.col_blocks
+        vW, vX, sP = smem["w"], smem["x"], smem["partials"]
 
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((S * P.k,)), byte_alignment=16)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S, P.warps)), byte_alignment=16)
-        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
-        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
-
-        early = None
-        if cutlass.const_expr(self.mutant == "routing_before_wait"):
-            early = mGroupExpert[u]  # the planted hazard the audit must flag
+        early = self._expert_before_wait(u, mGroupExpert)
         self._pdl_wait()  # the routing and z are the router's outputs
         if u < mNGroups[0]:  # CTA-uniform: every thread takes the same branch
             self._up_stream_item(P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
                                  mSorted, mAct)
+
+    def _expert_before_wait(self, u, mGroupExpert):
+        """Trace-time: the group's expert id where read before `griddepcontrol.wait`, else None
+        (the item reads it after the wait): the routing is the router's output, so this op reads
+        none of it early."""
+        return None
 
     @cute.jit
     def _up_stream_item(self, P, vW, vX, sP, r, kv0, tidx, u, cb, early, mZ, mW, mGroupExpert, mGroupStart,
@@ -546,12 +574,39 @@ class ExpertsDownOp(_GroupedBase):
     def wg_kernel(self, tma_x: _CopyAtom, gX: cute.Tensor, tma_w: _CopyAtom, gW: cute.Tensor, mWeights: cute.Tensor,
                   mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                   mO: cute.Tensor, mCounters: cute.Tensor, mC: cute.Tensor):
-        self._down_wg(tma_x, gX, tma_w, gW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
-                      mC)
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.wg_tile(item, tidx, smem, tma_x, gX, tma_w, gW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted,
+                     mO, mCounters, mC)
+
+    def allocate_smem(self, smem) -> dict:
+        """Trace-time: one work item's shared memory from the allocator `smem` (`smem_bytes` in
+        all). Stream path: "w", "x", "partials" (as moe_w13's); warpgroup path: the rings "w" and
+        "x" and their 2 x `wg_stages` mbarriers "bars" (full, then empty); both: "last" (int32
+        [1], the arrival's verdict)."""
+        if cutlass.const_expr(self.wg):
+            _, lay_w, lay_x = wg_ring.layouts(self.rows_per_cta, self.wg_n, self.stage_k, self.stages)
+            sW, sX, bars = wg_ring.smem_tensors(smem, lay_w, lay_x, self.stages)
+            out = {"w": sW, "x": sX, "bars": bars}
+        else:
+            out = _stream_smem(self, smem)
+        out["last"] = smem.allocate_tensor(cutlass.Int32, cute.make_layout(1), byte_alignment=16)
+        return out
 
     @cute.jit
-    def _down_wg(self, tma_x, gX_t, tma_w, gW_t, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
-                 mCounters, mC):
+    def wg_tile(self, item, tidx, smem, tma_x, gX_t, tma_w, gW_t, mWeights, mNGroups, mGroupExpert, mGroupStart,
+                mSorted, mO, mCounters, mC):
+        """Trace-time: the warpgroup path's work item `item`, the linear index of (group u, row
+        block rb) = (item // row_blocks, item % row_blocks), run by one warpgroup (`tidx` this
+        thread's index), over the shared memory `smem` (`allocate_smem`). Its mbarriers are
+        initialised here, once per item (a persistent caller gives each item fresh barriers)."""
+        self._down_wg(item, tidx, smem, tma_x, gX_t, tma_w, gW_t, mWeights, mNGroups, mGroupExpert, mGroupStart,
+                      mSorted, mO, mCounters, mC)
+
+    @cute.jit
+    def _down_wg(self, bidx, tidx, smem, tma_x, gX_t, tma_w, gW_t, mWeights, mNGroups, mGroupExpert, mGroupStart,
+                 mSorted, mO, mCounters, mC):
         """The TMA-fed warpgroup path (see `_plan_down_wg`). Per k tile of the item (chunks of
         `wg_n` tokens one after the other, their tiles numbered on): every thread waits on the
         slot's full barrier, runs its wgmmas and waits for them, each warp's lane 0 arrives on
@@ -564,18 +619,13 @@ class ExpertsDownOp(_GroupedBase):
 
         S, BK, N, KT, R, RB = self.stages, self.stage_k, self.wg_n, self.k_tiles, self.rows_per_cta, self.row_blocks
         tile_bytes = (R + N) * BK * 2
-        i32 = cutlass.Int32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         lane = tidx % WARP
         warp = cute.arch.make_warp_uniform(tidx // WARP)
         u = bidx // RB
         rb = bidx % RB
-        mma, lay_w, lay_x = wg_ring.layouts(R, N, BK, S)
-        smem = cutlass.memory.SmemAllocator()
-        sW, sX, bars = wg_ring.smem_tensors(smem, lay_w, lay_x, S)
-        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
+        mma, _, _ = wg_ring.layouts(R, N, BK, S)
+        sW, sX, bars, sLast = smem["w"], smem["x"], smem["bars"], smem["last"]
         full = bars
         empty = bars + S
         wg_ring.init_barriers(bars, S, self.warps, tidx, [tma_w, tma_x])
@@ -630,34 +680,37 @@ class ExpertsDownOp(_GroupedBase):
     def kernel(self, mAct: cute.Tensor, mW: cute.Tensor, mWeights: cute.Tensor, mNGroups: cute.Tensor,
                mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor, mO: cute.Tensor,
                mCounters: cute.Tensor, mC: cute.Tensor):
-        self._down_stream(mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC)
+        tidx, _, _ = cute.arch.thread_idx()
+        item, _, _ = cute.arch.block_idx()
+        smem = self.allocate_smem(cutlass.memory.SmemAllocator())
+        self.tile(item, tidx, smem, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
+                  mC)
 
     @cute.jit
-    def _down_stream(self, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
+    def tile(self, item, tidx, smem, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO, mCounters,
+             mC):
+        """Trace-time: the stream path's work item `item`, the linear index of (group u, row block
+        rb) = (item // row_blocks, item % row_blocks), run by `threads` threads (`tidx` this
+        one's index), over the shared memory `smem` (`allocate_smem`). The warpgroup path's
+        item is `wg_tile` (its operands are TMA atoms, not these tensors)."""
+        self._down_stream(item, tidx, smem, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
+                          mCounters, mC)
+
+    @cute.jit
+    def _down_stream(self, bidx, tidx, smem, mAct, mW, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
+                     mCounters, mC):
         """The stream path (see the module docstring): CTA (group u, row block rb) copies W2_e rows
         rb*R .. rb*R+R-1 of expert group_expert[u] and the group's first `x_slots` act rows, then,
         a chunk of tokens at a time, writes o[slot, rows] in fp32; once all its tokens are written
         it arrives on counters[rb] (one arrival per group); the CTA that completes the row block
         resets its counter and writes c[t, rows] = bf16(sum_k w[t, k] o[t*K + k, rows]), k in order."""
         P = self.stream_plan
-        S = self.x_slots
-        bf16 = cutlass.BFloat16
-        i32 = cutlass.Int32
 
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
         u = bidx // self.row_blocks
         rb = bidx % self.row_blocks
-
-        smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(bf16, cute.make_layout((P.rows * P.k,)), byte_alignment=16)
-        sX = smem.allocate_tensor(bf16, cute.make_layout((S * P.k,)), byte_alignment=16)
-        sP = smem.allocate_tensor(cutlass.Float32, cute.make_layout((S, P.warps)), byte_alignment=16)
-        sLast = smem.allocate_tensor(i32, cute.make_layout(1), byte_alignment=16)
-        vW = cute.zipped_divide(sW, (BF16_PER_VECTOR,))
-        vX = cute.zipped_divide(sX, (BF16_PER_VECTOR,))
+        vW, vX, sP, sLast = smem["w"], smem["x"], smem["partials"], smem["last"]
 
         self._pdl_wait()  # the routing and act are earlier kernels' outputs
         n_groups = mNGroups[0]
@@ -746,13 +799,3 @@ def _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, 
                 for k in cutlass.range_constexpr(1, K):
                     s = s + mWeights[t, k] * mO[t * K + k, col]
                 mC[t, col] = s.to(cutlass.BFloat16)
-
-
-# The audit's planted mutant (`fasttrack audit moe_w13 --mutant routing_before_wait`): the stream
-# path with pdl reads the group's expert id, the router's output, before griddepcontrol.wait.
-class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit finds it by this name)
-    mutant = "routing_before_wait"
-
-    def __init__(self, shape: dict, **tunables):
-        # the early read is of the CTA's own group
-        super().__init__(shape, **{**tunables, "pdl": 1})

@@ -14,7 +14,7 @@ the thin wrapper item = blockIdx.x.
 """
 
 from kernels import reference
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import (
     BF16_PER_VECTOR,
     WARP,
@@ -29,20 +29,16 @@ from kernels.ops.parts.common import (
 EPS = 1e-5  # baked in at compile time (ARCHITECTURE.md: both RMSNorms use eps 1e-5)
 MAX_BATCH = 64
 
-# Host-side tunables; must equal the manifest's defaults (kernels/manifest.toml [kernels.rmsnorm]).
-DEFAULT_TUNABLES = {"threads": 448}
-
 
 class RMSNormOp(OpBase):
     """One variant of RMSNorm: shape {"batch", "width"} plus tunables."""
 
     kernel_name = "rmsnorm"
+    # the tunables' defaults: kernels/manifest.toml [kernels.rmsnorm.tunables]
+    TUNABLES = ("threads",)
 
     def __init__(self, shape: dict, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"rmsnorm: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.batch, self.width = int(shape["batch"]), int(shape["width"])
         except KeyError as e:

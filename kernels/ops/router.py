@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from kernels import reference
 from kernels.ops.parts import stream
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
 from kernels.ops.parts.decode_mma import sigmoid
 from kernels.ops.parts.stream import StreamPlan
@@ -75,20 +75,6 @@ TAG_NAN_WORD = 0x003FFFFF
 
 SMEM_RESERVED_PER_CTA = 1024  # sm_90 reserves 1 KB of shared memory per CTA
 SM90_SMEM_PER_SM = 228 * 1024  # the largest shared-memory carveout of an H100/H200 SM
-
-
-def _tunables(kernel: str, names: tuple, given: dict) -> dict:
-    """`given` over the manifest's defaults (kernels/manifest.toml [kernels.<kernel>.tunables],
-    read only for a tunable `given` lacks: the build always passes every one); a ValueError
-    names a tunable the op does not know."""
-    unknown = set(given) - set(names)
-    if unknown:
-        raise ValueError(f"{kernel}: unknown tunables {sorted(unknown)}; known: {sorted(names)}")
-    if set(names) <= set(given):
-        return dict(given)
-    from kernels.manifest import load_manifest
-
-    return {**load_manifest().kernel(kernel).tunable_defaults(), **given}
 
 
 def _nanosleep(ns: int) -> None:
@@ -388,7 +374,7 @@ class RouterOp(_Routing):
     TUNABLES = ("stream_threads", "stream_cta_kib", "pdl", "poll_sleep")
 
     def __init__(self, shape: dict, **tunables):
-        super().__init__(shape, **_tunables(self.kernel_name, self.TUNABLES, tunables))
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         try:
             self.latent = int(shape["latent"])
             self.hidden = int(shape["hidden"])
@@ -807,7 +793,7 @@ class RouterSelectOp(_Routing):
     TUNABLES = ("warps_per_cta",)
 
     def __init__(self, shape: dict, **tunables):
-        super().__init__(shape, **_tunables(self.kernel_name, self.TUNABLES, tunables))
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         self._routing_shape(shape, MAX_BATCH)
         if self.n_experts % 4:
             raise ValueError(f"router_select: n_experts {self.n_experts} is not a multiple of 4 (16-byte copies)")

@@ -29,6 +29,22 @@ def op_spec(spec: KernelSpec, op: str, name: str | None = None) -> KernelSpec:
     return dataclasses.replace(spec, name=name or spec.name, op=op)
 
 
+def mutant_op(spec: KernelSpec, mutant: str) -> str:
+    """The op ("module:Class") of `spec`'s planted mutant `mutant`: the class `<Op>_<mutant>` of
+    validation/race/specimens/mutants.py (the shipped kernels' mutants), else of the op's own
+    module (the specimens keep theirs beside them)."""
+    from validation.race.specimens import mutants
+
+    mod, _, cls = spec.op.partition(":")
+    name = f"{cls}_{mutant}"
+    return f"{mutants.__name__}:{name}" if hasattr(mutants, name) else f"{mod}:{name}"
+
+
+def mutant_spec(spec: KernelSpec, mutant: str) -> KernelSpec:
+    """`spec` with its planted mutant `mutant` as the op, named `<kernel>__<mutant>`."""
+    return op_spec(spec, mutant_op(spec, mutant), name=f"{spec.name}__{mutant}")
+
+
 def build_variant_of(spec: KernelSpec, shape: dict | None = None, tunables: dict | None = None,
                      root: Path | None = None):
     """Build one variant of `spec` (default: its first validation shape, default tunables)."""
@@ -78,15 +94,14 @@ def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None 
                  root: Path | None = None) -> AuditReport:
     """Build (or reuse from the build cache) and audit one variant of manifest kernel `name`.
 
-    `mutant` selects a planted mutant of the kernel's op (a class named `<Op>_<mutant>` in the
-    op's module); the roles stay the manifest's. Raises kernels.manifest.ManifestError for an
+    `mutant` selects a planted mutant of the kernel's op (a class named `<Op>_<mutant>`,
+    `mutant_op`); the roles stay the manifest's. Raises kernels.manifest.ManifestError for an
     unknown kernel and kernels.build.BuildError when the build fails.
     """
     spec = (manifest or load_manifest()).kernel(name)
     label = name
     if mutant is not None:
-        mod, _, cls = spec.op.partition(":")
-        spec = op_spec(spec, f"{mod}:{cls}_{mutant}", name=f"{name}__{mutant}")
+        spec = mutant_spec(spec, mutant)
         label = f"{name} [mutant {mutant}]"
     t0 = time.perf_counter()
     art = build_variant_of(spec, shape, tunables, root=root)

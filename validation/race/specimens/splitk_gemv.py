@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ops.base import LaunchConfig, OpBase, TensorSpec
+from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
 from kernels.ops.parts.common import cute, cutlass
 
 MUTANTS = ("relaxed_atomic", "missing_barrier", "nc_partials", "divergent_barrier")
 WARP = 32
 VEC = 8  # bf16 per 16-byte load
-DEFAULT_TUNABLES = {"splits": 7, "warps": 4, "rows_per_warp": 4}
 MAX_BATCH = 8  # accumulators live in registers: rows_per_warp * batch per lane
 SMEM_BYTES = 16  # the last-CTA verdict, broadcast through dynamic shared memory
 
@@ -44,12 +43,11 @@ def splitk_gemv_ref(x, w):
 
 class SplitKGemvOp(OpBase):
     kernel_name = "splitk_gemv"
+    # the tunables' defaults: kernels/manifest.toml [kernels.splitk_gemv.tunables]
+    TUNABLES = ("splits", "warps", "rows_per_warp")
 
     def __init__(self, shape: dict, mutant: str | None = None, **tunables):
-        unknown = set(tunables) - set(DEFAULT_TUNABLES)
-        if unknown:
-            raise ValueError(f"splitk_gemv: unknown tunables {sorted(unknown)}; known: {sorted(DEFAULT_TUNABLES)}")
-        super().__init__(shape, **{**DEFAULT_TUNABLES, **tunables})
+        super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
         if mutant is not None and mutant not in MUTANTS:
             raise ValueError(f"unknown splitk_gemv mutant {mutant!r}; mutants are {', '.join(MUTANTS)}")
         self.mutant = mutant
