@@ -52,11 +52,20 @@ class BlockPlanError(ValueError):
 def load_block_plan(path: Path = PLAN_PATH) -> dict[int, dict]:
     """The block's per-batch choices, {batch: {"router", "output", "tunables": {kernel: {...}}}},
     from `path` (default kernels/block_plan.toml; its header says what the fields mean)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise BlockPlanError(f"{path}: {e}") from None
+    return parse_block_plan(text, path)
+
+
+def parse_block_plan(text: str, path="kernels/block_plan.toml") -> dict[int, dict]:
+    """`load_block_plan` of a plan file's text (`path` names it in errors)."""
     import tomllib
 
     try:
-        raw = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
         raise BlockPlanError(f"{path}: {e}") from None
     plan = {}
     for key, entry in raw.get("batch", {}).items():
@@ -99,6 +108,25 @@ def dense_by_gemv(batch: int) -> bool:
 def block_tunables(kernel: str, batch: int) -> dict:
     """The tunables the block launches `kernel` with at `batch` (empty: the manifest defaults)."""
     return dict(BLOCK_PLAN.get(batch, {}).get("tunables", {}).get(kernel, {}))
+
+
+def plan_in_tree(tree: Path) -> dict[int, dict] | None:
+    """The block plan of the checkout or exported revision at `tree` (its
+    kernels/block_plan.toml), or None where that revision declares none."""
+    path = Path(tree) / "kernels" / "block_plan.toml"
+    return load_block_plan(path) if path.is_file() else None
+
+
+def shipped_tunables(spec, shape: dict, plan: dict[int, dict] | None = None) -> dict:
+    """The tunables manifest variant `shape` of kernel `spec` (a kernels.manifest.KernelSpec)
+    ships with: the manifest defaults, overridden by the block plan's choices for that kernel at
+    the variant's batch (`plan`, default kernels/block_plan.toml), those the kernel declares.
+    This is the variant the block launches (moe_w13's warpgroup design from batch 16, say), so it
+    is what the scope compares, the validator judges and the evidence binds; the defaults alone
+    would leave a design the block runs at some batch out of every comparison."""
+    chosen = (BLOCK_PLAN if plan is None else plan).get(shape.get("batch"), {}).get("tunables", {}).get(spec.name, {})
+    known = {t.name for t in spec.tunables}
+    return {**spec.tunable_defaults(), **{k: v for k, v in chosen.items() if k in known}}
 
 
 def block_variants(cfg: ModelConfig, batch: int, *, gemv_router: bool | None = None,

@@ -883,15 +883,19 @@ def build_kernel(kernel: str, *, shapes: list[dict] | None = None, tunables: dic
 def build_all(kernels: list[str] | None = None, *, root: Path = DEFAULT_ROOT, progress: Callable | None = None,
               force: bool = False, jobs: int | None = None, manifest: Manifest | None = None,
               repo_root: Path = REPO_ROOT, executor: BuildExecutor | None = None) -> list[BuildArtifact]:
-    """Build every manifest variant of `kernels` (default: all kernels), in manifest order, all in
-    one pool (`build_requests`: the variants of every kernel compile side by side).
+    """Build every manifest variant of `kernels` (default: all kernels), each at the tunables it
+    ships with (kernels.block.shipped_tunables: the defaults under the block plan), in manifest
+    order, all in one pool (`build_requests`: the variants of every kernel compile side by side).
 
     `progress(done, total, artifact)` counts over all kernels. Raises the first BuildError.
     """
+    from kernels.block import plan_in_tree, shipped_tunables  # kernels.block imports this module
+
     man = manifest or load_manifest()
     names = list(kernels) if kernels else list(man.kernels)
     specs = [_spec(n, man) for n in names]  # unknown names fail before anything compiles
-    reqs = [BuildRequest(spec, dict(shape), spec.tunable_defaults(), Path(repo_root))
+    plan = plan_in_tree(Path(repo_root)) or {}
+    reqs = [BuildRequest(spec, dict(shape), shipped_tunables(spec, shape, plan), Path(repo_root))
             for spec in specs for shape in spec.shapes]
     out = build_requests(reqs, root=root, force=force, progress=progress, jobs=jobs, executor=executor)
     errors = [r for r in out if isinstance(r, BuildError)]

@@ -459,7 +459,8 @@ def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Pat
                  build=None, executor=None, jobs: int | None = None, progress=None,
                  kernels: list[str] | None = None, sandbox=None) -> ChangeScope:
     """`scope` with `code` filled: for every kernel of `code_candidates` (or `kernels`), every
-    manifest variant built at the merge base and at head (each side's own default tunables) and
+    manifest variant built at the merge base and at head (at the tunables it ships with on each
+    side: kernels.block.shipped_tunables, the defaults under that side's block plan) and
     compared by cubin code hash (kernels/cubin.py: every ELF section but the line tables).
 
     code[kernel] = {status, variants, changed, errors, head}: status "same" (every variant's code
@@ -484,13 +485,19 @@ def compare_code(scope: ChangeScope, *, repo: str | os.PathLike = ".", root: Pat
     # The exports live for the process (exported_tree): the closures read the same ones.
     trees = {"base": exported_tree(r, scope.merge_base),
              "head": exported_tree(r, scope.head) if scope.head else Path(r.working_tree_dir)}
+    # Each variant at the tunables it ships with (the manifest defaults over which each side's
+    # block plan sets its per-batch choices; a base that declares no plan: head's choices).
+    from kernels.block import shipped_tunables
+
+    plans = {"base": plan_at(r, scope.merge_base), "head": plan_at(r, scope.head)}
+    plans["base"] = plans["base"] if plans["base"] is not None else plans["head"]
     reqs, where = [], []
     for k in names:
         for side, man in (("base", scope.base_manifest), ("head", scope.head_manifest)):
             spec = man.kernels[k]
-            tun = spec.tunable_defaults()
             for shape in spec.shapes:
-                reqs.append(kb.BuildRequest(spec, dict(shape), dict(tun), trees[side]))
+                reqs.append(kb.BuildRequest(spec, dict(shape), shipped_tunables(spec, shape, plans[side] or {}),
+                                            trees[side]))
                 where.append((k, side, _canon_shape(shape)))
     results = build(reqs)
     per: dict[str, dict] = {k: {"base": {}, "head": {}, "errors": []} for k in names}
@@ -546,6 +553,24 @@ def kernel_closures(repo, rev: str | None, manifest: Manifest | None) -> dict[st
 
 
 _EXPORTS: dict = {}
+
+
+def plan_at(repo, rev: str | None) -> dict | None:
+    """The block plan (kernels/block_plan.toml) of commit `rev`, of the working tree when `rev`
+    is None; None where that revision declares none or one of a format this checkout cannot read
+    (its per-batch choices then come from the other side)."""
+    from kernels.block import BlockPlanError, parse_block_plan
+
+    rel = "kernels/block_plan.toml"
+    try:
+        text = (Path(repo.working_tree_dir, rel).read_text() if rev is None
+                else repo.git.show(f"{repo.commit(rev).hexsha}:{rel}"))
+    except Exception:  # noqa: BLE001 - absent at that revision (git or OS error)
+        return None
+    try:
+        return parse_block_plan(text, f"{rel} at {rev[:12] if rev else 'the working tree'}")
+    except BlockPlanError:
+        return None
 
 
 def exported_tree(repo, rev: str) -> Path:

@@ -69,9 +69,11 @@ def _sources_match(meta: dict, repo_root: Path) -> bool:
 
 
 def find_prebuilt(spec: KernelSpec, variant: dict, build_root: Path, repo_root: Path) -> Path | None:
-    """The build folder of (kernel, variant, default tunables) whose recorded source hashes match
-    the checkout at `repo_root` (so a stale build of older sources is never judged)."""
-    tun = spec.tunable_defaults()
+    """The build folder of (kernel, variant, the tunables it ships with) whose recorded source
+    hashes match the checkout at `repo_root` (so a stale build of older sources is never judged)."""
+    from kernels.block import plan_in_tree, shipped_tunables
+
+    tun = shipped_tunables(spec, variant, plan_in_tree(repo_root) or {})
     for meta_path in sorted((build_root / spec.name).glob("*/meta.json")):
         try:
             meta = json.loads(meta_path.read_text())
@@ -80,6 +82,30 @@ def find_prebuilt(spec: KernelSpec, variant: dict, build_root: Path, repo_root: 
         if meta.get("variant") == variant and meta.get("tunables", {}) == tun and _sources_match(meta, repo_root):
             return meta_path.parent
     return None
+
+
+def build_shipped(spec: KernelSpec, variants: list[dict], *, build_root: Path, repo_root: Path,
+                  override: dict | None = None) -> list:
+    """Build (or find cached) each of `variants` of `spec` at the tunables it ships with
+    (kernels.block.shipped_tunables under the block plan of the checkout at `repo_root`), with
+    `override` over them; one build call per distinct set of tunables, artifacts in the order of
+    `variants`. Raises kernels.build.BuildError."""
+    from kernels import build as kbuild
+    from kernels.block import plan_in_tree, shipped_tunables
+
+    plan = plan_in_tree(repo_root) or {}
+    groups: dict[str, list[int]] = {}
+    for i, v in enumerate(variants):
+        groups.setdefault(json.dumps({**shipped_tunables(spec, v, plan), **(override or {})}, sort_keys=True),
+                          []).append(i)
+    out: list = [None] * len(variants)
+    manifest = load_manifest(Path(repo_root) / "kernels" / "manifest.toml")
+    for key, idxs in groups.items():
+        arts = kbuild.build_kernel(spec.name, shapes=[variants[i] for i in idxs], root=build_root,
+                                   repo_root=repo_root, tunables=json.loads(key), manifest=manifest)
+        for i, a in zip(idxs, arts):
+            out[i] = a
+    return out
 
 
 def resolve_builds(spec: KernelSpec, variants: list[dict], build_root: Path, repo_root: Path,
@@ -94,7 +120,7 @@ def resolve_builds(spec: KernelSpec, variants: list[dict], build_root: Path, rep
     if can_build:
         log(f"building {len(variants)} variant(s) of {spec.name} (cached builds are reused)")
         try:
-            arts = kbuild.build_kernel(spec.name, shapes=variants, root=build_root, repo_root=repo_root)
+            arts = build_shipped(spec, variants, build_root=build_root, repo_root=repo_root)
         except kbuild.BuildError as e:
             raise ValidateError(f"build failed: {e}") from None
         return [Prebuilt(dict(a.shape), Path(a.dir), a.meta, "built") for a in arts]
@@ -158,22 +184,31 @@ def default_plan_path(kernel: str, build_root: Path = DEFAULT_BUILD_ROOT) -> Pat
 _BASE_BUILD_SCRIPT = """
 import json, sys
 from pathlib import Path
-wt, kernel, root, shapes = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+wt, kernel, root, reqs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 sys.path.insert(0, wt)
 import kernels
 if Path(kernels.__file__).resolve().parent != Path(wt, "kernels").resolve():
     raise SystemExit(f"imported kernels from {kernels.__file__}, not from the base worktree")
 from kernels.build import build_kernel
-arts = build_kernel(kernel, shapes=shapes, root=Path(root), repo_root=Path(wt))
-print("@@ARTIFACTS@@" + json.dumps([{"variant": a.shape, "tunables": a.tunables, "key": a.key,
-      "dir": str(a.dir), "cubin_sha256": a.cubin_sha256, "sources": a.meta.get("sources")} for a in arts]))
+out, groups = [None] * len(reqs), {}
+for i, (shape, tunables) in enumerate(reqs):  # [shape, tunables]: one build call per tunables
+    groups.setdefault(json.dumps(tunables, sort_keys=True), []).append(i)
+for key, idxs in groups.items():
+    arts = build_kernel(kernel, shapes=[reqs[i][0] for i in idxs], tunables=json.loads(key),
+                        root=Path(root), repo_root=Path(wt))
+    for i, a in zip(idxs, arts):
+        out[i] = {"variant": a.shape, "tunables": a.tunables, "key": a.key, "dir": str(a.dir),
+                  "cubin_sha256": a.cubin_sha256, "sources": a.meta.get("sources")}
+print("@@ARTIFACTS@@" + json.dumps(out))
 """
 
 
 def _build_at_revision(kernel: str, sha: str, variants: list[dict], build_root: Path, repo_root: Path,
-                       log: Callable[[str], None]) -> list[dict]:
+                       log: Callable[[str], None], head_plan: dict | None = None) -> list[dict]:
     """Build `variants` of `kernel` as it was at commit `sha`: a temporary detached worktree, built by
-    that revision's own kernels/build.py (its manifest defaults, its sources) into `build_root`."""
+    that revision's own kernels/build.py (its sources) into `build_root`, each variant at the
+    tunables it ships with there (kernels.block.shipped_tunables: that revision's manifest
+    defaults under its block plan, or under `head_plan` where it declares none)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="fasttrack-base-") as tmp:
@@ -188,12 +223,20 @@ def _build_at_revision(kernel: str, sha: str, variants: list[dict], build_root: 
             from kernels.manifest import parse_manifest
 
             try:
-                parse_manifest((wt / "kernels" / "manifest.toml").read_text()).kernel(kernel)
+                bspec = parse_manifest((wt / "kernels" / "manifest.toml").read_text()).kernel(kernel)
             except ManifestError as e:
                 raise ValidateError(f"kernel {kernel} at base {sha[:12]}: {e}") from None
+            from kernels.block import BlockPlanError, plan_in_tree, shipped_tunables
+
+            try:
+                bplan = plan_in_tree(wt)
+            except BlockPlanError:  # a plan of another format: that revision's choices are not readable here
+                bplan = None
+            bplan = head_plan if bplan is None else bplan
+            reqs = [[v, shipped_tunables(bspec, v, bplan or {})] for v in variants]
             log(f"building {len(variants)} variant(s) of {kernel} at base {sha[:12]} (its own kernels/build.py)")
             proc = subprocess.run([sys.executable, "-c", _BASE_BUILD_SCRIPT, str(wt), kernel,
-                                   str(Path(build_root).resolve()), json.dumps(variants)],
+                                   str(Path(build_root).resolve()), json.dumps(reqs)],
                                   cwd=wt, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("@@ARTIFACTS@@")), None)
             if proc.returncode != 0 or line is None:
@@ -241,13 +284,13 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
     except kbuild.BuildError as e:
         raise ValidateError(f"--base {base}: the base and head cubins are built here, and {e}") from None
     log(f"building {len(variants)} variant(s) of {kernel} at head (this checkout)")
+    from kernels.block import plan_in_tree
+
     try:
-        head = kbuild.build_kernel(kernel, shapes=variants, root=build_root, repo_root=repo_root,
-                                   manifest=load_manifest(repo_root / "kernels" / "manifest.toml"),
-                                   tunables=tunables or None)
+        head = build_shipped(spec, variants, build_root=build_root, repo_root=repo_root, override=tunables)
     except kbuild.BuildError as e:
         raise ValidateError(f"head does not build: {e}") from None
-    based = _build_at_revision(kernel, sha, variants, build_root, repo_root, log)
+    based = _build_at_revision(kernel, sha, variants, build_root, repo_root, log, plan_in_tree(repo_root))
     base_sources = based[0]["sources"] if based else {}
     head_sha = _git(["rev-parse", "HEAD"], repo_root)
     closure = sorted((head[0].meta.get("sources") or {}) if head else [])

@@ -1,0 +1,77 @@
+"""The variants that ship: each manifest variant at the manifest defaults under the block plan's
+per-batch choices (kernels.block.shipped_tunables), as the scope compares them, the validator
+builds them and the evidence binds them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gate_fixtures import commit, make_repo, write  # noqa: E402
+
+from kernels.block import BLOCK_PLAN, load_block_plan, plan_in_tree, shipped_tunables  # noqa: E402
+from kernels.manifest import load_manifest  # noqa: E402
+
+
+def _variant(spec, batch):
+    return next(dict(s) for s in spec.shapes if s["batch"] == batch)
+
+
+def test_the_block_plans_choices_override_the_defaults_at_their_batches():
+    man = load_manifest()
+    w13, w2, norm = man.kernel("moe_w13"), man.kernel("moe_w2"), man.kernel("rmsnorm")
+    assert w13.tunable_defaults()["wg"] == 0
+    for batch in (1, 2, 4, 8):
+        assert shipped_tunables(w13, _variant(w13, batch))["wg"] == 0
+    for batch in (16, 32, 64):  # the warpgroup design from batch 16 (kernels/block_plan.toml)
+        assert shipped_tunables(w13, _variant(w13, batch)) == {**w13.tunable_defaults(), "wg": 1}
+    assert shipped_tunables(w2, _variant(w2, 1))["wg"] == 0
+    assert shipped_tunables(w2, _variant(w2, 2))["wg"] == 1
+    for batch in (1, 64):  # a kernel the plan sets nothing for ships its defaults
+        assert shipped_tunables(norm, _variant(norm, batch)) == norm.tunable_defaults()
+    assert BLOCK_PLAN[16]["tunables"]["moe_w13"] == {"wg": 1}
+
+
+def test_choices_a_kernel_does_not_declare_are_dropped_and_an_empty_plan_gives_the_defaults():
+    w13 = load_manifest().kernel("moe_w13")
+    v = _variant(w13, 16)
+    plan = {16: {"tunables": {"moe_w13": {"wg": 1, "no_such_tunable": 3}}}}
+    assert shipped_tunables(w13, v, plan) == {**w13.tunable_defaults(), "wg": 1}
+    assert shipped_tunables(w13, v, {}) == w13.tunable_defaults()
+
+
+def test_plan_in_tree_reads_a_revisions_own_plan_or_says_it_has_none(tmp_path):
+    assert plan_in_tree(tmp_path) is None
+    write(tmp_path, "kernels/block_plan.toml", '[batch.8]\nrouter = "gemv"\noutput = "gemv"\n'
+          'tunables.alpha = { threads = 256 }\n')
+    assert plan_in_tree(tmp_path) == {8: {"router": "gemv", "output": "gemv", "tunables": {"alpha": {"threads": 256}}}}
+    assert plan_in_tree(Path(__file__).resolve().parent.parent) == load_block_plan()
+
+
+def test_the_scope_compares_each_variant_at_its_shipped_tunables_on_both_sides(tmp_path):
+    """A change to a design that only the block plan selects (alpha's threads=256 at batch 8) is
+    compared at that design: the requests carry the plan's choice, the base's from head's plan
+    where the base declares none."""
+    from validation.scope import compare_code, compute_scope
+
+    root = tmp_path / "repo"
+    base = make_repo(root)
+    write(root, "kernels/block_plan.toml", '[batch.8]\nrouter = "gemv"\noutput = "gemv"\n'
+          'tunables.alpha = { threads = 256 }\n')
+    write(root, "kernels/ops/alpha.py", (root / "kernels/ops/alpha.py").read_text() + "EXTRA = 1\n")
+    head = commit(root, "alpha: a change")
+    seen = []
+
+    class Result:
+        cubin_code_sha256 = cubin_sha256 = "same"
+
+    def build(reqs):
+        seen.extend(reqs)
+        return [Result() for _ in reqs]
+
+    scope = compute_scope(base, head, repo=root)
+    compare_code(scope, repo=root, build=build, kernels=["alpha"])
+    assert len(seen) == 4  # two variants, both sides
+    assert sorted((r.shape["batch"], r.tunables["threads"]) for r in seen) == [(1, 128), (1, 128), (8, 256), (8, 256)]
