@@ -75,3 +75,43 @@ def test_the_scope_compares_each_variant_at_its_shipped_tunables_on_both_sides(t
     compare_code(scope, repo=root, build=build, kernels=["alpha"])
     assert len(seen) == 4  # two variants, both sides
     assert sorted((r.shape["batch"], r.tunables["threads"]) for r in seen) == [(1, 128), (1, 128), (8, 256), (8, 256)]
+
+
+def _fake_revision(root: Path, block_py: str | None) -> None:
+    """A revision's tree with a kernels/build.py that records what it is asked to build."""
+    write(root, "kernels/__init__.py", "")
+    write(root, "kernels/build.py", "from types import SimpleNamespace\n"
+          "def build_kernel(kernel, shapes, tunables, root, repo_root):\n"
+          "    return [SimpleNamespace(shape=s, tunables=tunables, key='k', dir=root, cubin_sha256='c',"
+          " meta={'sources': {}}) for s in shapes]\n")
+    if block_py is not None:
+        write(root, "kernels/block.py", block_py)
+
+
+def _run_base_script(root: Path, reqs) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+
+    from validation.validate import _BASE_BUILD_SCRIPT
+
+    r = subprocess.run([sys.executable, "-c", _BASE_BUILD_SCRIPT, str(root), "moe_w2", str(root), json.dumps(reqs)],
+                       cwd=root, capture_output=True, text=True, check=True)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("@@ARTIFACTS@@"))
+    return json.loads(line[len("@@ARTIFACTS@@"):])
+
+
+def test_a_base_without_a_block_plan_builds_what_its_own_block_launched(tmp_path):
+    # 83f6b15's kernels/block.py chose moe_w2's warpgroup design as {"stream": 0, "wg": 1}; head's
+    # plan says {"wg": 1}, which that revision builds as its stream design
+    _fake_revision(tmp_path, "def block_tunables(kernel, batch):\n"
+                   "    return {'stream': 0, 'wg': 1} if batch >= 2 else {'stream': 1}\n")
+    got = _run_base_script(tmp_path, [[{"batch": 1}, {"wg": 0}, True], [{"batch": 2}, {"wg": 1}, True],
+                                      [{"batch": 4}, {"wg": 1}, False]])
+    assert [a["tunables"] for a in got] == [{"stream": 1}, {"stream": 0, "wg": 1}, {"wg": 1}]
+
+
+def test_a_base_with_no_block_tables_takes_the_tunables_it_is_given(tmp_path):
+    _fake_revision(tmp_path, None)
+    got = _run_base_script(tmp_path, [[{"batch": 2}, {"wg": 1}, True]])
+    assert [a["tunables"] for a in got] == [{"wg": 1}]

@@ -190,8 +190,15 @@ import kernels
 if Path(kernels.__file__).resolve().parent != Path(wt, "kernels").resolve():
     raise SystemExit(f"imported kernels from {kernels.__file__}, not from the base worktree")
 from kernels.build import build_kernel
+try:  # a revision without kernels/block_plan.toml: its block's own per-batch choices, where it has them
+    from kernels.block import block_tunables
+except ImportError:
+    block_tunables = None
+for r in reqs:  # [shape, tunables, own]: own, take the revision's kernels.block.block_tunables
+    if r[2] and block_tunables is not None:
+        r[1] = block_tunables(kernel, r[0].get("batch"))
 out, groups = [None] * len(reqs), {}
-for i, (shape, tunables) in enumerate(reqs):  # [shape, tunables]: one build call per tunables
+for i, (shape, tunables, _) in enumerate(reqs):  # one build call per tunables
     groups.setdefault(json.dumps(tunables, sort_keys=True), []).append(i)
 for key, idxs in groups.items():
     arts = build_kernel(kernel, shapes=[reqs[i][0] for i in idxs], tunables=json.loads(key),
@@ -208,7 +215,11 @@ def _build_at_revision(kernel: str, sha: str, variants: list[dict], build_root: 
     """Build `variants` of `kernel` as it was at commit `sha`: a temporary detached worktree, built by
     that revision's own kernels/build.py (its sources) into `build_root`, each variant at the
     tunables it ships with there (kernels.block.shipped_tunables: that revision's manifest
-    defaults under its block plan, or under `head_plan` where it declares none)."""
+    defaults under its block plan). A revision that declares no block plan but whose
+    kernels/block.py has `block_tunables(kernel, batch)` (before the plan was a table: 83f6b15)
+    builds what its own block launched; one with neither takes `head_plan`'s choices. Head's plan
+    at such a base would be wrong: 83f6b15 reads moe_w2's `wg` only with `stream` 0, so head's
+    `wg = 1` there built its stream design and its bundle compared two designs."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="fasttrack-base-") as tmp:
@@ -232,8 +243,9 @@ def _build_at_revision(kernel: str, sha: str, variants: list[dict], build_root: 
                 bplan = plan_in_tree(wt)
             except BlockPlanError:  # a plan of another format: that revision's choices are not readable here
                 bplan = None
+            own = bplan is None  # the revision's own block tables (kernels.block.block_tunables), else head's plan
             bplan = head_plan if bplan is None else bplan
-            reqs = [[v, shipped_tunables(bspec, v, bplan or {})] for v in variants]
+            reqs = [[v, shipped_tunables(bspec, v, bplan or {}), own] for v in variants]
             log(f"building {len(variants)} variant(s) of {kernel} at base {sha[:12]} (its own kernels/build.py)")
             proc = subprocess.run([sys.executable, "-c", _BASE_BUILD_SCRIPT, str(wt), kernel,
                                    str(Path(build_root).resolve()), json.dumps(reqs)],
