@@ -360,3 +360,18 @@ def test_a_kernel_that_keeps_results_by_input_address_fails_reshuffled_inputs():
     box[0] = mk
     res = mk.same_buffers(KC.kernel_cases("router_select", MINI_SEL, (0,))[0], load_policy())
     assert not res["passed"] and "new values in the previous launch's input buffers" in res["detail"], res
+
+
+def test_expert_bytes_are_the_mean_over_the_rotated_routings():
+    """The routed experts' bench cycles through routings that select different numbers of
+    experts; the bytes per launch are their mean, so a routing with more experts than the others
+    cannot put the kernel above the read ceiling."""
+    from types import SimpleNamespace
+
+    w = torch.zeros(16, 4, 8, dtype=torch.bfloat16)  # 16 experts of 64 bytes
+    out = SimpleNamespace(nbytes=lambda: 10)
+    mk = SimpleNamespace(name="moe_w13", specs={"out": out}, outs=("out",))
+    pairs = [({"w13": w}, {"ids": torch.tensor([[0, 1], [2, 3]])}),  # 4 experts
+             ({"w13": w}, {"ids": torch.tensor([[0, 1], [0, 1]])})]  # 2 experts
+    assert [KC.bytes_moved(mk, i, e) for i, e in pairs] == [4 * 64 + 10, 2 * 64 + 10]
+    assert KC.mean_bytes_moved(mk, pairs) == 3 * 64 + 10

@@ -656,3 +656,10 @@ def bytes_moved(mk: MultiKernel, ins: dict, extra: dict) -> int:
             total += t.nbytes
     total += sum(mk.specs[n].nbytes() for n in mk.outs)
     return int(total)
+
+
+def mean_bytes_moved(mk: MultiKernel, pairs: list[tuple[dict, dict]]) -> int:
+    """The bytes per launch of launches that cycle through `pairs` ((inputs, extra) per launch):
+    the mean of their `bytes_moved`. The routed experts' rotated routings select different
+    numbers of experts, so one routing's count would misstate what the timed launches read."""
+    return round(sum(bytes_moved(mk, i, e) for i, e in pairs) / len(pairs))
