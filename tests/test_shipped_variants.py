@@ -115,3 +115,13 @@ def test_a_base_with_no_block_tables_takes_the_tunables_it_is_given(tmp_path):
     _fake_revision(tmp_path, None)
     got = _run_base_script(tmp_path, [[{"batch": 2}, {"wg": 1}, True]])
     assert [a["tunables"] for a in got] == [{"wg": 1}]
+
+
+def test_a_variant_without_a_batch_keeps_its_tunables_at_such_a_base(tmp_path):
+    # prodcons' shapes (producers, consumers) have no batch: the block never launches them, and
+    # 83f6b15's block_tunables compared None with an int
+    _fake_revision(tmp_path, "def block_tunables(kernel, batch):\n"
+                   "    return {'stream': 1} if batch <= 16 else {}\n")
+    got = _run_base_script(tmp_path, [[{"producers": 2, "consumers": 4}, {"spin": 1}, True],
+                                      [{"batch": 2}, {"wg": 1}, True]])
+    assert [a["tunables"] for a in got] == [{"spin": 1}, {"stream": 1}]

@@ -195,8 +195,8 @@ try:  # a revision without kernels/block_plan.toml: its block's own per-batch ch
 except ImportError:
     block_tunables = None
 for r in reqs:  # [shape, tunables, own]: own, take the revision's kernels.block.block_tunables
-    if r[2] and block_tunables is not None:
-        r[1] = block_tunables(kernel, r[0].get("batch"))
+    if r[2] and block_tunables is not None and r[0].get("batch") is not None:  # no batch: not a block launch
+        r[1] = block_tunables(kernel, r[0]["batch"])
 out, groups = [None] * len(reqs), {}
 for i, (shape, tunables, _) in enumerate(reqs):  # one build call per tunables
     groups.setdefault(json.dumps(tunables, sort_keys=True), []).append(i)
