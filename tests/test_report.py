@@ -202,3 +202,32 @@ def test_plot_axis_spans_the_data_and_draws_noise_bands():
     ticks = [float(t) for t in re.findall(r'class="tk">(-?\d+\.\d+)</text>', svg)]
     assert min(ticks) > 0.9 and max(ticks) < 1.1  # not from zero: the 0.97-1.05 spread is visible
     assert "<polygon" in svg and "noise band" in svg
+
+
+def test_timeline_from_stamps_and_its_svg():
+    from validation.report import timeline_svg
+    from validation.timeline import timeline_from_stamps
+
+    stamps = [[[1000, 3000], [4000, 9000]],   # worker 0: both stages
+              [[1500, 2500], [0, 0]],         # worker 1: stage "b" not run
+              [[1000, 2000], [5000, 11000]]]
+    t = timeline_from_stamps(stamps, ["a", "b"], batch=1)
+    assert t["spans"] == [[0, 0, 1000, 3000], [0, 1, 4000, 9000], [1, 0, 1500, 2500],
+                          [2, 0, 1000, 2000], [2, 1, 5000, 11000]]
+    svg = timeline_svg(t)
+    assert svg.count("<rect") == 1 + 5 + 2  # frame, one bar per span, one legend swatch per stage
+    # first start, last end and summed busy time per stage, in us from the first timestamp
+    assert "a: 0-2 us, busy 4 us" in svg and "b: 3-10 us, busy 11 us" in svg
+    with pytest.raises(ValueError, match="not a span"):
+        timeline_from_stamps([[[5, 4]]], ["a"], batch=1)
+    with pytest.raises(ValueError, match="1 stamp pairs for 2 stages"):
+        timeline_from_stamps([[[1, 2]]], ["a", "b"], batch=1)
+
+
+def test_a_bundle_timeline_is_drawn_on_the_page():
+    from validation.report import render_report
+
+    b = {"schema": "fasttrack.evidence/1", "verdict": "pass",
+         "timeline": [{"batch": 4, "unit": "ns", "stages": ["norm", "w13"], "spans": [[0, 0, 10, 20], [0, 1, 30, 90]]}]}
+    page = render_report(b)
+    assert "Per-stage timeline, batch 4" in page and "w13: 0.02-0.08 us" in page

@@ -106,6 +106,67 @@ def line_plot(series: dict[str, list[tuple[float, float]]], *, title: str, y_lab
     return "".join(out)
 
 
+def timeline_svg(timeline: dict, *, width: int = 720) -> str:
+    """An inline SVG of a persistent kernel's per-stage timeline (the bundle's `timeline`: in-kernel
+    timestamps, see validation/BUNDLE.md): one thin row per worker, one bar per (worker, stage)
+    span, coloured by stage, x in microseconds from the launch's first timestamp. The legend gives
+    each stage's first start, last end and summed busy time across workers, so a stage that
+    waits (its bars start late everywhere) or one that straggles (one long bar) shows at a glance.
+    """
+    stages = list(timeline.get("stages") or [])
+    spans = [s for s in timeline.get("spans") or []
+             if isinstance(s, (list, tuple)) and len(s) == 4 and all(_num(v) is not None for v in s)
+             and 0 <= int(s[1]) < len(stages) and s[3] >= s[2]]
+    title = f"Per-stage timeline, batch {timeline.get('batch', '?')}"
+    if not stages or not spans:
+        return f'<p class="muted">{html.escape(title)}: no timestamps</p>'
+    scale = {"ns": 1e-3, "us": 1.0, "cycles": 1.0 / float(timeline.get("clock_mhz") or 1.0)}.get(
+        timeline.get("unit", "ns"), 1e-3)
+    t0 = min(s[2] for s in spans)
+    t1 = max(s[3] for s in spans)
+    span_us = max((t1 - t0) * scale, 1e-9)
+    workers = sorted({int(s[0]) for s in spans})
+    row = {w: i for i, w in enumerate(workers)}
+    rh = 2 if len(workers) > 64 else 4
+    left, right, top = 58, 230, 28
+    pw, ph = width - left - right, rh * len(workers)
+    height = top + ph + 42
+
+    def X(t):
+        return left + (t - t0) * scale / span_us * pw
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(height, top + 16 * len(stages) + 20)}" '
+           f'viewBox="0 0 {width} {max(height, top + 16 * len(stages) + 20)}" role="img" aria-label="{html.escape(title)}">',
+           f'<text x="{left}" y="16" class="pt">{html.escape(title)}</text>',
+           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    for i in range(5):
+        v = span_us * i / 4
+        x = left + pw * i / 4
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + ph}" stroke="#eee"/>')
+        out.append(f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle" class="tk">{v:.3g}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{top + ph + 34}" text-anchor="middle" class="tk">us from the first timestamp</text>')
+    out.append(f'<text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
+               f'text-anchor="middle" class="tk">worker ({len(workers)})</text>')
+    for w, si, a, b in sorted(spans, key=lambda s: (s[1], s[0], s[2])):
+        c = PALETTE[int(si) % len(PALETTE)]
+        out.append(f'<rect x="{X(a):.1f}" y="{top + row[int(w)] * rh}" width="{max(X(b) - X(a), 0.5):.1f}" '
+                   f'height="{rh}" fill="{c}"/>')
+    for si, name in enumerate(stages):
+        mine = [s for s in spans if int(s[1]) == si]
+        c = PALETTE[si % len(PALETTE)]
+        ly = top + 12 + 16 * si
+        out.append(f'<rect x="{left + pw + 10}" y="{ly - 9}" width="12" height="10" fill="{c}"/>')
+        if mine:
+            first, last = (min(s[2] for s in mine) - t0) * scale, (max(s[3] for s in mine) - t0) * scale
+            busy = sum(s[3] - s[2] for s in mine) * scale
+            text = f"{name}: {first:.3g}-{last:.3g} us, busy {busy:.3g} us"
+        else:
+            text = f"{name}: no span"
+        out.append(f'<text x="{left + pw + 26}" y="{ly}" class="tk">{html.escape(text)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
 def _problem_label(variant: dict) -> str:
     """A short legend label: the problem without the batch; the default bf16 output dtype omitted."""
     parts = []
@@ -282,6 +343,10 @@ def render_report(bundle: dict, trust: dict | None = None) -> str:
         plots.append(line_plot({**frac_head, **frac_base}, title="Fraction of the read-only ceiling (dashed: base)",
                                y_label="fraction of read BW", ref_y=1.0, ref_label="ceiling", styles=styles,
                                bands=dict(head_band)))
+    timelines = bundle.get("timeline") or []
+    for t in timelines if isinstance(timelines, list) else [timelines]:
+        if isinstance(t, dict):
+            plots.append(timeline_svg(t))
     corr = bundle.get("correctness") or {}
     n_cases = len(corr.get("cases") or [])
     tmpl = env.get_template(TEMPLATE)
