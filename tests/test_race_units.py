@@ -571,3 +571,32 @@ def test_steps_reads_the_induction_pattern_in_ptx_and_strength_reduced_sass():
                     if s is not None:
                         found.setdefault(ins.index, set()).add(s)
         assert {frozenset(v) for v in found.values()} >= {frozenset({0}), frozenset({1})}, f.dialect
+
+
+# A loop that walks a task table by its entry stride, loading the pointer in slot 8 of each
+# entry, with a loop counter beside it: both are loop-carried registers with an immediate add.
+_TABLE_WALK = """
+	mov.u64 %rd3, %rd1;
+	mov.u32 %r2, 0;
+$L__walk:
+	ld.global.b64 %rd4, [%rd3+8];
+	ld.global.b32 %r3, [%rd4];
+	add.s64 %rd3, %rd3, 24;
+	add.s32 %r2, %r2, 1;
+	setp.lt.u32 %p1, %r2, %r9;
+	@%p1 bra $L__walk;"""
+
+
+@pytest.mark.parametrize("stride", [24, 0, 48])
+def test_provenance_converges_on_loop_carried_offsets(stride):
+    """The loop counter's offset moves on every pass around the loop (and, with the table read
+    as one entry or a stride the walk does not divide, so does the pointer's): the analysis
+    widens it to an unknown offset and converges. A pointer that walks the table by its stride
+    keeps its exact slot."""
+    from validation.race.dataflow import analyze, slot_index, UNKNOWN_SLOT
+
+    fn = parse_ptx(_ptx(_TABLE_WALK))[0]
+    prov = analyze(CFG(fn), {0: stride})
+    inner = [i for i in fn.instrs if i.kind == ir.LOAD and i.addr_regs == ("%rd4",)][0]
+    want = {slot_index(0, 8)} if stride == 24 else {slot_index(0, UNKNOWN_SLOT)}
+    assert prov.params_of_addr(inner.index) == want
