@@ -1,0 +1,161 @@
+"""The megakernel's task graph and task table (kernels/taskgraph.py megakernel_graph, task_table):
+the graph's shape at every decode batch, the model checker clean on it at small sizes and
+finding a planted defect, the table consistent with the graph's schedule, and the kernel's host
+side built from them (kernels/ops/megakernel.py) and declared alike in the manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kernels.config import get_config
+from kernels.manifest import load_manifest
+from kernels.taskgraph import (
+    MEGA_DEPS,
+    MEGA_STAGES,
+    TASK_FIELDS,
+    TaskGraph,
+    TaskGraphError,
+    mega_counter,
+    megakernel_graph,
+    task_table,
+)
+from validation.modelcheck import check_graph, static_problems
+
+K3 = get_config("k3")
+TINY = get_config("tiny")
+# coarse items, so that the k3 graph stays small at batch 64
+K3_COARSE = {"router_rows": 128, "down": 512, "shared_gu": 1024, "w13": 512, "w2": 512, "out": 1024}
+# the tiny preset (hidden 64, latent 32, 16 experts, top 4, 24 / 48 intermediate)
+TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "out": 16}
+TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "out": 64}  # one item per column stage
+
+
+def _items(g: TaskGraph) -> dict[str, int]:
+    return {s: len(g.stage_tasks(s)) for s in MEGA_STAGES}
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32, 64])
+def test_graph_shape_at_every_decode_batch(batch):
+    g = megakernel_graph(K3, batch, 132, cols=K3_COARSE)
+    T, G = batch, min(batch * K3.top_k, K3.n_experts)
+    items = _items(g)
+    assert g.stages == list(MEGA_STAGES) and g.workers == 132
+    assert items == {"norm_pre": T, "router_rows": K3.n_experts // 128, "select": 1, "down": K3.latent // 512,
+                         "shared_gu": K3.shared_inter // 1024, "w13": G * (K3.expert_inter // 512),
+                         "w2": G * (K3.latent // 512), "norm_latent": T, "out": K3.hidden // 1024}
+    assert g.buffers["act"] == T * K3.top_k * K3.expert_inter and g.buffers["group_start"] == G + 1
+    for s in MEGA_STAGES:  # one counter per stage, signalled once per item
+        assert g.counters[mega_counter(s)].expected == items[s]
+    for t in g.tasks:  # a stage waits for every item of each stage it depends on, before anything else
+        waits = [op for op in t.ops if op[0] == "wait"]
+        assert waits == [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[t.stage]]
+        assert list(t.ops[:len(waits)]) == waits and t.ops[-1] == ("signal", mega_counter(t.stage))
+    order = {s: i for i, s in enumerate(MEGA_STAGES)}
+    for lst in g.schedule:  # each worker runs its items stage after stage
+        stages = [order[g.tasks[i].stage] for i in lst]
+        assert stages == sorted(stages)
+    if batch <= 4:  # the declarations' check is quadratic in the graph's operations
+        assert not static_problems(g)
+
+
+def test_a_column_count_that_does_not_divide_is_refused():
+    with pytest.raises(TaskGraphError, match="w13"):
+        megakernel_graph(K3, 1, 132, cols={**K3_COARSE, "w13": 500})
+
+
+@pytest.mark.parametrize("batch,workers", [(1, 3), (2, 4), (4, 5)])
+def test_model_checker_clean_random(batch, workers):
+    r = check_graph(megakernel_graph(TINY, batch, workers, cols=TINY_COLS), runs=30, seed=batch)
+    assert r.passed, r.summary()
+    assert r.states > 0
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_model_checker_clean_exhaustive(batch):
+    r = check_graph(megakernel_graph(TINY, batch, 2, cols=TINY_ONE), exhaustive=True, max_states=100_000)
+    assert r.passed and r.complete, r.summary()
+
+
+def test_the_model_checker_sees_a_wait_removed_from_the_graph():
+    """The graph is what the checker judges: w13 without its wait on down reads z unordered."""
+    g = megakernel_graph(TINY, 1, 3, cols=TINY_COLS)
+    tasks = [dataclasses.replace(t, ops=tuple(o for o in t.ops if o[:2] != ("wait", mega_counter("down"))))
+             if t.stage == "w13" else t for t in g.tasks]
+    bad = TaskGraph(buffers=g.buffers, counters=g.counters, tasks=tasks, workers=g.workers, schedule=g.schedule,
+                    stages=g.stages)
+    r = check_graph(bad, runs=60)
+    assert any(f.kind == "uncovered-read" and "reads z" in f.message for f in r.findings), r.summary()
+    assert any(f.kind == "unordered-read" and "reads z" in f.message for f in r.findings), r.summary()
+
+
+@pytest.mark.parametrize("batch,workers", [(1, 132), (4, 132), (2, 7)])
+def test_task_table_gives_each_worker_its_scheduled_items(batch, workers):
+    g = megakernel_graph(K3, batch, workers, cols=K3_COARSE)
+    table = task_table(g)
+    items = _items(g)
+    assert len(table) == workers and all(len(r) == len(MEGA_STAGES) for r in table)
+    assert all(len(e) == len(TASK_FIELDS) for r in table for e in r)
+    for si, s in enumerate(MEGA_STAGES):
+        runs = sorted(i for w in range(workers) for i in range(*table[w][si][:3]))
+        assert runs == list(range(items[s])), s  # every item exactly once
+        assert {table[w][si][3] for w in range(workers)} == {items[s]}  # the counter's target
+        assert all(0 <= table[w][si][0] <= table[w][si][1] for w in range(workers))
+    # the one-item stage does not land on worker 0 with every other small stage
+    assert [w for w in range(workers) if table[w][MEGA_STAGES.index("select")][0] == 0] != [0] or workers < 3
+
+
+def test_task_table_refuses_a_schedule_it_does_not_give():
+    g = megakernel_graph(TINY, 1, 3, cols=TINY_COLS)
+    sched = [list(lst) for lst in g.schedule]
+    sched[0], sched[1] = sched[1], sched[0]
+    swapped = TaskGraph(buffers=g.buffers, counters=g.counters, tasks=g.tasks, workers=g.workers, schedule=sched,
+                        stages=g.stages)
+    with pytest.raises(TaskGraphError, match="worker 0"):
+        task_table(swapped)
+
+
+def _op(batch=1, **tunables):
+    from kernels.ops.megakernel import MegakernelOp
+
+    spec = load_manifest().kernel("megakernel")
+    return MegakernelOp({"batch": batch, **spec.shapes[0], **{"batch": batch}}, **tunables)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_kernel_schedule_is_the_graphs(batch):
+    from kernels.ops.megakernel import THREADS, stage_cols
+
+    op = _op(batch)
+    assert op.graph.tasks == megakernel_graph(K3, batch, op.workers, cols=stage_cols(K3, batch)).tasks
+    assert op.table == task_table(op.graph)
+    specs = op.tensor_specs()
+    assert specs["tasks"].shape == (op.workers, len(MEGA_STAGES), len(TASK_FIELDS))
+    lc = op.launch_config()
+    assert lc.cooperative and lc.grid == (op.workers, 1, 1) and lc.block == (THREADS, 1, 1)
+    written = {o[1] for t in op.graph.tasks for o in t.ops if o[0] == "write"}
+    assert written <= set(specs), "every buffer a stage writes is a kernel parameter"
+    for b in written:  # and its size is the graph's
+        assert specs[b].numel() == op.graph.buffers[b], b
+
+
+def test_kernel_refuses_batches_its_stages_cannot_plan():
+    from kernels.ops.megakernel import MAX_BATCH
+
+    with pytest.raises(ValueError, match="batch"):
+        _op(MAX_BATCH * 2)
+
+
+def test_manifest_stages_declare_the_graphs_buffers():
+    """Each manifest stage reads and writes exactly the activations its graph items do (reads of
+    the stage's own output aside: w2's combine reads o within the stage)."""
+    spec = load_manifest().kernel("megakernel")
+    g = megakernel_graph(K3, 1, 132, cols=K3_COARSE)
+    assert [s.name for s in spec.stages] == list(MEGA_STAGES)
+    for st in spec.stages:
+        ops = [o for t in g.tasks if t.stage == st.name for o in t.ops]
+        writes = {o[1] for o in ops if o[0] == "write"}
+        reads = {o[1] for o in ops if o[0] == "read"} - writes
+        assert set(st.writes) == writes, st.name
+        assert set(st.reads) == reads, st.name
