@@ -58,6 +58,14 @@ SMEM_ALIGN = 1024
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
+# Every tunable of the stages' ops, given here in full: the megakernel's design is declared by
+# its own module and its manifest tunables (and a compile child has no manifest to read). The
+# designs are the chain's at batch 1 (the stream designs), sized for THREADS threads.
+SHARED_GU = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 1,
+             "stream_rows": 1, "stream_threads": THREADS // 2}
+EXPERTS = {"stream_slots": 1, "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
+LATENT_OUT = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 1,
+              "stream_rows": 1, "stream_up_threads": 64, "stream_down_threads": THREADS - 64}
 
 
 def shape_config(shape: dict) -> ModelConfig:
@@ -86,14 +94,11 @@ class MegaStages:
         self.norm_pre = RMSNormOp({"batch": T, "width": H}, threads=THREADS)
         self.router = RouterOp({"batch": T, "n_experts": E, "hidden": H, "top_k": K, "latent": L},
                                **stream, poll_sleep=0)
-        self.shared_gu = SharedGateUpOp({"batch": T, "hidden": H, "shared_inter": S},
-                                        stream_threads=THREADS // 2, warps_per_cta=THREADS // 32)
-        self.w13 = ExpertsUpOp(experts, **stream, wg=0)
-        self.w2 = ExpertsDownOp(experts, **stream, wg=0)
+        self.shared_gu = SharedGateUpOp({"batch": T, "hidden": H, "shared_inter": S}, **SHARED_GU)
+        self.w13 = ExpertsUpOp(experts, **stream, **EXPERTS)
+        self.w2 = ExpertsDownOp(experts, **stream, **EXPERTS)
         self.norm_latent = RMSNormOp({"batch": T, "width": L}, threads=THREADS)
-        self.out = LatentOutOp({"batch": T, "hidden": H, "latent": L, "shared_inter": S},
-                               stream_up_threads=64, stream_down_threads=THREADS - 64,
-                               warps_per_cta=THREADS // 32)
+        self.out = LatentOutOp({"batch": T, "hidden": H, "latent": L, "shared_inter": S}, **LATENT_OUT)
         for name in ("norm_pre", "router", "shared_gu", "w13", "w2", "norm_latent", "out"):
             op = getattr(self, name)
             if op.threads != THREADS:
@@ -248,28 +253,36 @@ class MegakernelOp(OpBase):
         tidx, _, _ = cute.arch.thread_idx()
         worker, _, _ = cute.arch.block_idx()
         base = cutlass.memory.SmemAllocator().allocate(self.region_bytes, byte_alignment=SMEM_ALIGN)
-        routing = (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted)
-        st = self.stages
+        bufs = (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mW2Counters, mH,
+                (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
+                mOut)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            lo = mTasks[worker, si, 0]
-            hi = mTasks[worker, si, 1]
-            step = mTasks[worker, si, 2]
-            if lo < hi:  # CTA-uniform
-                for dep in MEGA_DEPS[stage]:
-                    d = STAGE_INDEX[dep]
-                    self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
-                region = _Region(base, self.region_bytes)
-                if cutlass.const_expr(stage in ("norm_pre", "norm_latent")):
-                    smem = getattr(st, stage).allocate_smem(region)
-                elif cutlass.const_expr(stage in ("router_rows", "select", "down")):
-                    smem = st.router.allocate_smem(region)
-                else:
-                    smem = getattr(st, stage).allocate_smem(region)
-                for item in cutlass.range(lo, hi, step, unroll=1):
-                    self._item(stage, item, tidx, smem, mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2,
-                               mGammaLat, mWup, mWsd, mW2Counters, mH, routing, mZ, mAs, mAct, mO, mC, mN, mOut)
-                    self._signal(mCounters, si, tidx)
+            self._stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs)
         self._exit(mCounters, tidx)
+
+    @cute.jit
+    def _stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs):
+        """Trace-time: this worker's items of `stage` (task-table entry si), if it has any."""
+        lo = mTasks[worker, si, 0]
+        hi = mTasks[worker, si, 1]
+        step = mTasks[worker, si, 2]
+        if lo < hi:  # CTA-uniform
+            self._run_stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step)
+
+    @cute.jit
+    def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step):
+        """Trace-time: wait for the stages `stage` depends on (their targets from the task
+        table), lay out the stage's shared memory, then each item and its signal."""
+        for dep in MEGA_DEPS[stage]:
+            d = STAGE_INDEX[dep]
+            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
+        st = self.stages
+        region = _Region(base, self.region_bytes)
+        op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
+        smem = op.allocate_smem(region)
+        for item in cutlass.range(lo, hi, step, unroll=1):
+            self._item(stage, item, tidx, smem, *bufs)
+            self._signal(mCounters, si, tidx)
 
     @cute.jit
     def _item(self, stage, item, tidx, smem, mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup,
