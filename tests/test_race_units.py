@@ -600,3 +600,26 @@ def test_provenance_converges_on_loop_carried_offsets(stride):
     inner = [i for i in fn.instrs if i.kind == ir.LOAD and i.addr_regs == ("%rd4",)][0]
     want = {slot_index(0, 8)} if stride == 24 else {slot_index(0, UNKNOWN_SLOT)}
     assert prov.params_of_addr(inner.index) == want
+
+
+_SCALAR_TABLE = {"0": {"stride": 16, "slots": {"0": "scalar", "8": "scalar"}}}
+# a number from slot 0 of the table (param 0), as an index into param 1, or as an address itself
+_INDEXED = """
+	ld.global.u32 %r2, [%rd1];
+	mul.wide.u32 %rd3, %r2, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	st.global.b32 [%rd4], %r1;"""
+_AS_POINTER = """
+	ld.global.u64 %rd3, [%rd1+8];
+	st.global.b32 [%rd3], %r1;"""
+
+
+def test_a_scalar_slot_may_index_a_buffer_but_never_be_one():
+    """A task table of numbers (every slot "scalar"): a number that indexes a parameter's buffer
+    is that buffer's access, clean; the same number used as an address is points-to-undeclared."""
+    roles = ["static", "activation", "scalar"]
+    dirs = ["in", "out", "in"]
+    rep = audit_ptx(_ptx(_INDEXED), roles, directions=dirs, points_to=_SCALAR_TABLE)
+    assert "points-to-undeclared" not in rep.rules_hit(), [str(f) for f in rep.findings]
+    rep = audit_ptx(_ptx(_AS_POINTER), roles, directions=dirs, points_to=_SCALAR_TABLE)
+    assert "points-to-undeclared" in rep.rules_hit(), [str(f) for f in rep.findings]
