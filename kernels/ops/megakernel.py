@@ -22,8 +22,7 @@ its items are range(lo, hi, step); `target` is the item count of the stage, what
 counter reaches.
 
 The protocol, per stage (`counters` holds one int32 per stage and an exit count):
-  * wait, before a worker's first item of the stage, for each stage it depends on
-    (MEGA_DEPS): thread 0 spins with ld.acquire.gpu until the counter reaches the producer's
+  * wait, before each item, for each stage it depends on (MEGA_DEPS): thread 0 spins with ld.acquire.gpu until the counter reaches the producer's
     target, a CTA barrier, then every thread loads the counter with acquire itself, so each
     thread's later loads are ordered after the producers' writes. Activations are read only
     after it, and only by coherent paths (plain loads and cp.async; never ld.global.nc, which
@@ -271,16 +270,19 @@ class MegakernelOp(OpBase):
 
     @cute.jit
     def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step):
-        """Trace-time: wait for the stages `stage` depends on (their targets from the task
-        table), lay out the stage's shared memory, then each item and its signal."""
-        for dep in MEGA_DEPS[stage]:
-            d = STAGE_INDEX[dep]
-            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
+        """Trace-time: lay out the stage's shared memory, then per item: wait for the stages
+        `stage` depends on (their targets from the task table), the item, its signal. Every
+        item waits, as every task of the graph does: past the first the counters are already
+        at their targets (one poll), and the item's loads are ordered by a wait of their own
+        iteration, which is what the static audit proves of a loop that signals."""
         st = self.stages
         region = _Region(base, self.region_bytes)
         op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
         smem = op.allocate_smem(region)
         for item in cutlass.range(lo, hi, step, unroll=1):
+            for dep in MEGA_DEPS[stage]:
+                d = STAGE_INDEX[dep]
+                self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
             self._item(stage, item, tidx, smem, *bufs)
             self._signal(mCounters, si, tidx)
 
@@ -329,22 +331,30 @@ class MegakernelOp(OpBase):
     def _wait(self, mCounters, c, target, tidx, stage_index):
         """Until counters[c] >= target: thread 0 spins (ld.acquire.gpu), a CTA barrier, then every
         thread's own acquire load of the counter, which orders its later loads. With `watchdog`
-        a spin of WATCHDOG_POLLS polls prints the waiting stage and the counter, and traps."""
+        thread 0 gives up after WATCHDOG_POLLS polls; a thread whose own load then finds the
+        counter short of its target traps (thread 0 first prints the stage and the counter).
+        The trap is decided by the counter itself, a declared sync word, and at no thread
+        index, so no barrier below it is reached by only some threads."""
         i32 = cutlass.Int32
         ptr = mCounters.iterator + c
         if tidx == 0:
             seen = cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
-            polls = i32(0)
-            while seen < target:
-                seen = cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
-                if cutlass.const_expr(self.watchdog):
+            if cutlass.const_expr(self.watchdog):
+                polls = i32(0)
+                while (seen < target) & (polls < i32(WATCHDOG_POLLS)):
+                    seen = cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
                     polls = polls + i32(1)
-                    if polls == i32(WATCHDOG_POLLS):
-                        cute.printf("megakernel watchdog: stage %d waits on counter %d: %d of %d\n",
-                                    i32(stage_index), c, seen, target)
-                        _trap()
+            else:
+                while seen < target:
+                    seen = cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
         cute.arch.sync_threads()
-        cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
+        mine = cute.arch.load(ptr, i32, sem="acquire", scope="gpu")
+        if cutlass.const_expr(self.watchdog):
+            if mine < target:
+                if tidx == 0:
+                    cute.printf("megakernel watchdog: stage %d waits on counter %d: %d of %d\n",
+                                i32(stage_index), c, mine, target)
+                _trap()
 
     @cute.jit
     def _signal(self, mCounters, si, tidx):
@@ -365,7 +375,7 @@ class MegakernelOp(OpBase):
             old = cute.arch.atomic_add(mCounters.iterator + EXIT_COUNTER, i32(1), sem="acq_rel", scope="gpu")
             if old == i32(self.workers - 1):
                 for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
-                    cute.arch.store(mCounters.iterator + c, i32(0), sem="relaxed", scope="gpu")
+                    cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
 
 
 def _trap():
