@@ -57,6 +57,9 @@ SMEM_ALIGN = 1024
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
+# the buffers a stage's item is given, in order ("routing": the router's seven outputs)
+BUFFERS = ("x", "gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w13", "w2", "gamma_latent", "w_up",
+           "w_shared_down", "w2_counters", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
 # Every tunable of the stages' ops, given here in full: the megakernel's design is declared by
 # its own module and its manifest tunables (and a compile child has no manifest to read). The
 # designs are the chain's at batch 1 (the stream designs), sized for THREADS threads.
@@ -280,16 +283,22 @@ class MegakernelOp(OpBase):
         op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
         smem = op.allocate_smem(region)
         for item in cutlass.range(lo, hi, step, unroll=1):
-            for dep in MEGA_DEPS[stage]:
+            for dep in self._deps(stage):
                 d = STAGE_INDEX[dep]
                 self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
-            self._item(stage, item, tidx, smem, *bufs)
+            self._item(stage, item, tidx, smem, bufs)
             self._signal(mCounters, si, tidx)
 
+    def _deps(self, stage: str) -> tuple[str, ...]:
+        """The stages whose counters `stage` waits for before each item (MEGA_DEPS)."""
+        return MEGA_DEPS[stage]
+
     @cute.jit
-    def _item(self, stage, item, tidx, smem, mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup,
-              mWsd, mW2Counters, mH, routing, mZ, mAs, mAct, mO, mC, mN, mOut):
-        """Trace-time: work item `item` of `stage`, the op's tile over this stage's `smem`."""
+    def _item(self, stage, item, tidx, smem, bufs):
+        """Trace-time: work item `item` of `stage`, the op's tile over this stage's `smem`;
+        `bufs` the kernel's buffers in BUFFERS order."""
+        (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mW2Counters, mH, routing, mZ, mAs,
+         mAct, mO, mC, mN, mOut) = bufs
         st = self.stages
         mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = routing
         if cutlass.const_expr(stage == "norm_pre"):

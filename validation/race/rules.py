@@ -90,6 +90,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("load-before-step-wait", ERROR,
          "load of a pipeline step's cross-CTA data in a synchronizing loop ordered only by the wait "
          "for another step (or slot): each flag's acquire orders its own step's data"),
+    Rule("stage-undeclared-access", ERROR,
+         "in a staged kernel, an access at an address derived from a stage's task-table entry to a "
+         "buffer that stage does not declare (validation/race/stages.py)"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
