@@ -247,3 +247,33 @@ def test_watchdog_is_in_the_validation_build_only():
     message = ", ".join(str(b) for b in b"megakernel watchdog")  # PTX spells a printf format as bytes
     assert on.count("trap;") == waits and message in on
     assert "trap;" not in off and message not in off
+
+
+@pytest.mark.slow
+def test_host_launcher_fills_every_parameter_from_the_build():
+    """kernels/megablock.py, without a GPU: the build's metadata gives the task table the
+    kernel was planned with, buffers that pass the launcher's own checks, and the block's
+    weights by name; a table planned for another worker count is refused."""
+    import torch
+
+    from kernels.launch import check_tensor
+    from kernels.megablock import WEIGHTS, MegaBlockError, allocate_buffers, host_table, launch_args
+    from kernels.reference import BlockWeights
+    from validation.race.artifacts import build_variant_of
+
+    spec = load_manifest().kernel("megakernel")
+    art = build_variant_of(spec)
+    meta = art.meta
+    assert host_table(meta) == _op(1).table
+    bufs = allocate_buffers(meta, "cpu")
+    params = {p["name"]: p for p in meta["params"]}
+    for name, t in bufs.items():
+        check_tensor(params[name], t, device_type="cpu")
+    assert bufs["tasks"].tolist() == _op(1).table and not bufs["counters"].any()
+    assert set(WEIGHTS) == {f.name for f in dataclasses.fields(BlockWeights)}
+    x = torch.zeros(1)
+    weights = type("W", (), {n: n for n in WEIGHTS})()
+    assert set(launch_args(weights, x, x, bufs)) == set(params)
+    other = {**meta, "variant": {**meta["variant"], "workers": 7}}
+    with pytest.raises(MegaBlockError, match="tasks"):
+        host_table(other)
