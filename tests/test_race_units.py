@@ -623,3 +623,30 @@ def test_a_scalar_slot_may_index_a_buffer_but_never_be_one():
     assert "points-to-undeclared" not in rep.rules_hit(), [str(f) for f in rep.findings]
     rep = audit_ptx(_ptx(_AS_POINTER), roles, directions=dirs, points_to=_SCALAR_TABLE)
     assert "points-to-undeclared" in rep.rules_hit(), [str(f) for f in rep.findings]
+
+
+# Two stages' entries in one 32-byte row of a task table of numbers (param 0): stage 0's item
+# index (the word at +0) addresses a store to y (param 1), stage 1's (+16) a load of it.
+_STAGED = """
+	ld.global.u32 %r2, [%rd1];
+	mul.wide.u32 %rd3, %r2, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	st.global.b32 [%rd4], %r1;
+	ld.global.u32 %r3, [%rd1+16];
+	mul.wide.u32 %rd5, %r3, 4;
+	add.s64 %rd6, %rd2, %rd5;
+	ld.global.b32 %r4, [%rd6];
+	st.global.b32 [%rd4+4], %r4;"""
+_STAGED_TABLE = {"0": {"stride": 32, "slots": {"0": "scalar", "8": "scalar", "16": "scalar", "24": "scalar"}}}
+
+
+def test_a_stage_touches_only_what_it_declares():
+    """An access is its stage's when its address derives from that stage's task-table entry;
+    stage 1 reading y, which only stage 0 declares, is stage-undeclared-access."""
+    kw = dict(param_names=["tasks", "y", "n"], directions=["in", "inout", "in"], points_to=_STAGED_TABLE)
+    roles = ["static", "activation", "scalar"]
+    ok = audit_ptx(_ptx(_STAGED), roles, stages=[("s0", (), ("y",)), ("s1", ("y",), ())], **kw)
+    assert "stage-undeclared-access" not in ok.rules_hit(), [str(f) for f in ok.findings]
+    bad = audit_ptx(_ptx(_STAGED), roles, stages=[("s0", (), ("y",)), ("s1", (), ())], **kw)
+    f = [x for x in bad.findings if x.rule == "stage-undeclared-access"]
+    assert len(f) == 1 and "stage 's1' reads 'y'" in f[0].message, [str(x) for x in bad.findings]
