@@ -199,3 +199,161 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
                     ("wait", "a_ready", n_gu), ("read", "a_s", 0, bufs["a_s"])]
             + [("write", "y", t * H + lo, t * H + hi) for t in range(T)])
     return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers)
+
+
+# -- the megakernel's graph ---------------------------------------------------------------------
+# The persistent megakernel (kernels/ops/megakernel.py) runs these stages in this order on every
+# worker. Each stage's items are one op's tile-function work items; a stage waits for the
+# completion counters of the stages in MEGA_DEPS (each for every item of that stage) before its
+# first item, and signals its own counter once per item, after a CTA barrier that follows the
+# item's writes. Dependencies point only to earlier stages, so the static per-worker lists in
+# stage order cannot deadlock with every worker resident (a cooperative launch).
+MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "norm_latent", "out")
+MEGA_DEPS = {
+    "norm_pre": (),
+    "router_rows": ("norm_pre",),
+    "select": ("router_rows",),
+    "down": ("norm_pre",),
+    "shared_gu": ("norm_pre",),
+    "w13": ("select", "down"),
+    "w2": ("w13",),  # the routing through w13's wait on select (release/acquire is cumulative)
+    "norm_latent": ("w2",),
+    "out": ("norm_latent", "shared_gu"),
+}
+# Output columns per item of the stages split by columns (the rest: one item per token row, or
+# one item): the ops' plans give them (kernels.ops.megakernel.stage_cols).
+MEGA_COL_STAGES = ("router_rows", "down", "shared_gu", "w13", "w2", "out")
+# One task-table entry: the worker's items of the stage are range(lo, hi, step); `target` is the
+# count the stage's completion counter reaches in a launch (its item count), what its
+# consumers wait for.
+TASK_FIELDS = ("lo", "hi", "step", "target")
+
+
+def mega_counter(stage: str) -> str:
+    return f"{stage}_done"
+
+
+def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dict[str, int] | None = None) -> TaskGraph:
+    """The task graph of exactly what the megakernel runs at `batch` on `workers` persistent
+    CTAs: MEGA_STAGES with their items, the buffers each item reads and writes, one completion
+    counter per stage (covering the stage's whole output), and the static per-worker schedule
+    (`mega_schedule`). `cols` gives MEGA_COL_STAGES' output columns per item (default: the
+    kernel's own plan, kernels.ops.megakernel.stage_cols, which raises where the kernel cannot
+    be built at that batch); smaller graphs for the model checker pass their own.
+
+    The routed experts' items are (group u, column block) pairs for every possible group
+    (G = min(batch * top_k, n_experts)); an item past the launch's n_groups does nothing. Their
+    rows of act and o depend on the routing: the graph names the rows of the routing where
+    every selected (token, k) pair is a group of its own (at batch 1 the only routing there is;
+    past n_experts pairs, the positions split evenly). Which w2 item of a column block combines
+    c is the last to arrive on that block's counter (moe_w2's own protocol, audited as that
+    op's); the graph names item (0, block)."""
+    if cols is None:
+        from kernels.ops.megakernel import stage_cols
+
+        cols = stage_cols(cfg, batch)
+    T, H, L, E, K = batch, cfg.hidden, cfg.latent, cfg.n_experts, cfg.top_k
+    I, S = cfg.expert_inter, cfg.shared_inter
+    TK = T * K
+    G = min(TK, E)
+    widths = {"router_rows": E, "down": L, "shared_gu": S, "w13": I, "w2": L, "out": H}
+    for st in MEGA_COL_STAGES:
+        if st not in cols or cols[st] < 1 or widths[st] % cols[st]:
+            raise TaskGraphError(f"megakernel: {st} needs a column count dividing {widths[st]}, got {cols.get(st)}")
+    bufs = {"x": T * H, "h": T * H, "logits": T * E, "ids": TK, "weights": TK, "n_groups": 1,
+            "group_expert": G, "group_start": G + 1, "sorted_slots": TK, "z": T * L, "a_shared": T * S,
+            "act": TK * I, "o": TK * L, "c": T * L, "n": T * L, "out": T * H}
+    outputs = {"norm_pre": ("h",), "router_rows": ("logits",),
+               "select": ("ids", "weights", "n_groups", "group_expert", "group_start", "sorted_slots"),
+               "down": ("z",), "shared_gu": ("a_shared",), "w13": ("act",), "w2": ("o", "c"), "norm_latent": ("n",),
+               "out": ("out",)}
+    counters = {mega_counter(s): Counter(mega_counter(s), tuple((b, 0, bufs[b]) for b in outputs[s]))
+                for s in MEGA_STAGES}
+    routing = [("read", b, 0, bufs[b]) for b in ("n_groups", "group_expert", "group_start", "sorted_slots")]
+    positions = _split(TK, G)  # group u's sorted positions, nominally (see the docstring)
+    items: dict[str, list[list[tuple]]] = {}
+
+    def cols_of(buf, width, c0, n):  # one write per token row of columns [c0, c0 + n)
+        return [("write", buf, t * width + c0, t * width + c0 + n) for t in range(T)]
+
+    items["norm_pre"] = [[("read", "x", t * H, (t + 1) * H), ("write", "h", t * H, (t + 1) * H)] for t in range(T)]
+    whole_h = ("read", "h", 0, bufs["h"])
+    c = cols["router_rows"]
+    items["router_rows"] = [[whole_h] + cols_of("logits", E, i * c, c) for i in range(E // c)]
+    items["select"] = [[("read", "logits", 0, bufs["logits"])]
+                       + [("write", b, 0, bufs[b]) for b in outputs["select"]]]
+    c = cols["down"]
+    items["down"] = [[whole_h] + cols_of("z", L, i * c, c) for i in range(L // c)]
+    c = cols["shared_gu"]
+    items["shared_gu"] = [[whole_h] + cols_of("a_shared", S, i * c, c) for i in range(S // c)]
+    c = cols["w13"]
+    items["w13"] = [routing + [("read", "z", 0, bufs["z"])]
+                    + [("write", "act", p * I + cb * c, p * I + (cb + 1) * c) for p in range(*positions[u])]
+                    for u in range(G) for cb in range(I // c)]
+    c = cols["w2"]
+    w2 = []
+    for u in range(G):
+        for rb in range(L // c):
+            lo, hi = positions[u]
+            ops = routing + [("read", "act", lo * I, hi * I)]
+            ops += [("write", "o", p * L + rb * c, p * L + (rb + 1) * c) for p in range(lo, hi)]
+            if u == 0:
+                ops += [("read", "weights", 0, TK)] + cols_of("c", L, rb * c, c)
+            w2.append(ops)
+    items["w2"] = w2
+    items["norm_latent"] = [[("read", "c", t * L, (t + 1) * L), ("write", "n", t * L, (t + 1) * L)]
+                            for t in range(T)]
+    c = cols["out"]
+    items["out"] = [[("read", "x", 0, bufs["x"]), ("read", "n", 0, bufs["n"]), ("read", "a_shared", 0, bufs["a_shared"])]
+                    + cols_of("out", H, i * c, c) for i in range(H // c)]
+
+    counts = {s: len(items[s]) for s in MEGA_STAGES}
+    tasks: list[Task] = []
+    first: dict[str, int] = {}
+    for s in MEGA_STAGES:
+        first[s] = len(tasks)
+        waits = [("wait", mega_counter(d), counts[d]) for d in MEGA_DEPS[s]]
+        for i, ops in enumerate(items[s]):
+            tasks.append(Task(s, i, tuple(waits + ops + [("signal", mega_counter(s))])))
+    schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]
+                for w in range(workers)]
+    return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers, schedule=schedule,
+                     stages=list(MEGA_STAGES))
+
+
+def mega_offsets(counts: dict[str, int], workers: int) -> dict[str, int]:
+    """The worker that takes each stage's item 0: stage after stage, where the previous stage's
+    items ended (round-robin across stages, so one-item and one-per-token stages do not all land
+    on worker 0)."""
+    off, out = 0, {}
+    for s in MEGA_STAGES:
+        out[s] = off % workers
+        off += counts[s]
+    return out
+
+
+def mega_range(counts: dict[str, int], stage: str, worker: int, workers: int) -> tuple[int, int, int]:
+    """(lo, hi, step): the items of `stage` that `worker` runs, range(lo, hi, step); item i goes
+    to worker (offset + i) % workers (`mega_offsets`)."""
+    n = counts[stage]
+    lo = (worker - mega_offsets(counts, workers)[stage]) % workers
+    return (min(lo, n), n, workers)
+
+
+def task_table(graph: TaskGraph) -> list[list[list[int]]]:
+    """The int32 table the megakernel reads, [workers][len(stages)][len(TASK_FIELDS)]: per
+    worker and stage, (lo, hi, step, target) of `mega_range` with the stage's item count as
+    target. Made from `graph` (a `megakernel_graph`) and checked against its schedule: a
+    TaskGraphError says where they disagree."""
+    if list(graph.stages) != list(MEGA_STAGES) or graph.schedule is None:
+        raise TaskGraphError("task_table: not a megakernel graph (its stages or its static schedule differ)")
+    counts = {s: len(graph.stage_tasks(s)) for s in MEGA_STAGES}
+    firsts = {s: graph.stage_tasks(s)[0] for s in MEGA_STAGES}
+    table = []
+    for w in range(graph.workers):
+        rows = [[*mega_range(counts, s, w, graph.workers), counts[s]] for s in MEGA_STAGES]
+        listed = [firsts[s] + i for s, (lo, hi, step, _) in zip(MEGA_STAGES, rows) for i in range(lo, hi, step)]
+        if listed != graph.schedule[w]:
+            raise TaskGraphError(f"task_table: worker {w}'s entries do not give its scheduled tasks")
+        table.append(rows)
+    return table

@@ -571,3 +571,82 @@ def test_steps_reads_the_induction_pattern_in_ptx_and_strength_reduced_sass():
                     if s is not None:
                         found.setdefault(ins.index, set()).add(s)
         assert {frozenset(v) for v in found.values()} >= {frozenset({0}), frozenset({1})}, f.dialect
+
+
+# A loop that walks a task table by its entry stride, loading the pointer in slot 8 of each
+# entry, with a loop counter beside it: both are loop-carried registers with an immediate add.
+_TABLE_WALK = """
+	mov.u64 %rd3, %rd1;
+	mov.u32 %r2, 0;
+$L__walk:
+	ld.global.b64 %rd4, [%rd3+8];
+	ld.global.b32 %r3, [%rd4];
+	add.s64 %rd3, %rd3, 24;
+	add.s32 %r2, %r2, 1;
+	setp.lt.u32 %p1, %r2, %r9;
+	@%p1 bra $L__walk;"""
+
+
+@pytest.mark.parametrize("stride", [24, 0, 48])
+def test_provenance_converges_on_loop_carried_offsets(stride):
+    """The loop counter's offset moves on every pass around the loop (and, with the table read
+    as one entry or a stride the walk does not divide, so does the pointer's): the analysis
+    widens it to an unknown offset and converges. A pointer that walks the table by its stride
+    keeps its exact slot."""
+    from validation.race.dataflow import analyze, slot_index, UNKNOWN_SLOT
+
+    fn = parse_ptx(_ptx(_TABLE_WALK))[0]
+    prov = analyze(CFG(fn), {0: stride})
+    inner = [i for i in fn.instrs if i.kind == ir.LOAD and i.addr_regs == ("%rd4",)][0]
+    want = {slot_index(0, 8)} if stride == 24 else {slot_index(0, UNKNOWN_SLOT)}
+    assert prov.params_of_addr(inner.index) == want
+
+
+_SCALAR_TABLE = {"0": {"stride": 16, "slots": {"0": "scalar", "8": "scalar"}}}
+# a number from slot 0 of the table (param 0), as an index into param 1, or as an address itself
+_INDEXED = """
+	ld.global.u32 %r2, [%rd1];
+	mul.wide.u32 %rd3, %r2, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	st.global.b32 [%rd4], %r1;"""
+_AS_POINTER = """
+	ld.global.u64 %rd3, [%rd1+8];
+	st.global.b32 [%rd3], %r1;"""
+
+
+def test_a_scalar_slot_may_index_a_buffer_but_never_be_one():
+    """A task table of numbers (every slot "scalar"): a number that indexes a parameter's buffer
+    is that buffer's access, clean; the same number used as an address is points-to-undeclared."""
+    roles = ["static", "activation", "scalar"]
+    dirs = ["in", "out", "in"]
+    rep = audit_ptx(_ptx(_INDEXED), roles, directions=dirs, points_to=_SCALAR_TABLE)
+    assert "points-to-undeclared" not in rep.rules_hit(), [str(f) for f in rep.findings]
+    rep = audit_ptx(_ptx(_AS_POINTER), roles, directions=dirs, points_to=_SCALAR_TABLE)
+    assert "points-to-undeclared" in rep.rules_hit(), [str(f) for f in rep.findings]
+
+
+# Two stages' entries in one 32-byte row of a task table of numbers (param 0): stage 0's item
+# index (the word at +0) addresses a store to y (param 1), stage 1's (+16) a load of it.
+_STAGED = """
+	ld.global.u32 %r2, [%rd1];
+	mul.wide.u32 %rd3, %r2, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	st.global.b32 [%rd4], %r1;
+	ld.global.u32 %r3, [%rd1+16];
+	mul.wide.u32 %rd5, %r3, 4;
+	add.s64 %rd6, %rd2, %rd5;
+	ld.global.b32 %r4, [%rd6];
+	st.global.b32 [%rd4+4], %r4;"""
+_STAGED_TABLE = {"0": {"stride": 32, "slots": {"0": "scalar", "8": "scalar", "16": "scalar", "24": "scalar"}}}
+
+
+def test_a_stage_touches_only_what_it_declares():
+    """An access is its stage's when its address derives from that stage's task-table entry;
+    stage 1 reading y, which only stage 0 declares, is stage-undeclared-access."""
+    kw = dict(param_names=["tasks", "y", "n"], directions=["in", "inout", "in"], points_to=_STAGED_TABLE)
+    roles = ["static", "activation", "scalar"]
+    ok = audit_ptx(_ptx(_STAGED), roles, stages=[("s0", (), ("y",)), ("s1", ("y",), ())], **kw)
+    assert "stage-undeclared-access" not in ok.rules_hit(), [str(f) for f in ok.findings]
+    bad = audit_ptx(_ptx(_STAGED), roles, stages=[("s0", (), ("y",)), ("s1", (), ())], **kw)
+    f = [x for x in bad.findings if x.rule == "stage-undeclared-access"]
+    assert len(f) == 1 and "stage 's1' reads 'y'" in f[0].message, [str(x) for x in bad.findings]

@@ -86,7 +86,8 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     points_to = getattr(spec, "points_to", None) or None
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
                      syncs=spec.syncs_across_ctas or None, source_root=REPO_ROOT,  # None: from the roles
-                     directions=directions, points_to=points_to)
+                     directions=directions, points_to=points_to,
+                     stages=[(st.name, st.reads, st.writes) for st in getattr(spec, "stages", ())] or None)
 
 
 def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,

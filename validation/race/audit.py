@@ -17,6 +17,7 @@ from . import ir
 from .cfg import CFG
 from .dataflow import LOADED_PTR, UNKNOWN_SLOT, analyze, slot_index
 from .ptx import parse_ptx
+from .stages import stage_access_findings
 from .rules import ERROR, RULES, RawFinding, Roles, check_function
 from .sass import parse_sass
 
@@ -184,7 +185,7 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
               param_names: list[str] | None = None, kernel: str | None = None,
               entry: str | None = None, syncs: bool | None = None,
               source_root: Path | None = None, directions: dict | list | None = None,
-              points_to: dict | None = None) -> AuditReport:
+              points_to: dict | None = None, stages: list | None = None) -> AuditReport:
     """Audit one PTX entry (and its SASS when `sass_text` is given) against parameter roles.
 
     `roles`: a list in parameter order, or a dict keyed by name/index (unnamed: activation).
@@ -194,6 +195,9 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     to an "in" buffer is an error.
     `points_to`: task tables whose entries hold pointers (see `_resolve_tables`): a pointer
     loaded from a declared slot is audited as a buffer of the slot's role.
+    `stages`: a staged kernel's (name, reads, writes) in the order of its one declared task
+    table's entries: an access derived from a stage's entry is checked against what the stage
+    declares (validation/race/stages.py).
     Raises AuditInputError when the PTX has no entry (or not `entry`), or roles do not fit.
     """
     t0 = time.perf_counter()
@@ -232,6 +236,9 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     r = Roles(all_roles, names, directions=dirs, tables=set(tables))
     r.note_accesses(fn, prov)
     raw = [(fn, f) for f in check_function(cfg, prov, r, syncs=syncs, timings=timings)]
+    if stages and len(tables) == 1:
+        (table, stride), = tables.items()
+        raw += [(fn, f) for f in stage_access_findings(fn, prov, r, table, stride, list(stages))]
     checked = ["ptx"]
     counts = {"ptx": len(fn.instrs)}
     if sass_text is not None:

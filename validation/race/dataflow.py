@@ -81,6 +81,29 @@ def _is_load_like(ins: ir.Instr) -> bool:
     return ins.kind in (ir.LOAD, ir.ATOM) or op in ("ld", "ldu", "LDS", "LDG", "LD", "LDL", "LDSM", "ATOMS", "ldmatrix")
 
 
+def _offsets(tags) -> set:
+    return {t for t in tags if isinstance(t, tuple) and t[0] == "off"}
+
+
+def _absorb(tags) -> set:
+    """Keep the offset tags a lattice of finite height: ("off", None), any offset, absorbs the
+    others, and more than a few offsets, or a large one, is ("off", None) (a counter, not a slot
+    offset). Without the absorption a widened register joined with a narrow one would shrink
+    back on the next pass and the fixpoint would cycle."""
+    offs = _offsets(tags)
+    if ("off", None) in offs or len(offs) > 4 or any(abs(t[1]) > 1 << 20 for t in offs):
+        return (set(tags) - offs) | {("off", None)}
+    return set(tags)
+
+
+# A register whose offsets at a block's entry differ from the previous pass's this many times
+# is loop-carried with a moving offset (`p += 24` around a loop, a loop counter): its offset is
+# widened to ("off", None) there, so each pass around the loop cannot mint a new tag. Two
+# changes leave a pointer that walks a table by its stride (the same offset modulo the stride
+# every pass) and a set that grows once as a loop's back edge joins in exact.
+WIDEN_AFTER = 2
+
+
 def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dict | None = None) -> None:
     src = set()
     for r in ins.srcs:
@@ -105,9 +128,7 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dic
         elif "scales" in ins.extra:  # a product: only the addend's offset survives
             keep = set().union(*(state.get(r, frozenset()) for r in ins.extra["scales"]))
             src = {t for t in src if not (isinstance(t, tuple) and t[0] == "off") or t in keep}
-        offs = {t for t in src if isinstance(t, tuple) and t[0] == "off"}
-        if len(offs) > 4 or any(t[1] is not None and abs(t[1]) > 1 << 20 for t in offs):
-            src = (src - offs) | {("off", None)}  # widening: a counter, not a slot offset
+        src = _absorb(src)
     if record is not None:
         if ins.addr_regs or ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             a = set()
@@ -149,6 +170,23 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dic
         state[d] = val
 
 
+def _widen(b: int, state: dict, entry: dict, moved: dict) -> dict:
+    """The join at block `b`'s entry with the widening of loop-carried offsets (WIDEN_AFTER)."""
+    last = entry.setdefault(b, {})
+    out = {}
+    for r, tags in state.items():
+        tags = _absorb(tags)
+        offs = _offsets(tags)
+        if r in last and last[r] != offs:
+            moved[(b, r)] = moved.get((b, r), 0) + 1
+        if moved.get((b, r), 0) >= WIDEN_AFTER and offs:
+            tags = (tags - offs) | {("off", None)}
+            offs = {("off", None)}
+        last[r] = offs
+        out[r] = frozenset(tags)
+    return out
+
+
 def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
     """Run the provenance analysis to a fixed point and record per-instruction tags.
     `tables`: declared task-table parameters -> their entry stride in bytes (0: one entry);
@@ -159,6 +197,8 @@ def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
         strides = [v for v in tables.values() if v]
         tables["<period>"] = math.lcm(*strides) if strides else 0
     out: dict[int, dict] = {}
+    entry: dict[int, dict] = {}  # block -> register -> offset tags at its entry, last pass
+    moved: dict[tuple[int, str], int] = {}  # (block, register) -> passes its offsets changed
     changed = True
     rounds = 0
     while changed:
@@ -171,6 +211,8 @@ def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
                 if p in out:
                     for r, t in out[p].items():
                         state[r] = state.get(r, frozenset()) | t
+            if tables:
+                state = _widen(b, state, entry, moved)
             for k in range(blk.start, blk.end):
                 _transfer(fn.instrs[k], state, None, tables)
             if out.get(b) != state:
@@ -186,6 +228,8 @@ def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
             if p in out:
                 for r, t in out[p].items():
                     state[r] = state.get(r, frozenset()) | t
+        if tables:
+            state = _widen(b, state, entry, moved)
         for k in range(blk.start, blk.end):
             _transfer(fn.instrs[k], state, rec, tables)
     return rec

@@ -90,6 +90,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("load-before-step-wait", ERROR,
          "load of a pipeline step's cross-CTA data in a synchronizing loop ordered only by the wait "
          "for another step (or slot): each flag's acquire orders its own step's data"),
+    Rule("stage-undeclared-access", ERROR,
+         "in a staged kernel, an access at an address derived from a stage's task-table entry to a "
+         "buffer that stage does not declare (validation/race/stages.py)"),
     Rule("unknown-provenance", WARNING,
          "a global access whose address derives from no kernel parameter (provenance unknown)"),
 )}
@@ -481,11 +484,14 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
             continue
         if ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             n_before = len(findings)
+            bufs = _buffer_params(prov, ins.index, roles)
             for p in sorted(prov.params_of_addr(ins.index)):
                 so = slot_of(p)
                 if so is None:
                     continue
                 role = roles.by_index.get(p)
+                if role == "scalar" and so[1] != UNKNOWN_SLOT and bufs:
+                    continue  # a number from the table indexing a buffer the address derives from
                 if so[1] == UNKNOWN_SLOT or role in (None, "scalar"):
                     what = ("an offset the audit cannot tell (paths disagree, or it is not a constant)"
                             if so[1] == UNKNOWN_SLOT else
@@ -494,7 +500,6 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
                         "points-to-undeclared", ins,
                         f"access through a pointer loaded from task table {roles.names.get(so[0], so[0])!r} at {what}: "
                         "declare what each slot points to", (p,)))
-            bufs = _buffer_params(prov, ins.index, roles)
             if not bufs:
                 if ins.kind == ir.LOAD and ins.nc:
                     # nc is allowed only where the buffer is proven static; unknown is not proven.

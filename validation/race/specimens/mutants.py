@@ -50,3 +50,65 @@ class ExpertsUpOp_routing_before_wait(ExpertsUpOp):  # noqa: N801 (the audit fin
 
     def _expert_before_wait(self, u, mGroupExpert):
         return mGroupExpert[u]
+
+
+# -- the megakernel's mutants (issue 25): each breaks one stage's protocol --------------------
+from kernels.ops.megakernel import BUFFERS, MegakernelOp  # noqa: E402
+from kernels.ops.parts.common import BF16_PER_VECTOR, coherent_copy_atom, weight_load_atom  # noqa: E402
+
+MUTANTS["megakernel"] = ("nc_activation", "missing_wait", "early_release", "undeclared_read")
+
+
+def _buf(bufs, name: str):
+    return bufs[BUFFERS.index(name)]
+
+
+class MegakernelOp_nc_activation(MegakernelOp):  # noqa: N801 (the audit finds it by this name)
+    """norm_latent also reads its row of c (w2's output) through ld.global.nc, the read-only
+    path valid only for static weights: in program order after its wait, but the compiler may
+    hoist such a load above the spin (the motivating bug). The vector goes to n, so it stays."""
+
+    @cute.jit
+    def _item(self, stage, item, tidx, smem, bufs):
+        if cutlass.const_expr(stage == "norm_latent"):
+            bf16 = cutlass.BFloat16
+            gC = cute.zipped_divide(_buf(bufs, "c"), (1, BF16_PER_VECTOR))
+            gN = cute.zipped_divide(_buf(bufs, "n"), (1, BF16_PER_VECTOR))
+            v = cute.make_rmem_tensor(cute.make_layout(((BF16_PER_VECTOR,),)), bf16)
+            cute.copy(weight_load_atom(bf16), gC[(None, (item, tidx))], v)
+            MegakernelOp._item(self, stage, item, tidx, smem, bufs)
+            cute.copy(coherent_copy_atom(bf16), v, gN[(None, (item, tidx))])
+        else:
+            MegakernelOp._item(self, stage, item, tidx, smem, bufs)
+
+
+class MegakernelOp_missing_wait(MegakernelOp):  # noqa: N801
+    """norm_latent does not wait for w2 before reading c."""
+
+    def _deps(self, stage: str) -> tuple[str, ...]:
+        return () if stage == "norm_latent" else MegakernelOp._deps(self, stage)
+
+
+class MegakernelOp_early_release(MegakernelOp):  # noqa: N801
+    """Each item's counter is released by thread 0 with no CTA barrier first: before the other
+    threads' writes of the item, which the counter covers."""
+
+    @cute.jit
+    def _signal(self, mCounters, si, tidx):
+        if tidx == 0:
+            cute.arch.red(mCounters.iterator + si, cutlass.Int32(1), op="add", dtype="s32", sem="release",
+                          scope="gpu")
+
+
+class MegakernelOp_undeclared_read(MegakernelOp):  # noqa: N801
+    """The down stage also reads logits (router_rows' output, which neither down's declaration
+    nor its waits cover: down waits for norm_pre only), one word per item, into its first z
+    column. Ordered by an acquire in its iteration, so only the stages' declarations show it."""
+
+    @cute.jit
+    def _item(self, stage, item, tidx, smem, bufs):
+        MegakernelOp._item(self, stage, item, tidx, smem, bufs)
+        if cutlass.const_expr(stage == "down"):
+            if tidx == 0:
+                v = _buf(bufs, "routing")[0][0, item]
+                _buf(bufs, "z")[0, item * self.stages.cols["down"]] = v.to(cutlass.BFloat16)

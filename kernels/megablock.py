@@ -1,0 +1,99 @@
+"""The LatentMoE block as one launch of the prebuilt megakernel (kernels/ops/megakernel.py).
+
+GPU host only and DSL-free, like kernels/block.py: the cubin is found with
+`kernels.build.find_artifact` (verified against today's sources) or read from a build folder,
+and launched cooperatively through `kernels.launch.CubinKernel`. The task table is made on the
+host from the variant the metadata records (`MegakernelOp(variant, **tunables).table`, the
+graph's `task_table`), checked against the table parameter's recorded shape, and uploaded once.
+The completion counters and moe_w2's row-block counters are zeroed once; every launch leaves
+them zero (the kernel's last worker resets the stage counters, the last arrival of a row block
+its counter). Scratch and intermediate buffers are allocated once per object, from the
+parameter specs in the metadata.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kernels.build import DEFAULT_ROOT, find_artifact
+from kernels.config import ModelConfig
+
+KERNEL = "megakernel"
+WEIGHTS = ("gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w13", "w2", "gamma_latent", "w_up",
+           "w_shared_down")
+
+
+class MegaBlockError(ValueError):
+    """A build whose metadata does not describe the megakernel this module launches."""
+
+
+def megakernel_shape(cfg: ModelConfig, batch: int) -> dict:
+    """The manifest shape of the megakernel at `batch` for the widths of `cfg`."""
+    return {"batch": batch, "hidden": cfg.hidden, "latent": cfg.latent, "n_experts": cfg.n_experts,
+            "top_k": cfg.top_k, "expert_inter": cfg.expert_inter, "shared_inter": cfg.shared_inter}
+
+
+def host_table(meta: dict):
+    """The task table (nested lists, int32 values) of the variant `meta` records, checked
+    against the shape its `tasks` parameter was built with."""
+    from kernels.ops.megakernel import MegakernelOp
+
+    op = MegakernelOp(dict(meta["variant"]), **dict(meta.get("tunables", {})))
+    spec = next((p["spec"] for p in meta["params"] if p.get("name") == "tasks"), None)
+    want = [len(op.table), len(op.table[0]), len(op.table[0][0])]
+    if spec is None or list(spec["shape"]) != want:
+        raise MegaBlockError(f"{KERNEL}: the build's tasks parameter is {spec and spec['shape']}, the host's "
+                             f"table {want}: not the variant this host plans")
+    return op.table
+
+
+def allocate_buffers(meta: dict, device) -> dict:
+    """Every parameter buffer of the build `meta` but the weights, x and out, zeroed on
+    `device`, with the task table filled in (`host_table`)."""
+    import torch
+
+    bufs = {}
+    for p in meta["params"]:
+        name, spec = p["name"], p["spec"]
+        if name not in WEIGHTS and name not in ("x", "out"):
+            bufs[name] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
+    bufs["tasks"].copy_(torch.tensor(host_table(meta), dtype=torch.int32))
+    return bufs
+
+
+def launch_args(weights, x, out, bufs: dict) -> dict:
+    """The launch's arguments by parameter name: the block's weights (kernels.reference
+    BlockWeights fields), x, out and the buffers of `allocate_buffers`."""
+    return {"x": x, "out": out, **{n: getattr(weights, n) for n in WEIGHTS}, **bufs}
+
+
+class MegaBlock:
+    """One batch size of the block as the megakernel: its cubin, weights, table and buffers;
+    `launch(x, out)` enqueues one decode step."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, weights, *, root: Path = DEFAULT_ROOT,
+                 build_dir: Path | None = None, tunables: dict | None = None):
+        from kernels.launch import CubinKernel
+
+        if build_dir is None:
+            build_dir = find_artifact(KERNEL, megakernel_shape(cfg, batch), tunables, root=root).dir
+        self.k = CubinKernel.from_dir(build_dir)
+        if self.k.meta.get("kernel") != KERNEL or int(self.k.meta["variant"]["batch"]) != batch:
+            raise MegaBlockError(f"{build_dir}: not the {KERNEL} at batch {batch}")
+        self.cfg, self.batch, self.w = cfg, batch, weights
+        self.buf = allocate_buffers(self.k.meta, weights.w_gate.device)
+        self.k.load()  # before any graph capture
+
+    def launch(self, x, out) -> None:
+        """Enqueue out = block(x) on torch's current stream (one cooperative launch)."""
+        self.k(**launch_args(self.w, x, out, self.buf))
+
+    def intermediates(self) -> dict:
+        """The stage outputs of the last launch (h, logits, the routing, z, a_shared, act, o, c,
+        n), for per-stage numerics against the chain's ops."""
+        return {k: v for k, v in self.buf.items() if k not in ("tasks", "counters", "w2_counters")}
+
+    def counters_clean(self) -> bool:
+        """Whether every counter is back at zero (after a synchronize): the launch's own
+        bookkeeping, checked by stress runs."""
+        return not bool(self.buf["counters"].any()) and not bool(self.buf["w2_counters"].any())
