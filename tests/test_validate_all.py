@@ -322,3 +322,28 @@ def test_prepare_only_the_block(tmp_path):
                         prepare_kernel=lambda k, p: pytest.fail("prepared a kernel"), prepare_block=prepare_block,
                         log=lambda m: None)
     assert doc["prepared"] == ["block"] and doc["carry"]["folders"] == 1
+
+
+def test_prepare_all_leaves_a_task_table_kernel_out_and_says_so(tmp_path):
+    seen, logs = [], []
+
+    _folder(tmp_path / "b", "rmsnorm/h1", b"B")
+
+    def prepare_kernel(k, path):
+        seen.append(k)
+        plan = _kplan(k, "rmsnorm/h1", "rmsnorm/h1")
+        path.write_text(json.dumps(plan))
+        return plan
+
+    doc = P.prepare_all("HEAD", tmp_path / "r", with_sanitize=False, with_block=False, build_root=tmp_path / "b",
+                        prepare_kernel=prepare_kernel, log=logs.append)
+    assert "megakernel" not in seen and "rmsnorm" in seen
+    assert "task table" in doc["not_covered"]["megakernel"]
+    assert any(m.startswith("prepare megakernel: not covered") for m in logs)
+
+
+def test_validate_refuses_a_task_table_kernel_with_one_clear_message():
+    from validation.validate import ValidateError, _kernel_variants
+
+    with pytest.raises(ValidateError, match="megakernel reads a task table .*its own validation stage"):
+        _kernel_variants("megakernel", None)

@@ -390,6 +390,10 @@ def _kernel_variants(kernel: str, batches: list[int] | None,
         spec = load_manifest(Path(repo_root) / "kernels" / "manifest.toml").kernel(kernel)
     except ManifestError as e:
         raise ValidateError(str(e)) from None
+    if spec.points_to is not None:
+        raise ValidateError(f"kernel {kernel} reads a task table ({', '.join(spec.points_to)}): the generic "
+                            "numerics would fill the table and its counters with random data; it needs its own "
+                            "validation stage (built on its host launcher), which does not exist yet")
     variants = [dict(v) for v in spec.shapes]
     if batches:
         unknown = sorted(set(batches) - {v.get("batch") for v in variants})
