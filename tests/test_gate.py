@@ -757,23 +757,42 @@ def test_scratch_a_comment_only_edit_of_router_py_is_no_code_change(scratch):
 
 @pytest.mark.slow
 def test_scratch_a_real_change_of_one_kernel_with_a_new_test_file_is_eligible(scratch):
-    """It fails only for the evidence it lacks: the new test file rides along uncounted."""
+    """It fails only for the evidence it lacks: the new test file rides along uncounted. gated_situ's
+    epilogue is a tile the megakernel does not run, so the change touches that one kernel."""
+    pytest.importorskip("cutlass")
+    root, base = scratch
+    src = (root / "kernels/ops/epilogue.py").read_text()
+    assert "GATE_LIMIT, UP_LIMIT = 4.0, 25.0" in src
+    write(root, "kernels/ops/epilogue.py", src.replace("GATE_LIMIT, UP_LIMIT = 4.0, 25.0", "GATE_LIMIT, UP_LIMIT = 4.0, 24.0"))
+    write(root, "tests/test_situ_limit.py", "def test_up_limit():\n    from kernels.ops import epilogue\n"
+                                            "    assert epilogue.UP_LIMIT == 24.0\n")
+    head = commit(root, "gated_situ: up limit 24, with a test")
+    v = _scratch_gate(root, base, head)
+    assert v.policy["status"] == "eligible" and v.kernels == ["gated_situ"], reasons(v)
+    assert v.policy["classification"]["tests/test_situ_limit.py"] == "companion"
+    assert v.scope["code"]["gated_situ"]["status"] == "changed"
+    assert v.scope["code"]["residual"]["status"] == "same"  # the other kernel of the same file
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
+    assert all("gated_situ" in r and "evidence" in r for r in v.reasons), reasons(v)
+    assert v.next_command.startswith(f"fasttrack validate gated_situ --base {base[:12]} --prepare")
+    assert v.audit["gated_situ"]["status"] == "pass"
+
+
+def test_scratch_a_change_of_a_tile_the_megakernel_runs_goes_to_full_review_naming_it(scratch):
+    """rmsnorm's tile is also the megakernel's norm stages: its code changes too, and no
+    validation stage judges the megakernel yet, so no evidence could bind (exit 3, one cause)."""
     pytest.importorskip("cutlass")
     root, base = scratch
     src = (root / "kernels/ops/rmsnorm.py").read_text()
     assert "EPS = 1e-5" in src
     write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", "EPS = 1e-6"))
-    write(root, "tests/test_rmsnorm_eps.py", "def test_eps_is_small():\n    from kernels.ops import rmsnorm\n"
-                                             "    assert rmsnorm.EPS < 1e-5\n")
-    head = commit(root, "rmsnorm: eps 1e-6, with a test")
+    head = commit(root, "rmsnorm: eps 1e-6")
     v = _scratch_gate(root, base, head)
-    assert v.policy["status"] == "eligible" and v.kernels == ["rmsnorm"], reasons(v)
-    assert v.policy["classification"]["tests/test_rmsnorm_eps.py"] == "companion"
-    assert v.scope["code"]["rmsnorm"]["status"] == "changed"
-    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL)
-    assert all("rmsnorm" in r and "evidence" in r for r in v.reasons), reasons(v)
-    assert v.next_command.startswith(f"fasttrack validate rmsnorm --base {base[:12]} --prepare")
-    assert v.audit["rmsnorm"]["status"] == "pass"
+    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
+    assert v.kernels == ["megakernel", "rmsnorm"]
+    assert v.scope["code"]["megakernel"]["status"] == "changed"
+    assert [x["rule"] for x in v.policy["violations"]] == ["no-validation-stage"]
+    assert "megakernel" in v.cause and "task table" in v.cause
 
 
 # -- scope by code, decode paths and their composite evidence (fake builds) --------------------

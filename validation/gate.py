@@ -615,7 +615,8 @@ def run_gate(base: str, head: str | None = None, *, repo: str | os.PathLike = ".
 
 # Violations the rebuilt code can lift: which kernels a change touches is the code's to say.
 # (A staged kernel's stage rules apply once the code says that kernel alone is touched.)
-_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound", "multiple-stages", "stage-unassigned"}
+_CODE_DECIDES = {"multiple-kernels", "undeclared-dependency", "line-bound", "multiple-stages", "stage-unassigned",
+                 "no-validation-stage"}
 
 
 def _built_from_code(scope: ChangeScope, kernels, repo_root: Path) -> tuple[list[BuiltVariant], list[str]]:

@@ -123,9 +123,9 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
         raise PlanError(f"{root} already holds plans: give a fresh --root (nothing was overwritten)")
     (root / "plans").mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(repo_root / "kernels" / "manifest.toml")
-    # a kernel that reads a task table needs a stage of its own (validate._kernel_variants says why)
-    not_covered = {k: "reads a task table: no validation stage of its own yet"
-                   for k, spec in manifest.kernels.items() if spec.points_to is not None}
+    from .validate import no_validation_stage
+
+    not_covered = {k: why for k, spec in manifest.kernels.items() if (why := no_validation_stage(spec))}
     names = list(kernels) if kernels is not None else [k for k in manifest.kernels if k not in not_covered]
     for k in not_covered:
         if k not in names:

@@ -480,6 +480,14 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
     kernels = tuple(sorted(touched))
     path_name = composite = None
     man = scope.head_manifest or scope.base_manifest
+    from .validate import no_validation_stage
+
+    for k in kernels:
+        why = no_validation_stage(man.kernels[k]) if man and k in man.kernels else None
+        if why:
+            violations.append(Violation("no-validation-stage", "",
+                                        f"touches kernel {k}, which {why}: no evidence can bind to it, so a "
+                                        "full review judges the change"))
     if len(kernels) > policy.max_kernels:
         paths = [p for p in (man.paths.values() if man else ()) if set(kernels) <= set(p.kernels)]
         if paths:
