@@ -482,7 +482,9 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
     man = scope.head_manifest or scope.base_manifest
     from .validate import no_validation_stage
 
-    for k in kernels:
+    for k in kernels:  # (a head that does not build fails the gate on its compile error instead)
+        if ((scope.code or {}).get(k) or {}).get("status") == "build_failed":
+            continue
         why = no_validation_stage(man.kernels[k]) if man and k in man.kernels else None
         if why:
             violations.append(Violation("no-validation-stage", "",
