@@ -148,7 +148,7 @@ def main(argv=None) -> int:
 def table(rows: list[dict]) -> str:
     counts = Counter(r["status"] for r in rows)
     out = [f"{len(rows)} commits replayed: " + ", ".join(f"{n} {s}" for s, n in counts.most_common()), "",
-           "| commit | verdict | touched (by code) | rules that sent it to full review |", "|---|---|---|---|"]
+           "| commit | verdict | touched (by code where it was compared, else by declared sources) | rules that sent it to full review |", "|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['sha']} | {r['status']} | {', '.join(r.get('kernels') or []) or '-'} | "
                    f"{', '.join(r.get('rules') or []) or '-'} |")
