@@ -76,8 +76,8 @@ def _gate(root, base, head, **kw):
 @pytest.fixture()
 def mega_repo(tmp_path, monkeypatch):
     # `mega` stands for a staged kernel whose validation stage exists (the real megakernel's does
-    # not yet: validation.validate.no_validation_stage sends its changes to full review)
-    monkeypatch.setattr("validation.validate.no_validation_stage", lambda spec: None)
+    # not yet: validation.policy.no_validation_stage sends its changes to full review)
+    monkeypatch.setattr("validation.policy.no_validation_stage", lambda spec: None)
     priv, pem = new_keypair()
     root = tmp_path / "repo"
     make_repo(root, public_key_pem=pem)

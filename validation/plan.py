@@ -123,7 +123,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
         raise PlanError(f"{root} already holds plans: give a fresh --root (nothing was overwritten)")
     (root / "plans").mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(repo_root / "kernels" / "manifest.toml")
-    from .validate import no_validation_stage
+    from .policy import no_validation_stage
 
     not_covered = {k: why for k, spec in manifest.kernels.items() if (why := no_validation_stage(spec))}
     names = list(kernels) if kernels is not None else [k for k in manifest.kernels if k not in not_covered]

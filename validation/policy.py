@@ -372,6 +372,18 @@ def _classify(f: FileChange, policy: Policy) -> tuple[str, ProtectedPath | None]
     return "other", None
 
 
+def no_validation_stage(spec: KernelSpec) -> str | None:
+    """Why `validate` cannot judge `spec`'s kernel, or None when it can. A kernel that reads a task
+    table needs a stage of its own, built on its host launcher: the generic numerics would fill
+    the table and its counters with random data. Read by validate, `validate --all` and this
+    policy (a change that touches such a kernel can bind no evidence: full review)."""
+    if spec.points_to is not None:
+        return (f"reads a task table ({', '.join(spec.points_to)}): the generic numerics would fill the table "
+                "and its counters with random data; it needs its own validation stage (built on its host "
+                "launcher), which does not exist yet")
+    return None
+
+
 def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyDecision:
     """Classify every changed path of `scope` and decide: eligible, full_review, no_code_change or
     no_kernel_change.
@@ -480,8 +492,6 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
     kernels = tuple(sorted(touched))
     path_name = composite = None
     man = scope.head_manifest or scope.base_manifest
-    from .validate import no_validation_stage
-
     for k in kernels:  # (a head that does not build fails the gate on its compile error instead)
         if ((scope.code or {}).get(k) or {}).get("status") == "build_failed":
             continue

@@ -382,18 +382,6 @@ def load_base_plan(path: Path, kernel: str, build_root: Path = DEFAULT_BUILD_ROO
     return plan, head, base
 
 
-def no_validation_stage(spec: KernelSpec) -> str | None:
-    """Why `validate` cannot judge `spec`'s kernel, or None when it can. A kernel that reads a task
-    table needs a stage of its own, built on its host launcher: the generic numerics would fill
-    the table and its counters with random data. Read by validate, `validate --all` and the
-    gate's policy (a change that touches such a kernel can bind no evidence: full review)."""
-    if spec.points_to is not None:
-        return (f"reads a task table ({', '.join(spec.points_to)}): the generic numerics would fill the table "
-                "and its counters with random data; it needs its own validation stage (built on its host "
-                "launcher), which does not exist yet")
-    return None
-
-
 def _kernel_variants(kernel: str, batches: list[int] | None,
                      repo_root: Path = REPO_ROOT) -> tuple[KernelSpec, list[dict]]:
     """The kernel's manifest entry (the manifest of the checkout at `repo_root`) and its variants,
@@ -402,6 +390,8 @@ def _kernel_variants(kernel: str, batches: list[int] | None,
         spec = load_manifest(Path(repo_root) / "kernels" / "manifest.toml").kernel(kernel)
     except ManifestError as e:
         raise ValidateError(str(e)) from None
+    from .policy import no_validation_stage
+
     why = no_validation_stage(spec)
     if why:
         raise ValidateError(f"kernel {kernel} {why}")
