@@ -125,11 +125,11 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
     manifest = load_manifest(repo_root / "kernels" / "manifest.toml")
     from .policy import no_validation_stage
 
-    not_covered = {k: why for k, spec in manifest.kernels.items() if (why := no_validation_stage(spec))}
-    names = list(kernels) if kernels is not None else [k for k in manifest.kernels if k not in not_covered]
-    for k in not_covered:
-        if k not in names:
-            log(f"prepare {k}: not covered ({not_covered[k]})")
+    unjudged = {k: why for k, spec in manifest.kernels.items() if (why := no_validation_stage(spec))}
+    names = list(kernels) if kernels is not None else [k for k in manifest.kernels if k not in unjudged]
+    not_covered = {k: why for k, why in unjudged.items() if k not in names}  # (one named in `kernels` fails)
+    for k, why in not_covered.items():
+        log(f"prepare {k}: not covered ({why})")
     if prepare_kernel is None:  # the base resolved once: commits made while preparing do not move it
         from .validate import _git
 
@@ -175,7 +175,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
             log(f"prepare block: FAILED {e}")
     carry = make_carry(root, build_root, plans)
     doc = {"schema": SCHEMA, "base": base, "prepared": done, "failed": failed,
-           "not_covered": {k: v for k, v in not_covered.items() if k not in names}, "carry": carry,
+           "not_covered": not_covered, "carry": carry,
            "seconds": round(time.time() - t0, 1)}
     (root / "prepare.json").write_text(json.dumps(doc, indent=1) + "\n")
     mib = carry["archive_bytes"] / (1 << 20)

@@ -130,13 +130,13 @@ def timeline_svg(timeline: dict, *, width: int = 720) -> str:
     rh = 2 if len(workers) > 64 else 4
     left, right, top = 58, 230, 28
     pw, ph = width - left - right, rh * len(workers)
-    height = top + ph + 42
+    height = max(top + ph + 42, top + 16 * len(stages) + 20)  # the plot, or the legend where it is taller
 
     def X(t):
         return left + (t - t0) * scale / span_us * pw
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(height, top + 16 * len(stages) + 20)}" '
-           f'viewBox="0 0 {width} {max(height, top + 16 * len(stages) + 20)}" role="img" aria-label="{html.escape(title)}">',
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">',
            f'<text x="{left}" y="16" class="pt">{html.escape(title)}</text>',
            f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
     for i in range(5):
