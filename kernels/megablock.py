@@ -47,9 +47,10 @@ def host_table(meta: dict):
     return op.table
 
 
-def allocate_buffers(meta: dict, device) -> dict:
+def allocate_buffers(meta: dict, device, table=None) -> dict:
     """Every parameter buffer of the build `meta` but the weights, x and out, zeroed on
-    `device`, with the task table filled in (`host_table`)."""
+    `device`, with the task table filled in: `table` (a plan's, made by the tree that built the
+    cubin), else `host_table`."""
     import torch
 
     bufs = {}
@@ -57,7 +58,12 @@ def allocate_buffers(meta: dict, device) -> dict:
         name, spec = p["name"], p["spec"]
         if name not in WEIGHTS and name not in ("x", "out"):
             bufs[name] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
-    bufs["tasks"].copy_(torch.tensor(host_table(meta), dtype=torch.int32))
+    want = host_table(meta) if table is None else table
+    t = torch.tensor(want, dtype=torch.int32)
+    if list(t.shape) != list(bufs["tasks"].shape):
+        raise MegaBlockError(f"{KERNEL}: a task table of shape {list(t.shape)} for a tasks parameter of "
+                             f"{list(bufs['tasks'].shape)}")
+    bufs["tasks"].copy_(t)
     return bufs
 
 
@@ -69,10 +75,11 @@ def launch_args(weights, x, out, bufs: dict) -> dict:
 
 class MegaBlock:
     """One batch size of the block as the megakernel: its cubin, weights, table and buffers;
-    `launch(x, out)` enqueues one decode step."""
+    `launch(x, out)` enqueues one decode step. `table`: the task table to upload (a validation
+    plan's, planned by the revision that built `build_dir`), else this host's plan of it."""
 
     def __init__(self, cfg: ModelConfig, batch: int, weights, *, root: Path = DEFAULT_ROOT,
-                 build_dir: Path | None = None, tunables: dict | None = None):
+                 build_dir: Path | None = None, tunables: dict | None = None, table=None):
         from kernels.launch import CubinKernel
 
         if build_dir is None:
@@ -81,7 +88,7 @@ class MegaBlock:
         if self.k.meta.get("kernel") != KERNEL or int(self.k.meta["variant"]["batch"]) != batch:
             raise MegaBlockError(f"{build_dir}: not the {KERNEL} at batch {batch}")
         self.cfg, self.batch, self.w = cfg, batch, weights
-        self.buf = allocate_buffers(self.k.meta, weights.w_gate.device)
+        self.buf = allocate_buffers(self.k.meta, weights.w_gate.device, table)
         self.k.load()  # before any graph capture
 
     def launch(self, x, out) -> None:
@@ -91,7 +98,12 @@ class MegaBlock:
     def intermediates(self) -> dict:
         """The stage outputs of the last launch (h, logits, the routing, z, a_shared, act, o, c,
         n), for per-stage numerics against the chain's ops."""
-        return {k: v for k, v in self.buf.items() if k not in ("tasks", "counters", "w2_counters")}
+        return {k: v for k, v in self.buf.items() if k not in ("tasks", "counters", "w2_counters", "stamps")}
+
+    def stamps(self):
+        """The in-kernel timeline of the last launch (int64 [workers][stages][2], ns), or None
+        for a build without a `stamps` parameter."""
+        return self.buf.get("stamps")
 
     def counters_clean(self) -> bool:
         """Whether every counter is back at zero (after a synchronize): the launch's own

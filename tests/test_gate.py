@@ -778,9 +778,10 @@ def test_scratch_a_real_change_of_one_kernel_with_a_new_test_file_is_eligible(sc
     assert v.audit["gated_situ"]["status"] == "pass"
 
 
-def test_scratch_a_change_of_a_tile_the_megakernel_runs_goes_to_full_review_naming_it(scratch):
-    """rmsnorm's tile is also the megakernel's norm stages: its code changes too, and no
-    validation stage judges the megakernel yet, so no evidence could bind (exit 3, one cause)."""
+def test_scratch_a_change_of_a_tile_the_megakernel_runs_needs_the_megakernels_evidence_too(scratch):
+    """rmsnorm's tile is also the megakernel's norm stages: its code changes too. Both are kernels
+    of the latentmoe path, so the change is eligible as a path change and fails first on the
+    megakernel's missing evidence (its own validation stage would give it)."""
     pytest.importorskip("cutlass")
     root, base = scratch
     src = (root / "kernels/ops/rmsnorm.py").read_text()
@@ -788,11 +789,12 @@ def test_scratch_a_change_of_a_tile_the_megakernel_runs_goes_to_full_review_nami
     write(root, "kernels/ops/rmsnorm.py", src.replace("EPS = 1e-5", "EPS = 1e-6"))
     head = commit(root, "rmsnorm: eps 1e-6")
     v = _scratch_gate(root, base, head)
-    assert (v.status, v.exit_code) == ("not_eligible", EXIT_NOT_ELIGIBLE), reasons(v)
-    assert v.kernels == ["megakernel", "rmsnorm"]
+    assert (v.status, v.exit_code) == ("fail", EXIT_FAIL), reasons(v)
+    assert v.kernels == ["megakernel", "rmsnorm"] and v.policy["path"] == "latentmoe"
     assert v.scope["code"]["megakernel"]["status"] == "changed"
-    assert [x["rule"] for x in v.policy["violations"]] == ["no-validation-stage"]
-    assert "megakernel" in v.cause and "task table" in v.cause
+    assert not v.policy["violations"]
+    assert v.cause.startswith("kernel megakernel: no committed evidence")
+    assert "fasttrack validate megakernel" in v.next_command
 
 
 # -- scope by code, decode paths and their composite evidence (fake builds) --------------------

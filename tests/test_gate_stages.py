@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from validation.policy import OWN_STAGES
+
 from gate_fixtures import (MANIFEST, commit, commit_bundle, edit_lines, make_bundle, make_repo, new_keypair, sign,
                            validator_of, write)
 from validation.gate import EXIT_FAIL, EXIT_NOT_ELIGIBLE, EXIT_PASS, AuditOutcome, BuiltVariant, run_gate
@@ -75,9 +77,9 @@ def _gate(root, base, head, **kw):
 
 @pytest.fixture()
 def mega_repo(tmp_path, monkeypatch):
-    # `mega` stands for a staged kernel whose validation stage exists (the real megakernel's does
-    # not yet: validation.policy.no_validation_stage sends its changes to full review)
-    monkeypatch.setattr("validation.policy.no_validation_stage", lambda spec: None)
+    # `mega` stands for a staged kernel with a validation stage of its own, as the megakernel has
+    # (validation.policy.OWN_STAGES; without one, no_validation_stage sends its changes to full review)
+    monkeypatch.setitem(OWN_STAGES, "mega", "validation.mega_stage")
     priv, pem = new_keypair()
     root = tmp_path / "repo"
     make_repo(root, public_key_pem=pem)

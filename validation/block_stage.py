@@ -42,6 +42,7 @@ MAX_ERROR_RATIO = 2.0
 ROUNDS = 6
 CALLS = 8
 RUN_TIMEOUT_S = 540.0
+CEILING_NOISE = 0.02  # the read ceiling's allowance in the IMPOSSIBLE check (bench.bandwidth_check)
 
 
 class BlockError(RuntimeError):
@@ -570,7 +571,7 @@ def block_bundle(plan: dict, result: dict | None, stage: dict, *, validator=None
         read = result["ceilings"]["read"]
         comp = compare_samples(s["base"], s["head"]) if s.get("base") else None
         hs = summarize(s["head"])
-        head_bw = bandwidth_check(int(sp["bytes_per_step"]), hs["median"], hs["rel_iqr"], read["tbps"], 0.02)
+        head_bw = bandwidth_check(int(sp["bytes_per_step"]), hs["median"], hs["rel_iqr"], read["tbps"], CEILING_NOISE)
         verdict = "IMPOSSIBLE" if head_bw["impossible"] else (comp.verdict if comp else "AMBIGUOUS")
         bench_cases.append({
             "case_id": f"block/b{T}", "name": f"block batch {T}", "kernel": "block", "variant": {"batch": T},

@@ -82,6 +82,11 @@ def run(args) -> int:
         raise UserError("give a KERNEL (or `block`), or --all")
     if args.kernel == "block":
         return _run_block(args, build_root)
+    from validation.policy import own_stage
+
+    stage = own_stage(args.kernel)
+    if stage is not None:
+        return _run_own_stage(args, build_root, stage)
     if args.prepare:
         if not is_revision(args.base):
             raise UserError("--prepare needs --base REV (a git revision to build the baseline from)")
@@ -210,6 +215,45 @@ def _run_all(args, tunables: dict) -> int:
         raise UserError(str(e), 2) from None
     bad = [n for n, r in s["results"].items() if r.get("verdict") == "fail" or "error" in r]
     return 1 if bad else 0
+
+
+def _run_own_stage(args, build_root, stage) -> int:
+    """A kernel with a stage of its own (validation/policy.py OWN_STAGES): --prepare here, --plan
+    on the GPU host."""
+    from kernels.manifest import REPO_ROOT
+
+    from validation.validate import ValidateError, default_plan_path, is_revision
+
+    k = args.kernel
+    try:
+        if args.prepare:
+            if not is_revision(args.base):
+                raise UserError(f"validate {k} --prepare needs --base REV (a git revision to build the baseline from)")
+            if args.plan is not None:
+                raise UserError("--prepare writes a plan; --plan runs one: give one of them")
+            path = default_plan_path(k, build_root)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plan = stage.prepare(args.base, build_root=build_root, plan_path=path, batches=args.batch)
+            rel = _repo_rel(path, REPO_ROOT)
+            print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}")
+            print(f"next, on the GPU host (carry {_repo_rel(build_root, REPO_ROOT)} and {rel}):\n"
+                  f"  PYTHONPATH=. python3 -m validation.cli validate {k} --plan {rel} --out OUT_DIR\n"
+                  f"then here: fasttrack sign OUT_DIR/bundle.json --plan {rel}")
+            return 0
+        if args.plan is None:
+            raise UserError(f"validate {k} runs from a plan: `fasttrack validate {k} --base REV --prepare` here, "
+                            "then --plan P on the GPU host")
+        out = args.out or (REPO_ROOT / "evidence_reports" / k)
+        refuse_signed_bundle(out / "bundle.json")
+        if not cuda_available():
+            raise UserError(NO_GPU.format(k=k), 2)
+        b = stage.validate(args.plan, build_root=build_root, out_dir=out, batches=args.batch)
+    except ValidateError as e:
+        raise UserError(str(e), 2) from None
+    print(f"wrote {out / 'bundle.json'} and {out / 'report.html'}: verdict {b['verdict']}")
+    for r in b["reasons"][:10]:
+        print(f"  - {r}", file=sys.stderr)
+    return 0 if b["verdict"] == "pass" else 1
 
 
 def _run_block(args, build_root) -> int:

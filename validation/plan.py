@@ -65,6 +65,8 @@ def plan_dirs(plan: dict) -> list[str]:
     for b in plan.get("batches", []):  # the block plan
         for side in ("head", "base"):
             dirs += [c["dir"] for c in b.get(side, {}).get("cases", [])]
+    for b in plan.get("chain", []):  # a megakernel plan's yardstick (validation/mega_stage.py)
+        dirs += [c["dir"] for c in b.get("cases", [])]
     return dirs
 
 
@@ -130,6 +132,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
     not_covered = {k: why for k, why in unjudged.items() if k not in names}  # (one named in `kernels` fails)
     for k, why in not_covered.items():
         log(f"prepare {k}: not covered ({why})")
+    injected = prepare_kernel is not None  # a test's: it prepares every kernel
     if prepare_kernel is None:  # the base resolved once: commits made while preparing do not move it
         from .validate import _git
 
@@ -142,12 +145,19 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
             minis=False)
     done, failed, plans = [], {}, []
     t0 = time.time()
+    from .policy import own_stage
+
     for k in names:
         path = root / "plans" / f"{k}.json"
+        stage = None if injected else own_stage(k)
         try:
-            plans.append(prepare_kernel(k, path))
+            if stage is not None:  # its own plan; its minis go with the others' (plans/sanitize.json)
+                plans.append(stage.prepare(base, build_root=build_root, plan_path=path, repo_root=repo_root,
+                                           log=log, minis=False))
+            else:
+                plans.append(prepare_kernel(k, path))
             done.append(k)
-        except ValidateError as e:
+        except (ValidateError, PlanError) as e:
             failed[k] = str(e)
             log(f"prepare {k}: FAILED {e}")
         log(f"prepare {k}: {time.time() - t0:.0f} s so far")
@@ -243,6 +253,7 @@ def run_all(root: Path, out: Path, *, budget_s: float = 560.0, only: list[str] |
     summary = {"schema": SCHEMA + "#run", "budget_s": budget_s, "seeds": list(seeds), "results": {},
                "not_covered": []}
     dynamic = None
+    from .policy import own_stage
 
     def left() -> float:
         return budget_s - (clock() - t0)
@@ -270,6 +281,9 @@ def run_all(root: Path, out: Path, *, budget_s: float = 560.0, only: list[str] |
             elif name == "block":
                 fn = runners.get("block", _run_block)
                 res = fn(path, builds, out / "block", left(), seeds)
+            elif own_stage(name) is not None:
+                fn = runners.get("own", _run_own)
+                res = fn(name, path, builds, out / name, left(), dynamic)
             else:
                 fn = runners.get("kernel", _run_kernel)
                 res = fn(name, path, builds, out / name, left(), dynamic, seeds)
@@ -301,6 +315,14 @@ def _run_kernel(name: str, path: Path, builds: Path, out_dir: Path, left_s: floa
     bench_t = max(30.0, min(420.0, left_s - numerics_t - 10))
     b = validate_kernel(name, build_root=builds, out_dir=out_dir, plan_path=path, seeds=seeds,
                         numerics_timeout_s=numerics_t, bench_timeout_s=bench_t, dynamic_result=dynamic)
+    return {"verdict": b["verdict"], "reasons": b["reasons"][:10], "bundle": str(out_dir / "bundle.json")}
+
+
+def _run_own(name: str, path: Path, builds: Path, out_dir: Path, left_s: float, dynamic) -> dict:
+    from .policy import own_stage
+
+    b = own_stage(name).validate(path, build_root=builds, out_dir=out_dir, timeout_s=max(60.0, left_s - 15),
+                                 dynamic_result=dynamic)
     return {"verdict": b["verdict"], "reasons": b["reasons"][:10], "bundle": str(out_dir / "bundle.json")}
 
 

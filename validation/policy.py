@@ -372,15 +372,29 @@ def _classify(f: FileChange, policy: Policy) -> tuple[str, ProtectedPath | None]
     return "other", None
 
 
+# Kernels `validate` judges with a stage of their own: kernel -> the module whose
+# `prepare(base, *, build_root, plan_path, repo_root, log)` writes the plan on the CPU host and
+# whose `validate(plan_path, *, build_root, out_dir, timeout_s)` runs it on the GPU host into a
+# bundle. Read by `validate KERNEL`, `validate --all` and `no_validation_stage`.
+OWN_STAGES = {"megakernel": "validation.mega_stage"}
+
+
+def own_stage(kernel: str):
+    """The stage module of `kernel` (OWN_STAGES), or None for the generic stages."""
+    import importlib
+
+    return importlib.import_module(OWN_STAGES[kernel]) if kernel in OWN_STAGES else None
+
+
 def no_validation_stage(spec: KernelSpec) -> str | None:
     """Why `validate` cannot judge `spec`'s kernel, or None when it can. A kernel that reads a task
-    table needs a stage of its own, built on its host launcher: the generic numerics would fill
-    the table and its counters with random data. Read by validate, `validate --all` and this
-    policy (a change that touches such a kernel can bind no evidence: full review)."""
-    if spec.points_to is not None:
+    table needs a stage of its own (OWN_STAGES), built on its host launcher: the generic numerics
+    would fill the table and its counters with random data. Read by validate, `validate --all` and
+    this policy (a change that touches such a kernel can bind no evidence: full review)."""
+    if spec.points_to is not None and spec.name not in OWN_STAGES:
         return (f"reads a task table ({', '.join(spec.points_to)}): the generic numerics would fill the table "
                 "and its counters with random data; it needs its own validation stage (built on its host "
-                "launcher), which does not exist yet")
+                "launcher, declared in validation/policy.py OWN_STAGES), which it does not have")
     return None
 
 

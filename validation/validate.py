@@ -38,6 +38,9 @@ DEFAULT_BUILD_ROOT = REPO_ROOT / "build"
 NUMERICS_TIMEOUT_S = 420
 BENCH_TIMEOUT_S = 420
 PLAN_SCHEMA = "fasttrack.validate-plan/1"
+# Plans whose `variants` list one kernel's head and base builds: the generic one, and the
+# megakernel's (validation/mega_stage.py: that plan plus task tables, model check and the chain).
+KERNEL_PLAN_SCHEMAS = (PLAN_SCHEMA, "fasttrack.mega-plan/1")
 NON_REVISION_BASES = (None, "torch")
 DEFENCE_ORDER = ("poisoned_outputs", "input_mutation", "output_aliasing", "both_orders",
                  "reshuffled_inputs", "unseen_shapes", "precision_vs_oracle", "determinism",
@@ -671,8 +674,8 @@ def presign_problems(bundle: dict, plan: dict, *, merge_base: str | None = None,
     except (KeyError, TypeError) as e:
         return [f"the plan is malformed ({type(e).__name__}: {e}); it is not a {PLAN_SCHEMA} "
                 f"or {BLOCK_PLAN_SCHEMA} plan"]
-    if plan.get("schema") not in (PLAN_SCHEMA, BLOCK_PLAN_SCHEMA):
-        problems.append(f"the plan is not a {PLAN_SCHEMA} or {BLOCK_PLAN_SCHEMA} plan")
+    if plan.get("schema") not in KERNEL_PLAN_SCHEMAS + (BLOCK_PLAN_SCHEMA,):
+        problems.append(f"the plan is not one of {', '.join(KERNEL_PLAN_SCHEMAS + (BLOCK_PLAN_SCHEMA,))}")
     if bundle.get("signature"):
         problems.append("the bundle is already signed")
     change = bundle["change"]
