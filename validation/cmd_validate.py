@@ -236,8 +236,9 @@ def _run_own_stage(args, build_root, stage) -> int:
             plan = stage.prepare(args.base, build_root=build_root, plan_path=path, batches=args.batch)
             rel = _repo_rel(path, REPO_ROOT)
             print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}")
-            print(f"next, on the GPU host (carry {_repo_rel(build_root, REPO_ROOT)} and {rel}):\n"
-                  f"  PYTHONPATH=. python3 -m validation.cli validate {k} --plan {rel} --out OUT_DIR\n"
+            root = _repo_rel(build_root, REPO_ROOT)
+            print(f"next, on the GPU host (carry {root}):\n"
+                  f"  PYTHONPATH=. python3 -m validation.cli validate {k} --plan {rel} --build-root {root} --out OUT_DIR\n"
                   f"then here: fasttrack sign OUT_DIR/bundle.json --plan {rel}")
             return 0
         if args.plan is None:
