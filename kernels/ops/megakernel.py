@@ -36,6 +36,12 @@ The protocol, per stage (`counters` holds one int32 per stage and an exit count)
 Shared memory is one region, laid out per stage (`_Region`): a stage's tensors overlap the
 previous stage's, which the barrier of each signal separates.
 
+The kernel stamps its own timeline: thread 0 of each worker writes `%globaltimer` (ns) into
+`stamps[worker][stage]` when its first item of a stage has passed its waits, and when its last
+item has signalled (int64 [workers][stages][2]; a stage a worker runs no item of is left as the
+host zeroed it). Two stores per worker and stage, always on, so the timed kernel is the one the
+timeline shows (validation/timeline.py reads it).
+
 Every buffer a stage writes is its own kernel parameter (`tensor_specs`).
 """
 
@@ -210,6 +216,7 @@ class MegakernelOp(OpBase):
             "c": TensorSpec((T, L), bf16),
             "n": TensorSpec((T, L), bf16),
             "out": TensorSpec((T, H), bf16),
+            "stamps": TensorSpec((self.workers, len(MEGA_STAGES), 2), "int64"),
         }
 
     def launch_config(self) -> LaunchConfig:
@@ -237,11 +244,11 @@ class MegakernelOp(OpBase):
                  mW2Counters: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
                  mWeights: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor,
                  mSorted: cute.Tensor, mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor,
-                 mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor):
+                 mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
                     mW2Counters, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ,
-                    mAs, mAct, mO, mC, mN, mOut).launch(grid=list(lc.grid), block=list(lc.block),
+                    mAs, mAct, mO, mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block),
                                                         smem=lc.smem_bytes)
 
     @cute.kernel
@@ -251,7 +258,7 @@ class MegakernelOp(OpBase):
                mW2Counters: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
                mWeights: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor,
                mSorted: cute.Tensor, mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor,
-               mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor):
+               mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         worker, _, _ = cute.arch.block_idx()
         base = cutlass.memory.SmemAllocator().allocate(self.region_bytes, byte_alignment=SMEM_ALIGN)
@@ -259,20 +266,22 @@ class MegakernelOp(OpBase):
                 (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
                 mOut)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            self._stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs)
+            self._stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, mStamps)
         self._exit(mCounters, tidx)
 
     @cute.jit
-    def _stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs):
+    def _stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, mStamps):
         """Trace-time: this worker's items of `stage` (task-table entry si), if it has any."""
         lo = mTasks[worker, si, 0]
         hi = mTasks[worker, si, 1]
         step = mTasks[worker, si, 2]
         if lo < hi:  # CTA-uniform
-            self._run_stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step)
+            self._run_stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step, mStamps)
+            if tidx == 0:
+                mStamps[worker, si, 1] = _globaltimer()
 
     @cute.jit
-    def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step):
+    def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step, mStamps):
         """Trace-time: lay out the stage's shared memory, then per item: wait for the stages
         `stage` depends on (their targets from the task table), the item, its signal. Every
         item waits, as every task of the graph does: past the first the counters are already
@@ -286,6 +295,8 @@ class MegakernelOp(OpBase):
             for dep in self._deps(stage):
                 d = STAGE_INDEX[dep]
                 self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
+            if (item == lo) & (tidx == 0):
+                mStamps[worker, si, 0] = _globaltimer()
             self._item(stage, item, tidx, smem, bufs)
             self._signal(mCounters, si, tidx)
 
@@ -385,6 +396,14 @@ class MegakernelOp(OpBase):
             if old == i32(self.workers - 1):
                 for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
                     cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
+
+
+def _globaltimer():
+    """Trace-time: the GPU's global nanosecond timer (PTX %globaltimer), an Int64."""
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T
+
+    return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True))
 
 
 def _trap():
