@@ -68,11 +68,14 @@ BUFFERS = ("x", "gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w1
            "w_shared_down", "w2_counters", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
 # Every tunable of the stages' ops, given here in full: the megakernel's design is declared by
 # its own module and its manifest tunables (and a compile child has no manifest to read). The
-# designs are the chain's at batch 1 (the stream designs), sized for THREADS threads.
-SHARED_GU = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 1,
+# designs are sized for THREADS threads: the experts' and the router's stream designs; for
+# shared_gu and out the mma designs at every batch (stream_max_batch 0). The stream design wants
+# several short CTAs per SM in flight; with one worker per SM it read at a third of the rate the
+# mma design does (the timeline at batch 1 against batch 2, docs/decisions.md).
+SHARED_GU = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 0,
              "stream_rows": 1, "stream_threads": THREADS // 2}
 EXPERTS = {"stream_slots": 1, "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
-LATENT_OUT = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 1,
+LATENT_OUT = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 0,
               "stream_rows": 1, "stream_up_threads": 64, "stream_down_threads": THREADS - 64}
 
 
