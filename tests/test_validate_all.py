@@ -9,6 +9,8 @@ import tarfile
 
 import pytest
 
+from validation.policy import OWN_STAGES
+
 from validation import plan as P
 from validation import sanitize as S
 from validation.race.dynamic import ToolResult
@@ -324,7 +326,8 @@ def test_prepare_only_the_block(tmp_path):
     assert doc["prepared"] == ["block"] and doc["carry"]["folders"] == 1
 
 
-def test_prepare_all_leaves_a_task_table_kernel_out_and_says_so(tmp_path):
+def test_prepare_all_leaves_a_task_table_kernel_without_its_own_stage_out_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.delitem(OWN_STAGES, "megakernel")  # as if the megakernel had no stage of its own
     seen, logs = [], []
 
     _folder(tmp_path / "b", "rmsnorm/h1", b"B")
@@ -342,8 +345,10 @@ def test_prepare_all_leaves_a_task_table_kernel_out_and_says_so(tmp_path):
     assert any(m.startswith("prepare megakernel: not covered") for m in logs)
 
 
-def test_validate_refuses_a_task_table_kernel_with_one_clear_message():
+def test_validate_refuses_a_task_table_kernel_without_its_own_stage_with_one_clear_message(monkeypatch):
     from validation.validate import ValidateError, _kernel_variants
+
+    monkeypatch.delitem(OWN_STAGES, "megakernel")
 
     with pytest.raises(ValidateError, match="megakernel reads a task table .*its own validation stage"):
         _kernel_variants("megakernel", None)

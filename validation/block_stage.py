@@ -24,7 +24,6 @@ benchmark case (head against base, the validator's verdict statistics).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import subprocess
@@ -621,54 +620,20 @@ def validate_block(plan_path: Path, *, build_root: Path, out_dir: Path, timeout_
                    batches=None) -> dict:
     """GPU host: the block's plan in a child process with a timeout, then its bundle (written
     with report.html into `out_dir`)."""
-    from . import bundle as B
-    from .isolate import run_stage
+    from .isolate import run_plan_stage, write_bundle_and_report
 
     plan = load_block_plan(plan_path, build_root)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    res_path = out_dir / "block_run.json"
-    argv = ["-m", "validation.block_stage", "run", "--plan", str(plan_path), "--build-root", str(build_root),
-            "--out", str(res_path)] + (["--batches", *map(str, batches)] if batches else [])
-    st = run_stage("block", argv, result_path=res_path, log_path=out_dir / "block.log", timeout_s=timeout_s)
-    try:  # the child's progress lines (one per batch, with its seconds), for the caller's log
-        for line in (out_dir / "block.log").read_text(errors="replace").splitlines():
-            if line.startswith("block"):
-                print(f"  {line}", file=sys.stderr, flush=True)
-    except OSError:
-        pass
-    print(f"  stage block: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)", file=sys.stderr, flush=True)
-    result = st.result
-    if result is None and res_path.exists():  # a timeout keeps the batches measured before it
-        try:
-            result = json.loads(res_path.read_text())
-        except ValueError:
-            result = None
+    st, result = run_plan_stage("block", "validation.block_stage", plan_path, build_root, out_dir,
+                                timeout_s=timeout_s, batches=batches)
     bundle = block_bundle(plan, result, st.to_dict())
-    B.write_bundle_atomic(out_dir / "bundle.json", bundle)
-    try:
-        from .report import render_report
-
-        (out_dir / "report.html").write_text(render_report(bundle))
-    except Exception as e:  # noqa: BLE001 - the bundle is the evidence; the page can be re-rendered
-        print(f"block: report.html not rendered ({type(e).__name__}: {e}); `fasttrack report` re-renders it",
-              file=sys.stderr)
+    write_bundle_and_report(out_dir, bundle, "block")
     return bundle
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m validation.block_stage")
-    ap.add_argument("step", choices=("run",))
-    ap.add_argument("--plan", type=Path, required=True)
-    ap.add_argument("--build-root", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=None)
-    a = ap.parse_args(argv)
-    try:
-        return run(a.plan, a.build_root, a.out, a.batches)
-    except BlockError as e:
-        print(f"block: {e}", file=sys.stderr)
-        return 2
+    from .isolate import plan_child_main
+
+    return plan_child_main("python -m validation.block_stage", run, BlockError, "block", argv)
 
 
 if __name__ == "__main__":

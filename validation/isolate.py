@@ -81,3 +81,67 @@ def run_stage(name: str, argv: list[str], *, result_path: Path, log_path: Path, 
             result = None
     ok = not reason
     return StageResult(name, ok, rc, timed_out, seconds, result, str(log_path), tail, reason)
+
+
+def run_plan_stage(name: str, module: str, plan_path: Path, build_root: Path, out_dir: Path, *,
+                   timeout_s: float, batches=None) -> tuple[StageResult, dict | None]:
+    """A plan stage's GPU child (`python -m MODULE run --plan P --build-root R --out
+    OUT/NAME_run.json [--batches ...]`, its log OUT/NAME.log) under `run_stage`; the child's
+    progress lines (those that start with `name`) and the stage's verdict go to stderr. Returns
+    the stage and its result: on a timeout or crash, what the child had written so far (it
+    rewrites its result after every batch), else None."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res_path, log_path = out_dir / f"{name}_run.json", out_dir / f"{name}.log"
+    argv = ["-m", module, "run", "--plan", str(plan_path), "--build-root", str(build_root),
+            "--out", str(res_path)] + (["--batches", *map(str, batches)] if batches else [])
+    st = run_stage(name, argv, result_path=res_path, log_path=log_path, timeout_s=timeout_s)
+    try:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith(name):
+                print(f"  {line}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    print(f"  stage {name}: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)", file=sys.stderr,
+          flush=True)
+    result = st.result
+    if result is None and res_path.exists():
+        try:
+            result = json.loads(res_path.read_text())
+        except ValueError:
+            result = None
+    return st, result
+
+
+def write_bundle_and_report(out_dir: Path, bundle: dict, name: str) -> None:
+    """`bundle` as OUT/bundle.json (atomically), then its report.html; a report that fails to
+    render is said on stderr (the bundle is the evidence; `fasttrack report` re-renders it)."""
+    from . import bundle as B
+
+    B.write_bundle_atomic(Path(out_dir) / "bundle.json", bundle)
+    try:
+        from .report import render_report
+
+        (Path(out_dir) / "report.html").write_text(render_report(bundle))
+    except Exception as e:  # noqa: BLE001 - the bundle is the evidence; the page can be re-rendered
+        print(f"{name}: report.html not rendered ({type(e).__name__}: {e}); `fasttrack report` re-renders it",
+              file=sys.stderr)
+
+
+def plan_child_main(prog: str, run, errors: type[Exception], label: str, argv=None) -> int:
+    """The `run` step's command line of a plan stage module: `run(plan, build_root, out,
+    batches)`; an `errors` exception is one line on stderr and exit 2."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("step", choices=("run",))
+    ap.add_argument("--plan", type=Path, required=True)
+    ap.add_argument("--build-root", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    a = ap.parse_args(argv)
+    try:
+        return run(a.plan, a.build_root, a.out, a.batches)
+    except errors as e:
+        print(f"{label}: {e}", file=sys.stderr)
+        return 2

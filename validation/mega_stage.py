@@ -31,7 +31,6 @@ samples and the head-against-chain verdict beside it.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import subprocess
@@ -581,31 +580,12 @@ def validate_mega(plan_path: Path, *, build_root: Path, out_dir: Path, timeout_s
     """GPU host: the plan's run in a child process with a timeout, the sanitizers on the plan's
     mini variant (or `dynamic_result`, a sanitize stage run beside it: validate --all), then the
     bundle (written with report.html into `out_dir`)."""
-    from . import bundle as B
-    from .isolate import run_stage
+    from .isolate import run_plan_stage, write_bundle_and_report
     from .sanitize import run_isolated
 
     plan = load_mega_plan(plan_path, build_root)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    res_path = out_dir / "megakernel_run.json"
-    argv = ["-m", "validation.mega_stage", "run", "--plan", str(plan_path), "--build-root", str(build_root),
-            "--out", str(res_path)] + (["--batches", *map(str, batches)] if batches else [])
-    st = run_stage(KERNEL, argv, result_path=res_path, log_path=out_dir / "megakernel.log", timeout_s=timeout_s)
-    try:
-        for line in (out_dir / "megakernel.log").read_text(errors="replace").splitlines():
-            if line.startswith("megakernel"):
-                print(f"  {line}", file=sys.stderr, flush=True)
-    except OSError:
-        pass
-    print(f"  stage megakernel: {'ok' if st.ok else 'FAILED ' + st.reason} ({st.seconds:.0f} s)", file=sys.stderr,
-          flush=True)
-    result = st.result
-    if result is None and res_path.exists():  # a timeout keeps the batches measured before it
-        try:
-            result = json.loads(res_path.read_text())
-        except ValueError:
-            result = None
+    st, result = run_plan_stage(KERNEL, "validation.mega_stage", plan_path, build_root, out_dir,
+                                timeout_s=timeout_s, batches=batches)
     dyn = dynamic_result
     san = plan.get("sanitize") or {}
     if dyn is None and san.get("entries"):
@@ -613,14 +593,7 @@ def validate_mega(plan_path: Path, *, build_root: Path, out_dir: Path, timeout_s
         dyn = run_isolated(san["entries"], san.get("failures", []), Path(build_root), out_dir / "sanitize",
                            budget_s=sanitize_budget_s)
     bundle = mega_bundle(plan, result, st.to_dict(), dyn)
-    B.write_bundle_atomic(out_dir / "bundle.json", bundle)
-    try:
-        from .report import render_report
-
-        (out_dir / "report.html").write_text(render_report(bundle))
-    except Exception as e:  # noqa: BLE001 - the bundle is the evidence; the page can be re-rendered
-        print(f"megakernel: report.html not rendered ({type(e).__name__}: {e}); `fasttrack report` re-renders it",
-              file=sys.stderr)
+    write_bundle_and_report(out_dir, bundle, KERNEL)
     return bundle
 
 
@@ -630,18 +603,9 @@ validate = validate_mega
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m validation.mega_stage")
-    ap.add_argument("step", choices=("run",))
-    ap.add_argument("--plan", type=Path, required=True)
-    ap.add_argument("--build-root", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=None)
-    a = ap.parse_args(argv)
-    try:
-        return run(a.plan, a.build_root, a.out, a.batches)
-    except MegaError as e:
-        print(f"megakernel: {e}", file=sys.stderr)
-        return 2
+    from .isolate import plan_child_main
+
+    return plan_child_main("python -m validation.mega_stage", run, MegaError, KERNEL, argv)
 
 
 if __name__ == "__main__":
