@@ -60,14 +60,16 @@ class Tunable:
 class Stage:
     """One stage of a persistent kernel (`[[kernels.K.stages]]`): the declared sources that hold
     its device code, the buffers it reads and writes, and the protocol by which it waits for the
-    stages that write what it reads (e.g. "counters"). A fast-track change of a staged kernel
-    touches one stage (validation/policy.py)."""
+    stages that write what it reads (e.g. "counters"), and the kernel's tunables that belong to
+    it alone (`tunables`: what the tuner searches for this stage, `propose-optimization --stage`).
+    A fast-track change of a staged kernel touches one stage (validation/policy.py)."""
 
     name: str
     sources: tuple[str, ...]
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     protocol: str = ""
+    tunables: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,17 @@ class KernelSpec:
     # `points_to`, validation/race/MODEL.md); None when the kernel reads no task table
     points_to: dict | None = None
     stages: tuple[Stage, ...] = ()
+
+    def stage(self, name: str) -> Stage:
+        for st in self.stages:
+            if st.name == name:
+                return st
+        known = ", ".join(st.name for st in self.stages) or "none"
+        raise ManifestError(f"kernel {self.name!r} has no stage {name!r} (stages: {known})")
+
+    def stage_of_tunable(self, tunable: str) -> str | None:
+        """The stage that declares `tunable` as its own, else None (a kernel-wide tunable)."""
+        return next((st.name for st in self.stages if tunable in st.tunables), None)
 
     def stages_of(self, path: str) -> list[str]:
         """The stages whose sources include the repo-relative `path` (several for a shared file)."""
@@ -220,7 +233,7 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
             raise ManifestError(f"kernel {name!r}: source {s!r} must be a repo-relative path")
 
     points_to = _parse_points_to(name, raw.get("points_to"), {p.name: p for p in params})
-    stages = _parse_stages(name, raw.get("stages"), sources)
+    stages = _parse_stages(name, raw.get("stages"), sources, tuple(t.name for t in tunables))
 
     return KernelSpec(
         name=name,
@@ -288,9 +301,10 @@ def _parse_points_to(name: str, raw, params: dict[str, ParamSpec]) -> dict | Non
     return out
 
 
-def _parse_stages(name: str, raw, sources: tuple[str, ...]) -> tuple[Stage, ...]:
+def _parse_stages(name: str, raw, sources: tuple[str, ...], tunables: tuple[str, ...] = ()) -> tuple[Stage, ...]:
     """`[[kernels.K.stages]]` with name, sources (a subset of the kernel's declared sources),
-    reads and writes (buffer names) and protocol."""
+    reads and writes (buffer names), protocol and tunables (names of the kernel's tunables, each
+    of at most one stage)."""
     if raw is None:
         return ()
     where = f"kernel {name!r}: stages"
@@ -304,10 +318,10 @@ def _parse_stages(name: str, raw, sources: tuple[str, ...]) -> tuple[Stage, ...]
         if not isinstance(sname, str) or not sname:
             raise ManifestError(f"{where}[{i}]: name must be a non-empty string")
         at = f"kernel {name!r}: stage {sname!r}"
-        extra = set(st) - {"name", "sources", "reads", "writes", "protocol"}
+        extra = set(st) - {"name", "sources", "reads", "writes", "protocol", "tunables"}
         if extra:
             raise ManifestError(f"{at}: unknown key(s) {', '.join(sorted(extra))} (name, sources, reads, "
-                                "writes, protocol)")
+                                "writes, protocol, tunables)")
         if sname in {x.name for x in out}:
             raise ManifestError(f"{at}: declared twice")
 
@@ -326,7 +340,14 @@ def _parse_stages(name: str, raw, sources: tuple[str, ...]) -> tuple[Stage, ...]
         protocol = st.get("protocol", "")
         if not isinstance(protocol, str):
             raise ManifestError(f"{at}: protocol must be a string (e.g. \"counters\")")
-        out.append(Stage(sname, ssources, names("reads", False), names("writes", False), protocol))
+        stunables = names("tunables", False)
+        for t in stunables:
+            if t not in tunables:
+                raise ManifestError(f"{at}: tunable {t!r} is not among the kernel's tunables")
+            owner = next((x.name for x in out if t in x.tunables), None)
+            if owner:
+                raise ManifestError(f"{at}: tunable {t!r} already belongs to stage {owner!r}")
+        out.append(Stage(sname, ssources, names("reads", False), names("writes", False), protocol, stunables))
     return tuple(out)
 
 

@@ -126,3 +126,12 @@ def test_a_megakernel_plan_presigns_like_a_kernel_plan():
     assert presign_problems(b, plan, merge_base=BASE) == []
     plan["variants"][0]["head"]["cubin_sha256"] = "f" * 64
     assert any("not in the bundle" in p for p in presign_problems(b, plan))
+
+
+def test_the_bundles_binaries_carry_the_plans_code_hashes():
+    """A plan entry with a code sha256 gives its binary one (the evidence then binds a rebuild
+    whose line tables alone moved); an older plan's entry without one gives none."""
+    plan = _plan()
+    plan["variants"][0]["head"]["cubin_code_sha256"] = "d" * 64
+    got = {(x["side"], x["variant"]["batch"]): x.get("cubin_code_sha256") for x in M.binaries(plan)}
+    assert got == {("head", 1): "d" * 64, ("base", 1): None, ("head", 2): None, ("base", 2): None}

@@ -193,10 +193,12 @@ def load_mega_plan(path: Path, build_root: Path) -> dict:
 
 
 def binaries(plan: dict) -> list[dict]:
-    """The megakernel's cubins, both sides (the chain's are the benchmark's yardstick, recorded
-    in `benchmark.chain`, not evidence for its kernels)."""
+    """The megakernel's cubins, both sides, with their code sha256 where the plan has it (the
+    evidence then binds a rebuild whose line tables alone differ; the chain's cubins are the
+    benchmark's yardstick, recorded in `benchmark.chain`, not evidence for its kernels)."""
     return [{"kernel": KERNEL, "side": s, "variant": v["variant"], "tunables": v[s]["tunables"],
-             "build_key": v[s]["build_key"], "cubin_sha256": v[s]["cubin_sha256"]}
+             "build_key": v[s]["build_key"], "cubin_sha256": v[s]["cubin_sha256"],
+             **({"cubin_code_sha256": v[s]["cubin_code_sha256"]} if v[s].get("cubin_code_sha256") else {})}
             for v in plan["variants"] for s in ("head", "base")]
 
 

@@ -208,7 +208,8 @@ for key, idxs in groups.items():
                         root=Path(root), repo_root=Path(wt))
     for i, a in zip(idxs, arts):
         out[i] = {"variant": a.shape, "tunables": a.tunables, "key": a.key, "dir": str(a.dir),
-                  "cubin_sha256": a.cubin_sha256, "sources": a.meta.get("sources")}
+                  "cubin_sha256": a.cubin_sha256, "cubin_code_sha256": getattr(a, "cubin_code_sha256", None),
+                  "sources": a.meta.get("sources")}
 print("@@ARTIFACTS@@" + json.dumps(out))
 """
 
@@ -319,9 +320,9 @@ def prepare_base_plan(kernel: str, base: str, *, batches: list[int] | None = Non
         "variants": [{
             "variant": dict(h.shape),
             "head": {"dir": _rel(h.dir, build_root), "tunables": h.tunables, "build_key": h.key,
-                     "cubin_sha256": h.cubin_sha256},
+                     "cubin_sha256": h.cubin_sha256, "cubin_code_sha256": h.cubin_code_sha256},
             "base": {"dir": _rel(b["dir"], build_root), "tunables": b["tunables"], "build_key": b["key"],
-                     "cubin_sha256": b["cubin_sha256"]},
+                     "cubin_sha256": b["cubin_sha256"], "cubin_code_sha256": b.get("cubin_code_sha256")},
         } for h, b in zip(head, based)],
     }
     # The static audit here, where PTX and SASS are (the carry holds cubins and metadata only).
