@@ -152,6 +152,12 @@ class OpBase:
     def tensor_specs(self) -> dict[str, TensorSpec | ScalarSpec]:
         raise NotImplementedError
 
+    def host_params(self) -> dict:
+        """Parameters whose contents the host plans (name -> nested lists, in the parameter's
+        dtype), which random inputs must not replace: e.g. a persistent kernel's task table.
+        None by default."""
+        return {}
+
     def launch_config(self) -> LaunchConfig:
         raise NotImplementedError
 

@@ -60,12 +60,16 @@ THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
 WATCHDOG_POLLS = 1 << 24
 SMEM_ALIGN = 1024
+# Stages that can run prefetched (tunable `<stage>_prefetch`): each item's copies are issued, right
+# after the item's waits, before the previous item computes, so two items' copies are in flight.
+PREFETCH_STAGES = ("w13", "w2")
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
 # the buffers a stage's item is given, in order ("routing": the router's seven outputs)
 BUFFERS = ("x", "gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w13", "w2", "gamma_latent", "w_up",
            "w_shared_down", "w2_counters", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
+ROUTING = ("logits", "ids", "weights", "n_groups", "group_expert", "group_start", "sorted_slots")
 # Every tunable of the stages' ops, given here in full: the megakernel's design is declared by
 # its own module and its manifest tunables (and a compile child has no manifest to read). The
 # designs are sized for THREADS threads: the experts' and the router's stream designs; for
@@ -94,7 +98,7 @@ class MegaStages:
     without programmatic dependent launch (host side; no DSL needed). `cols` gives the output
     columns per item of MEGA_COL_STAGES, for `megakernel_graph`."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, stream_cta_kib: int):
+    def __init__(self, cfg: ModelConfig, batch: int, stream_cta_kib: int, prefetch: tuple[str, ...] = ()):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"megakernel: batch {batch} outside 1..{MAX_BATCH} (past it the router's stages "
                              "need the gemv tiles, not yet a stage)")
@@ -123,6 +127,19 @@ class MegaStages:
                      "down": self.router.smem_bytes, "shared_gu": self.shared_gu.smem_bytes,
                      "w13": self.w13.smem_bytes, "w2": self.w2.smem_bytes,
                      "norm_latent": self.norm_latent.launch_config().smem_bytes, "out": self.out.smem_bytes}
+        # a prefetching stage holds two items' shared memory: the next item's copies land in one
+        # while the other's item computes
+        unknown = set(prefetch) - set(PREFETCH_STAGES)
+        if unknown:
+            raise ValueError(f"megakernel: stages {sorted(unknown)} cannot prefetch (only {PREFETCH_STAGES})")
+        self.prefetch = tuple(prefetch)
+        for stage in self.prefetch:
+            self.smem[stage] *= 2
+
+
+def prefetched(tunables: dict) -> tuple[str, ...]:
+    """The stages whose `<stage>_prefetch` tunable is 1, in PREFETCH_STAGES order."""
+    return tuple(s for s in PREFETCH_STAGES if int(tunables[f"{s}_prefetch"]))
 
 
 def stage_cols(cfg: ModelConfig, batch: int, stream_cta_kib: int | None = None) -> dict[str, int]:
@@ -160,10 +177,11 @@ class _Region:
 
 class MegakernelOp(OpBase):
     """The megakernel at one batch (module docstring): shape {"batch", model widths} plus
-    tunables `stream_cta_kib` (the router's and the experts' stream CTAs) and `watchdog`."""
+    tunables `stream_cta_kib` (the router's and the experts' stream CTAs), `watchdog` and, per
+    stage of PREFETCH_STAGES, `<stage>_prefetch`."""
 
     kernel_name = "megakernel"
-    TUNABLES = ("stream_cta_kib", "watchdog")
+    TUNABLES = ("stream_cta_kib", "watchdog", *(f"{s}_prefetch" for s in PREFETCH_STAGES))
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
@@ -176,7 +194,8 @@ class MegakernelOp(OpBase):
         self.watchdog = int(self.tunables["watchdog"])
         if self.watchdog not in (0, 1):
             raise ValueError("megakernel: watchdog must be 0 or 1")
-        self.stages = MegaStages(self.cfg, self.batch, int(self.tunables["stream_cta_kib"]))
+        self.stages = MegaStages(self.cfg, self.batch, int(self.tunables["stream_cta_kib"]),
+                                 prefetched(self.tunables))
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
         self.region_bytes = -(-max(self.stages.smem.values()) // SMEM_ALIGN) * SMEM_ALIGN
@@ -225,6 +244,10 @@ class MegakernelOp(OpBase):
     def launch_config(self) -> LaunchConfig:
         return LaunchConfig(grid=(self.workers, 1, 1), block=(THREADS, 1, 1), smem_bytes=self.smem_bytes,
                             cooperative=True)
+
+    def host_params(self) -> dict:
+        """The task table the workers read their items from (`task_table` of the stage graph)."""
+        return {"tasks": self.table}
 
     def reference(self, *, x, gamma_pre, w_gate, bias, w_down, w_shared_gate_up, w13, w2, gamma_latent, w_up,
                   w_shared_down, compute_dtype=None, **_outputs):
@@ -293,15 +316,105 @@ class MegakernelOp(OpBase):
         st = self.stages
         region = _Region(base, self.region_bytes)
         op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
-        smem = op.allocate_smem(region)
+        if cutlass.const_expr(stage in st.prefetch):
+            self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps)
+        else:
+            smem = op.allocate_smem(region)
+            for item in cutlass.range(lo, hi, step, unroll=1):
+                self._waits(stage, si, worker, tidx, mTasks, mCounters)
+                if (item == lo) & (tidx == 0):
+                    mStamps[worker, si, 0] = _globaltimer()
+                self._item(stage, item, tidx, smem, bufs)
+                self._signal(mCounters, si, tidx)
+
+    @cute.jit
+    def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
+        """Trace-time: the waits of one item of `stage`, one per stage it depends on."""
+        for dep in self._deps(stage):
+            d = STAGE_INDEX[dep]
+            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
+
+    @cute.jit
+    def _run_prefetched(self, stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps):
+        """A stage of PREFETCH_STAGES with `<stage>_prefetch`: two item buffers (the op's
+        `allocate_smem` twice); item k's copies (`_issue`, after item k's own waits, then one
+        commit group, empty for an item past n_groups) go into buffer k % 2, and only then does
+        item k - 1 compute (`_finish`, waiting for all but the newest commit group) and signal.
+        Every load of another stage's output is still issued after a wait of the iteration that
+        issues it; an item's signal follows its writes, one iteration later. No prefetching
+        stage waits on its own counter, so the delay cannot deadlock. The last item computes
+        after the loop, behind one more round of its waits (met already, one poll each), so
+        that its loads too follow a wait the static audit can see."""
+        op = getattr(self.stages, stage)
+        sm = (op.allocate_smem(region), op.allocate_smem(region))
         for item in cutlass.range(lo, hi, step, unroll=1):
-            for dep in self._deps(stage):
-                d = STAGE_INDEX[dep]
-                self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
             if (item == lo) & (tidx == 0):
                 mStamps[worker, si, 0] = _globaltimer()
-            self._item(stage, item, tidx, smem, bufs)
-            self._signal(mCounters, si, tidx)
+            k = (item - lo) // step
+            if k % 2 == 0:  # CTA-uniform
+                self._issue(stage, item, tidx, sm[0], bufs)
+                if k > 0:
+                    self._finish(stage, item - step, tidx, sm[1], bufs, 1)
+                    self._signal(mCounters, si, tidx)
+            else:
+                self._issue(stage, item, tidx, sm[1], bufs)
+                self._finish(stage, item - step, tidx, sm[0], bufs, 1)
+                self._signal(mCounters, si, tidx)
+        last = lo + (hi - 1 - lo) // step * step
+        self._waits(stage, si, worker, tidx, mTasks, mCounters)  # met already: orders the drain's loads
+        if (last - lo) // step % 2 == 0:
+            self._finish(stage, last, tidx, sm[0], bufs, 0)
+        else:
+            self._finish(stage, last, tidx, sm[1], bufs, 0)
+        self._signal(mCounters, si, tidx)
+
+    @cute.jit
+    def _issue(self, stage, item, tidx, smem, bufs):
+        """Item `item`'s copies into `smem` (none for a group past n_groups), one commit group:
+        moe_w13's `up_issue` (w13) or moe_w2's `down_issue` (w2)."""
+        b = _named(bufs)
+        if cutlass.const_expr(stage == "w13"):
+            P = self.stages.w13.stream_plan
+            u = item // self.stages.w13.col_blocks
+            if u < b["n_groups"][0]:  # CTA-uniform
+                self.stages.w13.up_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
+                                         item % self.stages.w13.col_blocks, None, b["z"], b["w13"],
+                                         b["group_expert"], b["group_start"], b["sorted_slots"])
+        else:
+            P = self.stages.w2.stream_plan
+            u = item // self.stages.w2.row_blocks
+            if u < b["n_groups"][0]:  # CTA-uniform
+                self.stages.w2.down_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
+                                          item % self.stages.w2.row_blocks, b["act"], b["w2"], b["group_expert"],
+                                          b["group_start"])
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _finish(self, stage, item, tidx, smem, bufs, pending):
+        """Item `item`'s compute over `smem`, its copies waited for with `pending` newer commit
+        groups left in flight (nothing for a group past n_groups): `up_finish` (w13) or
+        `down_finish` (w2, with its row block's arrival and combine)."""
+        b = _named(bufs)
+        op = self.stages.w13 if stage == "w13" else self.stages.w2
+        P = op.stream_plan
+        blocks = op.col_blocks if stage == "w13" else op.row_blocks
+        u = item // blocks
+        n_groups = b["n_groups"][0]
+        if u < n_groups:  # CTA-uniform
+            pos0 = b["group_start"][u]
+            cnt = 1
+            if cutlass.const_expr(self.batch > 1):
+                cnt = b["group_start"][u + 1] - pos0
+            if cutlass.const_expr(stage == "w13"):
+                self.stages.w13.up_finish(P, smem["w"], smem["x"], smem["partials"], tidx // P.row_threads,
+                                          tidx % P.row_threads, tidx, pos0, cnt, item % blocks, b["z"],
+                                          b["sorted_slots"], b["act"], pending)
+            else:
+                self.stages.w2.down_finish(P, smem["w"], smem["x"], smem["partials"], smem["last"],
+                                           tidx // P.row_threads, tidx % P.row_threads, tidx, pos0, cnt,
+                                           item % blocks, n_groups, b["act"], b["weights"], b["sorted_slots"],
+                                           b["o"], b["w2_counters"], b["c"], pending)
 
     def _deps(self, stage: str) -> tuple[str, ...]:
         """The stages whose counters `stage` waits for before each item (MEGA_DEPS)."""
@@ -399,6 +512,13 @@ class MegakernelOp(OpBase):
             if old == i32(self.workers - 1):
                 for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
                     cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
+
+
+def _named(bufs) -> dict:
+    """The kernel's buffers (BUFFERS order) by name, the router's outputs (ROUTING) among them."""
+    b = dict(zip(BUFFERS, bufs))
+    b.update(zip(ROUTING, b.pop("routing")))
+    return b
 
 
 def _globaltimer():
