@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tuner: timings JSON from scripts/tune_measure.py (repeatable: one per round measured)")
     p.add_argument("--eta", type=int, default=2, help="tuner: successive-halving reduction factor")
     p.add_argument("--min-gain", type=float, default=2.0, help="tuner: minimum geomean gain in percent")
+    p.add_argument("--stage", help="tuner: search only this stage's own tunables (a persistent kernel's "
+                   "[[kernels.K.stages]] entry); the others stay at their defaults")
     p.add_argument("--repo", type=Path, default=Path("."), help="repository root (default: current folder)")
     p.add_argument("--runs-dir", type=Path, help="where run folders go (default .fasttrack/runs)")
     p.add_argument("--no-progress", action="store_true", help="no live display (plain stage lines only)")
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
     if problem:
         return _fail(f"proposed code must build in a sandbox, and it cannot here: {problem}")
 
+    if args.stage and args.proposer != "tuner":
+        return _fail("--stage is a tuner option (--proposer tuner)")
     if args.proposer == "claude":
         if not args.goal.strip():
             return _fail("--goal is required for the claude proposer")
@@ -148,10 +152,18 @@ def main(argv: list[str] | None = None, *, backends=None, http_client=None) -> i
         for m in args.measurements or []:
             if not m.is_file():
                 return _fail(f"measurements file {m} does not exist")
-        from agent.proposers.tuner import TunerProposer
+        from agent.proposers.tuner import TunerProposer, stage_tunables
 
+        if args.stage:
+            from kernels.manifest import ManifestError, load_manifest
+
+            try:
+                stage_tunables(load_manifest(args.repo.resolve() / "kernels" / "manifest.toml").kernel(args.kernel),
+                               args.stage)
+            except (ManifestError, ValueError) as e:
+                return _fail(f"--stage {args.stage}: {e}")
         proposer = TunerProposer(measurements=[m.resolve() for m in args.measurements or []],
-                                 eta=args.eta, min_gain_pct=args.min_gain)
+                                 eta=args.eta, min_gain_pct=args.min_gain, stage=args.stage)
         args.goal = args.goal or "faster kernel through its declared tunables"
     else:
         if args.trajectory is None:

@@ -71,16 +71,20 @@ def git_commit(root: Path) -> str | None:
 # -- prepare (CPU host) -----------------------------------------------------------------------
 
 def prepare(kernel: str, root: Path, plan_path: Path, *, request: Path | None, all_shapes: bool,
-            eta: int) -> dict:
+            eta: int, stage: str | None = None) -> dict:
     """Build the settings x shapes to measure: a tuner's request, every shape (`all_shapes`), or by
-    default the tuner's first successive-halving round (every setting on its few screening shapes)."""
+    default the tuner's first successive-halving round (every setting on its few screening shapes);
+    with `stage`, the settings of that stage's own tunables only (the tuner's `--stage`)."""
     from agent.proposers.tuner import schedule, spread_pick, tunable_grid  # the tuner's own grid
     from kernels.build import BuildError, build_kernel  # compiles in child processes (the DSL lives there)
     from kernels.manifest import load_manifest
 
     spec = load_manifest().kernel(kernel)
     shapes = list(spec.shapes)
-    configs = tunable_grid(spec)
+    try:
+        configs = tunable_grid(spec, stage)
+    except ValueError as e:
+        raise SystemExit(f"tune_measure: {e}") from None
     if request is not None:
         req = json.loads(Path(request).read_text())
         if req.get("kernel") != kernel:
@@ -110,11 +114,18 @@ def prepare(kernel: str, root: Path, plan_path: Path, *, request: Path | None, a
 
 # -- measure (GPU host) -----------------------------------------------------------------------
 
-def _make_inputs(params: list[dict], seed: int):
-    """Fresh random buffers for one shape: {name: tensor or scalar}; outputs poisoned (NaN)."""
+def _make_inputs(params: list[dict], seed: int, shared: dict | None = None, host: dict | None = None,
+                 device: str = "cuda"):
+    """Fresh random buffers for one shape: {name: tensor or scalar}; outputs poisoned (NaN).
+    `shared` ({(name, dtype, shape): tensor}) holds the random inputs of the shape's settings
+    measured so far: the same seed draws the same values, so a setting reuses them rather than
+    holding its own copy (a model's weights fit on the GPU once, not once per setting). `host`:
+    the op's host-planned parameters (`OpBase.host_params`, e.g. a task table), filled in as
+    given instead of random."""
     import torch
 
-    g = torch.Generator(device="cuda")
+    shared = {} if shared is None else shared
+    g = torch.Generator(device=device)
     g.manual_seed(seed)
     values = {}
     for p in params:
@@ -126,18 +137,40 @@ def _make_inputs(params: list[dict], seed: int):
         dtype = getattr(torch, spec["dtype"])
         shape = tuple(spec["shape"])
         role, direction = p.get("role", "activation"), p.get("direction", "in")
-        if role in ("sync", "scratch"):
-            t = torch.zeros(shape, dtype=dtype, device="cuda")  # counters start at zero
+        if host and name in host:
+            t = torch.tensor(host[name], dtype=dtype).to(device)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"host-planned {name} has shape {tuple(t.shape)}, the build's parameter {shape}")
+        elif role in ("sync", "scratch"):
+            t = torch.zeros(shape, dtype=dtype, device=device)  # counters start at zero
         elif direction != "in":
-            t = torch.full(shape, float("nan"), dtype=dtype, device="cuda") if dtype.is_floating_point else \
-                torch.full(shape, -1, dtype=dtype, device="cuda")
-        elif dtype.is_floating_point:
-            scale = shape[-1] ** -0.5 if role == "static" and shape else 1.0
-            t = (torch.randn(shape, generator=g, device="cuda") * scale).to(dtype)
+            t = torch.full(shape, float("nan"), dtype=dtype, device=device) if dtype.is_floating_point else \
+                torch.full(shape, -1, dtype=dtype, device=device)
+        elif (name, spec["dtype"], shape) in shared:
+            t = shared[(name, spec["dtype"], shape)]
         else:
-            t = torch.randint(0, 4, shape, generator=g, device="cuda", dtype=dtype)
+            t = _random(shape, dtype, role, g, device)
+            shared[(name, spec["dtype"], shape)] = t
         values[name] = t
     return values
+
+
+RANDOM_CHUNK = 1 << 28  # elements drawn at a time: a 40 GB bf16 weight never needs 80 GB of fp32 at once
+
+
+def _random(shape: tuple, dtype, role: str, g, device: str):
+    """A random input: floats N(0, 1), fan-in scaled for static weights; integers in 0..3."""
+    import torch
+
+    if not dtype.is_floating_point:
+        return torch.randint(0, 4, shape, generator=g, device=device, dtype=dtype)
+    scale = shape[-1] ** -0.5 if role == "static" and shape else 1.0
+    t = torch.empty(shape, dtype=dtype, device=device)
+    flat = t.view(-1)
+    for i in range(0, flat.numel(), RANDOM_CHUNK):
+        n = min(RANDOM_CHUNK, flat.numel() - i)
+        flat[i:i + n] = (torch.randn(n, generator=g, device=device) * scale).to(dtype)
+    return t
 
 
 def _is_rotated(p: dict) -> bool:
@@ -198,6 +231,14 @@ def time_interleaved(launchers: dict, *, rounds: int, timer) -> dict:
     return samples
 
 
+def _op_class(path: str):
+    """The op class of a manifest `op` entry ("module:Class"); importable without the DSL."""
+    import importlib
+
+    mod, _, cls = path.partition(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
 def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict:
     import torch
 
@@ -221,9 +262,11 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
     def timer(launch, launches):
         return time_graph(launch, launches=launches, replays=replays)
 
+    op_class = _op_class(spec.op)
     for si, (skey, entries) in enumerate(sorted(by_shape.items())):
         entries.sort(key=lambda e: e["tunables"] != default)  # the defaults first: the others agree with them
         ref_out = None
+        shared: dict = {}  # the shape's random inputs, one copy for all its settings
         rows, launchers, held = [], {}, []
         for e in entries:
             row = {"tunables": e["tunables"], "variant": e["variant"], "cubin_sha256": e.get("cubin_sha256"),
@@ -237,7 +280,8 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
                 k = CubinKernel.from_dir(art.dir)
                 k.load()  # before any graph capture
                 # Same seed for every setting: the same inputs; its own outputs, scratch and counters.
-                values = _make_inputs(k.params, seed=1000 + si)
+                host = op_class(dict(e["variant"]), **dict(e["tunables"])).host_params()
+                values = _make_inputs(k.params, seed=1000 + si, shared=shared, host=host)
                 k(**values)
                 torch.cuda.synchronize()
                 out = _outputs(k.params, values)
@@ -268,7 +312,7 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
                 rows[i]["error"] = f"timing failed: {type(samples).__name__}: {samples}"[:500]
             else:
                 rows[i].update(Timing(tuple(samples)).summary())
-        del held, launchers
+        del held, launchers, shared
         torch.cuda.empty_cache()
         for row in rows:
             results.append(row)
@@ -309,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request", type=Path, help="a tune_request_round*.json written by the tuner")
     p.add_argument("--all-shapes", action="store_true", help="every setting on every validation shape")
     p.add_argument("--eta", type=int, default=2, help="the tuner's eta (sets the screening shapes)")
+    p.add_argument("--stage", help="only this stage's own tunables (a persistent kernel's; the tuner's --stage)")
     m = sub.add_parser("measure", help="time the prebuilt cubins (GPU host)")
     m.add_argument("--plan", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
@@ -323,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         plan_path = args.plan or args.root / "tune" / f"{args.kernel}{suffix}.plan.json"
         t0 = time.monotonic()
         plan = prepare(args.kernel, args.root, plan_path, request=args.request, all_shapes=args.all_shapes,
-                       eta=args.eta)
+                       eta=args.eta, stage=args.stage)
         print(f"{len(plan['entries'])} builds in {time.monotonic() - t0:.0f} s; plan: {plan_path}")
         return 0
     try:

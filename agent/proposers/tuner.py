@@ -68,13 +68,32 @@ def shape_key(shape: dict) -> str:
     return json.dumps(shape, sort_keys=True, separators=(",", ":"))
 
 
-def tunable_grid(spec) -> list[dict]:
+def tunable_grid(spec, stage: str | None = None) -> list[dict]:
     """Every combination of the kernel's declared tunable choices (defaults first), less the
-    explorer-only ones (kernels/manifest.py `Tunable.explore_only`)."""
-    names = [t.name for t in spec.tunables]
-    grid = [dict(zip(names, combo)) for combo in itertools.product(*(t.tuned_choices for t in spec.tunables))]
+    explorer-only ones (kernels/manifest.py `Tunable.explore_only`). With `stage` (a stage of a
+    persistent kernel, `[[kernels.K.stages]]`): only that stage's own tunables vary, every
+    other tunable stays at its default, so the winner changes that one stage."""
     default = spec.tunable_defaults()
+    varied = None if stage is None else set(stage_tunables(spec, stage))
+    axes = [(t.name, t.tuned_choices if varied is None or t.name in varied else (t.default,)) for t in spec.tunables]
+    grid = [dict(zip([n for n, _ in axes], combo)) for combo in itertools.product(*(c for _, c in axes))]
     return sorted(grid, key=lambda c: c != default)
+
+
+def stage_tunables(spec, stage: str) -> tuple[str, ...]:
+    """The tunables stage `stage` of `spec` declares as its own; a ValueError names a stage the
+    kernel lacks or one with no tunables of its own."""
+    from kernels.manifest import ManifestError
+
+    try:
+        names = spec.stage(stage).tunables
+    except ManifestError as e:
+        raise ValueError(str(e)) from None
+    if not names:
+        owned = [st.name for st in spec.stages if st.tunables]
+        raise ValueError(f"stage {stage!r} of {spec.name!r} declares no tunables of its own"
+                         + (f" (stages with tunables: {', '.join(owned)})" if owned else ""))
+    return names
 
 
 def sources_sha256(root: Path, sources) -> dict[str, str]:
@@ -325,7 +344,8 @@ class TunerProposer:
     name = "tuner"
     allows_tunable_edits = True
 
-    def __init__(self, *, measurements=None, eta: int = 2, min_gain_pct: float = 2.0):
+    def __init__(self, *, measurements=None, eta: int = 2, min_gain_pct: float = 2.0, stage: str | None = None):
+        self.stage = stage  # search only this stage's own tunables (tunable_grid)
         self.measurements = [Path(m) for m in (measurements or [])] if not isinstance(measurements, (str, Path)) \
             else [Path(measurements)]
         self.eta = eta
@@ -348,12 +368,16 @@ class TunerProposer:
         spec = session.spec
         if not spec.tunables:
             raise RunStopped("no_change", f"kernel {session.kernel!r} declares no tunables")
+        try:
+            grid = tunable_grid(spec, self.stage)
+        except ValueError as e:
+            raise RunStopped("error", str(e)) from None
         measurer = self._measurer(session)
-        grid = tunable_grid(spec)
         default = spec.tunable_defaults()
         shapes = list(spec.shapes)
-        session.stage(f"tuner: {len(grid)} candidates over {len(shapes)} shapes ({measurer.source})")
-        session.trajectory.event("tuner_start", candidates=grid, shapes=shapes, eta=self.eta,
+        where = f" of stage {self.stage}" if self.stage else ""
+        session.stage(f"tuner: {len(grid)} candidates{where} over {len(shapes)} shapes ({measurer.source})")
+        session.trajectory.event("tuner_start", candidates=grid, shapes=shapes, eta=self.eta, stage=self.stage,
                                  min_gain_pct=self.min_gain_pct, measurer=measurer.source,
                                  measurements=[m.name for m in self.measurements])
 
@@ -372,7 +396,8 @@ class TunerProposer:
         # The measurements, bound to the cubins they timed: what a replay of this run checks.
         session.trajectory.event("measurements", binaries=list(getattr(measurer, "binaries", [])))
         self.report = {
-            "kernel": session.kernel, "default": default, "eta": self.eta, "min_gain_pct": self.min_gain_pct,
+            "kernel": session.kernel, "stage": self.stage, "default": default, "eta": self.eta,
+            "min_gain_pct": self.min_gain_pct,
             "measurer": measurer.source, "measurements_meta": measurer.meta,
             "rounds": result["rounds"], "eliminated": result["eliminated"],
             "decision": {k: v for k, v in decision.items()},
@@ -393,7 +418,8 @@ class TunerProposer:
 
     def _request(self, session: Session, need: NeedMeasurements) -> str:
         """Write the next round's measurement request into the run folder; the message says what to run."""
-        req = {"schema": REQUEST_SCHEMA, "kernel": session.kernel, "round": need.round, "eta": self.eta,
+        req = {"schema": REQUEST_SCHEMA, "kernel": session.kernel, "stage": self.stage, "round": need.round,
+               "eta": self.eta,
                "commit": session.base_sha, "configs": need.configs, "shapes": need.shapes,
                "sources_sha256": sources_sha256(session.worktree, session.spec.sources)}
         path = session.run_dir / f"tune_request_round{need.round}.json"
@@ -417,16 +443,18 @@ class TunerProposer:
         worst = max(rows, key=lambda r: r["ratio"])
         gpu = measurer.environment.get("gpu") or "the GPU host"
         change = ", ".join(f"{k} {default.get(k)} -> {v}" for k, v in changed.items())
+        scope = f"{session.kernel} stage {self.stage}" if self.stage else session.kernel
         return {
-            "title": f"tune {session.kernel} defaults: {change}",
+            "title": f"tune {scope} defaults: {change}",
             "summary": (f"Change {session.kernel}'s tunable defaults ({change}); measured "
                         f"{decision['gain_pct']:.1f}% faster (geometric mean over {len(rows)} validation shapes) "
                         f"on {gpu}, slower on none."),
             "motivation": session.goal,
-            "design": (f"Successive halving (eta {self.eta}) over all {len(tunable_grid(session.spec))} "
-                       f"combinations of the declared tunables, timed by scripts/tune_measure.py "
-                       f"({measurer.source}); the winner must beat the defaults by at least "
-                       f"{self.min_gain_pct}% and be slower on no shape beyond the measured noise. Only "
+            "design": (f"Successive halving (eta {self.eta}) over all {len(tunable_grid(session.spec, self.stage))} "
+                       "combinations of the declared tunables"
+                       + (f" of stage {self.stage} (the others at their defaults)" if self.stage else "")
+                       + f", timed by scripts/tune_measure.py ({measurer.source}); the winner must beat "
+                       f"the defaults by at least {self.min_gain_pct}% and be slower on no shape beyond the measured noise. Only "
                        "the defaults change (op module and manifest entry), not the kernel's code."),
             "prediction": (f"Median kernel time {-decision['gain_pct']:+.1f}% (geometric mean); best "
                            f"{(best['ratio'] - 1) * 100:+.1f}% at {best['variant']}, worst "
