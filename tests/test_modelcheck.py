@@ -116,3 +116,21 @@ def test_malformed_graphs_are_refused():
 
 def test_clean_graph_has_no_static_problems():
     assert static_problems(_graph(4, row_items=3, slots=5)) == []
+
+
+def test_a_wait_orders_the_later_tasks_of_its_worker_under_a_static_schedule():
+    """A worker that waits once and then runs several tasks orders all of their reads (the
+    megakernel waits once per stage); with a work counter the later task may run anywhere, so
+    its read is uncovered."""
+    from kernels.taskgraph import Counter
+
+    def graph(schedule):
+        tasks = [Task("p", 0, (("write", "a", 0, 4), ("signal", "a_ready"))),
+                 Task("c", 0, (("wait", "a_ready", 1), ("read", "a", 0, 2), ("write", "b", 0, 2))),
+                 Task("c", 1, (("read", "a", 2, 4), ("write", "b", 2, 4)))]
+        return TaskGraph(buffers={"a": 4, "b": 4}, counters={"a_ready": Counter("a_ready", (("a", 0, 4),))},
+                         tasks=tasks, workers=2, schedule=schedule, stages=["p", "c"])
+
+    assert check_graph(graph([[0], [1, 2]]), runs=40).passed
+    r = check_graph(graph(None), runs=40)
+    assert any(f.kind == "uncovered-read" and "c[1] reads a" in f.message for f in r.findings), r.summary()

@@ -102,14 +102,15 @@ def static_problems(g: TaskGraph) -> list[Finding]:
         for op in t.ops:
             if op[0] == "signal":
                 signallers[op[1]].append(i)
+    prior = _prior_waits(g)
     for ti, t in enumerate(g.tasks):
-        waited: list[tuple[str, int]] = []
+        waited: list[tuple[str, int]] = list(prior.get(ti, ()))
         for oi, op in enumerate(t.ops):
             if op[0] == "wait":
                 waited.append((op[1], op[2]))
             elif op[0] == "read" and deps.producers.get((ti, oi)):
                 _, b, lo, hi = op
-                known = _known_counters(g, waited, signals, signallers)
+                known = _known_counters(g, waited, signals, signallers, prior)
                 if not any(_covers(g.counters[c].covers, b, lo, hi) for c in known):
                     out.append(Finding("uncovered-read",
                                        f"{t.name} reads {b}[{lo}:{hi}), which another stage writes, "
@@ -136,10 +137,26 @@ def static_problems(g: TaskGraph) -> list[Finding]:
     return out
 
 
-def _known_counters(g: TaskGraph, waited, signals, signallers) -> set[str]:
+def _prior_waits(g: TaskGraph) -> dict[int, list[tuple[str, int]]]:
+    """Per task of a static schedule, the waits its worker passed in the tasks before it: a
+    wait orders everything after it in program order, so a worker that waits once before a run
+    of tasks orders all of them (the megakernel waits once per stage). Empty for a graph with a
+    work counter, whose task order on a worker is not known."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for lst in g.schedule or []:
+        acc: list[tuple[str, int]] = []
+        for ti in lst:
+            out[ti] = list(acc)
+            acc += [(o[1], o[2]) for o in g.tasks[ti].ops if o[0] == "wait"]
+    return out
+
+
+def _known_counters(g: TaskGraph, waited, signals, signallers, prior=None) -> set[str]:
     """Counters whose covered writes are ordered before this point: the ones waited for, and,
     where a wait needs every signal of its counter, what its signallers waited for before
-    signalling (release/acquire is cumulative, so the order is transitive)."""
+    signalling, in their own task or earlier on their worker (`prior`, `_prior_waits`):
+    release/acquire is cumulative, so the order is transitive."""
+    prior = prior or {}
     known: set[str] = set()
     todo = list(waited)
     while todo:
@@ -152,7 +169,7 @@ def _known_counters(g: TaskGraph, waited, signals, signallers) -> set[str]:
         for j in signallers[c]:
             ops = g.tasks[j].ops
             first_signal = next(i for i, o in enumerate(ops) if o[0] == "signal" and o[1] == c)
-            todo += [(o[1], o[2]) for o in ops[:first_signal] if o[0] == "wait"]
+            todo += list(prior.get(j, ())) + [(o[1], o[2]) for o in ops[:first_signal] if o[0] == "wait"]
     return known
 
 

@@ -90,13 +90,13 @@ class MegakernelOp_missing_wait(MegakernelOp):  # noqa: N801
 
 
 class MegakernelOp_early_release(MegakernelOp):  # noqa: N801
-    """Each item's counter is released by thread 0 with no CTA barrier first: before the other
-    threads' writes of the item, which the counter covers."""
+    """A stage's counter is released by thread 0 with no CTA barrier first: before the other
+    threads' writes of the items it covers."""
 
     @cute.jit
-    def _signal(self, mCounters, si, tidx):
+    def _signal(self, mCounters, si, tidx, count=1):
         if tidx == 0:
-            cute.arch.red(mCounters.iterator + si, cutlass.Int32(1), op="add", dtype="s32", sem="release",
+            cute.arch.red(mCounters.iterator + si, cutlass.Int32(count), op="add", dtype="s32", sem="release",
                           scope="gpu")
 
 
