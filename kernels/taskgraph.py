@@ -203,12 +203,17 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
 
 # -- the megakernel's graph ---------------------------------------------------------------------
 # The persistent megakernel (kernels/ops/megakernel.py) runs these stages in this order on every
-# worker. Each stage's items are one op's tile-function work items; a stage waits for the
+# worker. Each stage's items are one op's tile-function work items; a worker waits for the
 # completion counters of the stages in MEGA_DEPS (each for every item of that stage) before its
-# first item, and signals its own counter once per item, after a CTA barrier that follows the
-# item's writes. Dependencies point only to earlier stages, so the static per-worker lists in
-# stage order cannot deadlock with every worker resident (a cooperative launch).
+# first item of a stage, and after its last item of the stage signals its own counter once for
+# each of its items (one red.add of their count, after a CTA barrier that follows their writes).
+# The stages of MEGA_ITEM_SYNC wait before and signal after every item instead: their items
+# synchronize among themselves (w2's row-block counters and combine), and the static audit
+# proves a synchronizing loop's loads and publishes per iteration.
+# Dependencies point only to earlier stages, so the static per-worker lists in stage order
+# cannot deadlock with every worker resident (a cooperative launch).
 MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "norm_latent", "out")
+MEGA_ITEM_SYNC = ("w2",)
 MEGA_DEPS = {
     "norm_pre": (),
     "router_rows": ("norm_pre",),
@@ -313,8 +318,19 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
     for s in MEGA_STAGES:
         first[s] = len(tasks)
         waits = [("wait", mega_counter(d), counts[d]) for d in MEGA_DEPS[s]]
-        for i, ops in enumerate(items[s]):
-            tasks.append(Task(s, i, tuple(waits + ops + [("signal", mega_counter(s))])))
+        # item i's worker, and whether i is its first or last item of the stage (the waits go
+        # before the first, the worker's signals, one per item, after the last)
+        staged: list[Task | None] = [None] * counts[s]
+        for w in range(workers):
+            run = range(*mega_range(counts, s, w, workers))
+            for i in run:
+                if s in MEGA_ITEM_SYNC:
+                    head, tail = waits, [("signal", mega_counter(s))]
+                else:
+                    head = waits if i == run[0] else []
+                    tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
+                staged[i] = Task(s, i, tuple(head + items[s][i] + tail))
+        tasks += staged
     schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]
                 for w in range(workers)]
     return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers, schedule=schedule,

@@ -13,6 +13,7 @@ from kernels.config import get_config
 from kernels.manifest import load_manifest
 from kernels.taskgraph import (
     MEGA_DEPS,
+    MEGA_ITEM_SYNC,
     MEGA_STAGES,
     TASK_FIELDS,
     TaskGraph,
@@ -48,14 +49,26 @@ def test_graph_shape_at_every_decode_batch(batch):
     assert g.buffers["act"] == T * K3.top_k * K3.expert_inter and g.buffers["group_start"] == G + 1
     for s in MEGA_STAGES:  # one counter per stage, signalled once per item
         assert g.counters[mega_counter(s)].expected == items[s]
-    for t in g.tasks:  # a stage waits for every item of each stage it depends on, before anything else
-        waits = [op for op in t.ops if op[0] == "wait"]
-        assert waits == [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[t.stage]]
-        assert list(t.ops[:len(waits)]) == waits and t.ops[-1] == ("signal", mega_counter(t.stage))
     order = {s: i for i, s in enumerate(MEGA_STAGES)}
     for lst in g.schedule:  # each worker runs its items stage after stage
         stages = [order[g.tasks[i].stage] for i in lst]
         assert stages == sorted(stages)
+        for s in {g.tasks[i].stage for i in lst}:
+            # its first item of a stage waits for every item of each stage it depends on, before
+            # anything else, and its last signals once per item, after everything else; an item
+            # of a MEGA_ITEM_SYNC stage waits and signals itself
+            run = [g.tasks[i] for i in lst if g.tasks[i].stage == s]
+            waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
+            if s in MEGA_ITEM_SYNC:
+                assert all(list(t.ops[:len(waits)]) == waits and [o for o in t.ops if o[0] == "wait"] == waits
+                           and [o for o in t.ops if o[0] == "signal"] == [t.ops[-1]] == [("signal", mega_counter(s))]
+                           for t in run)
+                continue
+            assert list(run[0].ops[:len(waits)]) == waits
+            assert list(run[-1].ops[len(run[-1].ops) - len(run):]) == [("signal", mega_counter(s))] * len(run)
+            ops = [op for t in run for op in t.ops]
+            assert [op for op in ops if op[0] == "wait"] == waits
+            assert [op for op in ops if op[0] == "signal"] == [("signal", mega_counter(s))] * len(run)
     if batch <= 4:  # the declarations' check is quadratic in the graph's operations
         assert not static_problems(g)
 

@@ -21,14 +21,22 @@ at a time. The schedule is data: `task_table` of the stage's graph (kernels/task
 its items are range(lo, hi, step); `target` is the item count of the stage, what its completion
 counter reaches.
 
-The protocol, per stage (`counters` holds one int32 per stage and an exit count):
-  * wait, before each item, for each stage it depends on (MEGA_DEPS): thread 0 spins with ld.acquire.gpu until the counter reaches the producer's
+The protocol, per worker and stage (`counters` holds one int32 per stage and an exit count):
+  * wait, once, before the worker's first item of the stage, for each stage it depends on
+    (MEGA_DEPS): thread 0 spins with ld.acquire.gpu until the counter reaches the producer's
     target, a CTA barrier, then every thread loads the counter with acquire itself, so each
-    thread's later loads are ordered after the producers' writes. Activations are read only
-    after it, and only by coherent paths (plain loads and cp.async; never ld.global.nc, which
-    only static weights may use);
-  * signal, after each item: a CTA barrier (every thread's writes of the item done), then thread
-    0 adds 1 with red.release.gpu;
+    thread's later loads, those of all the worker's items of the stage, are ordered after the
+    producers' writes. Activations are read only after it, and only by coherent paths (plain
+    loads and cp.async; never ld.global.nc, which only static weights may use);
+  * the items, a CTA barrier after each (the next item's copies overwrite shared memory);
+  * signal, once, after the worker's last item: a CTA barrier (every thread's writes of the
+    items done), then thread 0 adds the worker's item count with red.release.gpu. A consumer
+    waits for a stage's whole item count, so signals per item would tell it nothing sooner;
+    they cost a release and the next item's wait (two gpu-scope round trips) per item, and
+    measured, batch 1 to 4, 1.5 to 2 times the step (docs/decisions.md);
+  * except in the stages of MEGA_ITEM_SYNC (w2, whose items meet on moe_w2's row-block
+    counters), which wait before and signal (add 1) after every item, as the static audit
+    proves a loop that synchronizes: per iteration;
   * with `watchdog` 1 a wait that polls 2^24 times prints the stage and counter and traps, so a
     broken graph fails instead of hanging;
   * at exit each worker adds 1 to the exit count (acq_rel); the last resets every counter, so
@@ -37,8 +45,8 @@ Shared memory is one region, laid out per stage (`_Region`): a stage's tensors o
 previous stage's, which the barrier of each signal separates.
 
 The kernel stamps its own timeline: thread 0 of each worker writes `%globaltimer` (ns) into
-`stamps[worker][stage]` when its first item of a stage has passed its waits, and when its last
-item has signalled (int64 [workers][stages][2]; a stage a worker runs no item of is left as the
+`stamps[worker][stage]` when it has passed its waits for a stage, and when it has signalled
+the stage (int64 [workers][stages][2]; a stage a worker runs no item of is left as the
 host zeroed it). Two stores per worker and stage, always on, so the timed kernel is the one the
 timeline shows (validation/timeline.py reads it).
 
@@ -54,14 +62,14 @@ from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
 from kernels.ops.parts.common import BF16_PER_VECTOR, cute, cutlass
 from kernels.ops.rmsnorm import RMSNormOp
 from kernels.ops.router import ROUTER_MAX_BATCH, RouterOp
-from kernels.taskgraph import MEGA_DEPS, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
+from kernels.taskgraph import MEGA_DEPS, MEGA_ITEM_SYNC, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
 
 THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
 WATCHDOG_POLLS = 1 << 24
 SMEM_ALIGN = 1024
-# Stages that can run prefetched (tunable `<stage>_prefetch`): each item's copies are issued, right
-# after the item's waits, before the previous item computes, so two items' copies are in flight.
+# Stages that can run prefetched (tunable `<stage>_prefetch`): each item's copies are issued before
+# the previous item computes, so two items' copies are in flight.
 PREFETCH_STAGES = ("w13", "w2")
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
@@ -308,66 +316,101 @@ class MegakernelOp(OpBase):
 
     @cute.jit
     def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step, mStamps):
-        """Trace-time: lay out the stage's shared memory, then per item: wait for the stages
-        `stage` depends on (their targets from the task table), the item, its signal. Every
-        item waits, as every task of the graph does: past the first the counters are already
-        at their targets (one poll), and the item's loads are ordered by a wait of their own
-        iteration, which is what the static audit proves of a loop that signals."""
+        """Trace-time: lay out the stage's shared memory, wait for the stages `stage` depends on
+        (their targets from the task table), run the worker's items (a CTA barrier after each),
+        then signal them all at once: the wait dominates every item's loads, which is what the
+        static audit proves of a loop that waits before it and signals after it. A stage of
+        MEGA_ITEM_SYNC waits and signals per item instead (`_run_items`)."""
         st = self.stages
         region = _Region(base, self.region_bytes)
-        op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
-        if cutlass.const_expr(stage in st.prefetch):
-            self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps)
+        if cutlass.const_expr(stage in MEGA_ITEM_SYNC):
+            self._run_items(si, stage, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps)
         else:
-            smem = op.allocate_smem(region)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
+            if tidx == 0:
+                mStamps[worker, si, 0] = _globaltimer()
+            if cutlass.const_expr(stage in st.prefetch):
+                self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
+                                     False)
+            else:
+                op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
+                smem = op.allocate_smem(region)
+                for item in cutlass.range(lo, hi, step, unroll=1):
+                    self._item(stage, item, tidx, smem, bufs)
+                    cute.arch.sync_threads()  # the next item's copies overwrite this one's shared memory
+            self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
+
+    @cute.jit
+    def _run_items(self, si, stage, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps):
+        """A MEGA_ITEM_SYNC stage: per item, its waits (past the first the counters are at their
+        targets: one poll), the item, its signal; the item's loads are ordered by a wait of
+        their own iteration, which is what the static audit proves of a loop that synchronizes."""
+        if cutlass.const_expr(stage in self.stages.prefetch):
+            self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
+                                 True)
+        else:
+            smem = getattr(self.stages, stage).allocate_smem(region)
             for item in cutlass.range(lo, hi, step, unroll=1):
                 self._waits(stage, si, worker, tidx, mTasks, mCounters)
                 if (item == lo) & (tidx == 0):
                     mStamps[worker, si, 0] = _globaltimer()
                 self._item(stage, item, tidx, smem, bufs)
-                self._signal(mCounters, si, tidx)
+                self._signal(mCounters, si, tidx, 1)
 
     @cute.jit
     def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
-        """Trace-time: the waits of one item of `stage`, one per stage it depends on."""
+        """Trace-time: the waits of `stage`, one per stage it depends on."""
         for dep in self._deps(stage):
             d = STAGE_INDEX[dep]
             self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
 
     @cute.jit
-    def _run_prefetched(self, stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps):
-        """A stage of PREFETCH_STAGES with `<stage>_prefetch`: two item buffers (the op's
-        `allocate_smem` twice); item k's copies (`_issue`, after item k's own waits, then one
-        commit group, empty for an item past n_groups) go into buffer k % 2, and only then does
-        item k - 1 compute (`_finish`, waiting for all but the newest commit group) and signal.
-        Every load of another stage's output is still issued after a wait of the iteration that
-        issues it; an item's signal follows its writes, one iteration later. No prefetching
-        stage waits on its own counter, so the delay cannot deadlock. The last item computes
-        after the loop, behind one more round of its waits (met already, one poll each), so
-        that its loads too follow a wait the static audit can see."""
+    def _run_prefetched(self, stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
+                        per_item):
+        """The items of a stage of PREFETCH_STAGES with `<stage>_prefetch`: two item buffers
+        (the op's `allocate_smem` twice); item k's copies (`_issue`: one commit group, empty
+        for an item past n_groups) go into buffer k % 2, and only then does item k - 1 compute
+        (`_finish`, waiting for all but the newest commit group), followed by a CTA barrier
+        (the next item's copies overwrite its buffer). The last item computes after the loop.
+        With `per_item` (a MEGA_ITEM_SYNC stage) item k's waits come first in its iteration
+        and item k - 1 signals after it computes, one iteration later (no prefetching stage
+        waits on its own counter, so the delay cannot deadlock); the last item computes behind
+        one more round of waits (met already: one poll each), so that its loads too follow a
+        wait of their own iteration."""
         op = getattr(self.stages, stage)
         sm = (op.allocate_smem(region), op.allocate_smem(region))
         for item in cutlass.range(lo, hi, step, unroll=1):
-            self._waits(stage, si, worker, tidx, mTasks, mCounters)
-            if (item == lo) & (tidx == 0):
-                mStamps[worker, si, 0] = _globaltimer()
+            if cutlass.const_expr(per_item):
+                self._waits(stage, si, worker, tidx, mTasks, mCounters)
+                if (item == lo) & (tidx == 0):
+                    mStamps[worker, si, 0] = _globaltimer()
             k = (item - lo) // step
             if k % 2 == 0:  # CTA-uniform
                 self._issue(stage, item, tidx, sm[0], bufs)
                 if k > 0:
                     self._finish(stage, item - step, tidx, sm[1], bufs, 1)
-                    self._signal(mCounters, si, tidx)
+                    self._item_done(mCounters, si, tidx, per_item)
             else:
                 self._issue(stage, item, tidx, sm[1], bufs)
                 self._finish(stage, item - step, tidx, sm[0], bufs, 1)
-                self._signal(mCounters, si, tidx)
+                self._item_done(mCounters, si, tidx, per_item)
         last = lo + (hi - 1 - lo) // step * step
-        self._waits(stage, si, worker, tidx, mTasks, mCounters)  # met already: orders the drain's loads
+        if cutlass.const_expr(per_item):
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)  # met already: orders the drain's loads
         if (last - lo) // step % 2 == 0:
             self._finish(stage, last, tidx, sm[0], bufs, 0)
         else:
             self._finish(stage, last, tidx, sm[1], bufs, 0)
-        self._signal(mCounters, si, tidx)
+        self._item_done(mCounters, si, tidx, per_item)
+
+    @cute.jit
+    def _item_done(self, mCounters, si, tidx, per_item):
+        """After an item: its signal (`per_item`), else the CTA barrier that keeps the next
+        item's copies off its shared memory."""
+        if cutlass.const_expr(per_item):
+            self._signal(mCounters, si, tidx, 1)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def _issue(self, stage, item, tidx, smem, bufs):
@@ -493,12 +536,13 @@ class MegakernelOp(OpBase):
                 _trap()
 
     @cute.jit
-    def _signal(self, mCounters, si, tidx):
-        """After an item: a CTA barrier (the item's writes, and its reads of shared memory, are
-        done), then thread 0 adds 1 to the stage's counter with release semantics."""
+    def _signal(self, mCounters, si, tidx, count):
+        """After the worker's `count` items of stage si: a CTA barrier (their writes, and their
+        reads of shared memory, are done), then thread 0 adds `count` to the stage's counter
+        with release semantics."""
         cute.arch.sync_threads()
         if tidx == 0:
-            cute.arch.red(mCounters.iterator + si, cutlass.Int32(1), op="add", dtype="s32", sem="release",
+            cute.arch.red(mCounters.iterator + si, cutlass.Int32(count), op="add", dtype="s32", sem="release",
                           scope="gpu")
 
     @cute.jit
