@@ -28,8 +28,9 @@ sources = ["kernels/ops/toy.py"]
 
 def test_megakernel_stages_own_their_prefetch_tunables():
     spec = load_manifest().kernel("megakernel")
-    assert spec.stage("w13").tunables == ("w13_prefetch",) and spec.stage("w2").tunables == ("w2_prefetch",)
-    assert spec.stage_of_tunable("w2_prefetch") == "w2"
+    assert spec.stage("w13").tunables == ("w13_prefetch_max_batch",)
+    assert spec.stage("w2").tunables == ("w2_prefetch_max_batch",)
+    assert spec.stage_of_tunable("w2_prefetch_max_batch") == "w2"
     assert spec.stage_of_tunable("watchdog") is None and spec.stage_of_tunable("stream_cta_kib") is None
     with pytest.raises(ManifestError, match="no stage 'nosuch'"):
         spec.stage("nosuch")
@@ -59,9 +60,10 @@ def test_a_stage_grid_varies_only_that_stages_tunables():
         tunable_grid(spec, "fetch")
     mega = load_manifest().kernel("megakernel")
     w13 = tunable_grid(mega, "w13")
-    assert [c["w13_prefetch"] for c in w13] == [0, 1]
-    assert all({k: v for k, v in c.items() if k != "w13_prefetch"} == {k: v for k, v in mega.tunable_defaults().items()
-                                                                       if k != "w13_prefetch"} for c in w13)
+    name = "w13_prefetch_max_batch"
+    assert [c[name] for c in w13] == [0, 1, 2, 4]
+    others = {k: v for k, v in mega.tunable_defaults().items() if k != name}
+    assert all({k: v for k, v in c.items() if k != name} == others for c in w13)
 
 
 def _staged_repo(tmp_path):
@@ -140,12 +142,15 @@ def test_megakernel_plans_its_task_table_for_the_host_and_doubles_a_prefetching_
     shape = megakernel_shape(get_config("k3"), 1)
     plain = MegakernelOp(shape)
     assert plain.host_params() == {"tasks": plain.table} and plain.stages.prefetch == ()
-    both = MegakernelOp(shape, **{f"{s}_prefetch": 1 for s in PREFETCH_STAGES})
+    both = MegakernelOp(shape, **{f"{s}_prefetch_max_batch": 1 for s in PREFETCH_STAGES})
     assert both.stages.prefetch == PREFETCH_STAGES == ("w13", "w2")
     for s in PREFETCH_STAGES:
         assert both.stages.smem[s] == 2 * plain.stages.smem[s]
     assert both.table == plain.table  # the schedule does not change, only how a stage runs its items
-    assert prefetched({"w13_prefetch": 0, "w2_prefetch": 1}) == ("w2",)
+    at2 = MegakernelOp(megakernel_shape(get_config("k3"), 2), **{f"{s}_prefetch_max_batch": 1 for s in PREFETCH_STAGES})
+    assert at2.stages.prefetch == ()  # past the stage's max batch it runs one item at a time
+    assert prefetched({"w13_prefetch_max_batch": 0, "w2_prefetch_max_batch": 4}, 4) == ("w2",)
+    assert prefetched({"w13_prefetch_max_batch": 2, "w2_prefetch_max_batch": 0}, 1) == ("w13",)
     with pytest.raises(ValueError, match="cannot prefetch"):
         MegaStages(get_config("k3"), 1, 64, prefetch=("out",))
 
@@ -160,5 +165,5 @@ def test_a_prefetching_stage_audits_clean(stage):
 
     spec = load_manifest().kernel("megakernel")
     shape = next(s for s in spec.shapes if s["batch"] == 2)
-    rep = audit_kernel("megakernel", shape=shape, tunables={f"{stage}_prefetch": 1})
+    rep = audit_kernel("megakernel", shape=shape, tunables={f"{stage}_prefetch_max_batch": 2})
     assert rep.clean and not [f for f in rep.findings if f.severity == "error"], [str(f) for f in rep.findings]

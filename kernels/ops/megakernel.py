@@ -68,8 +68,9 @@ THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
 WATCHDOG_POLLS = 1 << 24
 SMEM_ALIGN = 1024
-# Stages that can run prefetched (tunable `<stage>_prefetch`): each item's copies are issued before
-# the previous item computes, so two items' copies are in flight.
+# Stages that can run prefetched (tunable `<stage>_prefetch_max_batch`: at batches up to it, 0
+# never): each item's copies are issued before the previous item computes, so two items'
+# copies are in flight.
 PREFETCH_STAGES = ("w13", "w2")
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
@@ -145,9 +146,10 @@ class MegaStages:
             self.smem[stage] *= 2
 
 
-def prefetched(tunables: dict) -> tuple[str, ...]:
-    """The stages whose `<stage>_prefetch` tunable is 1, in PREFETCH_STAGES order."""
-    return tuple(s for s in PREFETCH_STAGES if int(tunables[f"{s}_prefetch"]))
+def prefetched(tunables: dict, batch: int) -> tuple[str, ...]:
+    """The stages that run prefetched at `batch` (`batch` <= their `<stage>_prefetch_max_batch`),
+    in PREFETCH_STAGES order."""
+    return tuple(s for s in PREFETCH_STAGES if batch <= int(tunables[f"{s}_prefetch_max_batch"]))
 
 
 def stage_cols(cfg: ModelConfig, batch: int, stream_cta_kib: int | None = None) -> dict[str, int]:
@@ -186,10 +188,10 @@ class _Region:
 class MegakernelOp(OpBase):
     """The megakernel at one batch (module docstring): shape {"batch", model widths} plus
     tunables `stream_cta_kib` (the router's and the experts' stream CTAs), `watchdog` and, per
-    stage of PREFETCH_STAGES, `<stage>_prefetch`."""
+    stage of PREFETCH_STAGES, `<stage>_prefetch_max_batch`."""
 
     kernel_name = "megakernel"
-    TUNABLES = ("stream_cta_kib", "watchdog", *(f"{s}_prefetch" for s in PREFETCH_STAGES))
+    TUNABLES = ("stream_cta_kib", "watchdog", *(f"{s}_prefetch_max_batch" for s in PREFETCH_STAGES))
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
@@ -203,7 +205,7 @@ class MegakernelOp(OpBase):
         if self.watchdog not in (0, 1):
             raise ValueError("megakernel: watchdog must be 0 or 1")
         self.stages = MegaStages(self.cfg, self.batch, int(self.tunables["stream_cta_kib"]),
-                                 prefetched(self.tunables))
+                                 prefetched(self.tunables, self.batch))
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
         self.region_bytes = -(-max(self.stages.smem.values()) // SMEM_ALIGN) * SMEM_ALIGN
@@ -367,7 +369,7 @@ class MegakernelOp(OpBase):
     @cute.jit
     def _run_prefetched(self, stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
                         per_item):
-        """The items of a stage of PREFETCH_STAGES with `<stage>_prefetch`: two item buffers
+        """The items of a stage that runs prefetched (`prefetched`): two item buffers
         (the op's `allocate_smem` twice); item k's copies (`_issue`: one commit group, empty
         for an item past n_groups) go into buffer k % 2, and only then does item k - 1 compute
         (`_finish`, waiting for all but the newest commit group), followed by a CTA barrier
