@@ -29,6 +29,9 @@ params = [
   { name = "y", role = "activation", direction = "out" },
   { name = "counters", role = "sync", direction = "inout" },
 ]
+[kernels.mega.tunables]
+unroll = { choices = [1, 2], default = 1 }
+depth = { choices = [1, 2], default = 1 }
 [kernels.mega.shapes]
 batch = [1, 8]
 
@@ -41,6 +44,7 @@ name = "attn"
 sources = ["kernels/ops/mega_attn.py", "kernels/ops/mega_shared.py"]
 reads = ["x"]
 writes = ["h"]
+tunables = ["unroll"]
 protocol = "counters"
 
 [[kernels.mega.stages]]
@@ -120,6 +124,31 @@ def test_a_one_stage_change_is_eligible_and_needs_the_kernels_bound_evidence(meg
     commit_bundle(root, sign(make_bundle("mega", other, base=base, validator=validator_of(root)), priv), "mega")
     v = _gate(root, base, commit(root, "evidence of another binary"))
     assert v.exit_code == EXIT_FAIL and "the evidence is for another binary" in "\n".join(v.reasons)
+
+
+def _set_default(root, name, value):
+    path = root / "kernels" / "manifest.toml"
+    text = path.read_text()
+    old = f"{name} = {{ choices = [1, 2], default = 1 }}"
+    assert old in text
+    path.write_text(text.replace(old, f"{name} = {{ choices = [1, 2], default = {value} }}"))
+
+
+def test_a_default_change_of_a_stages_own_tunable_is_that_stages_change(mega_repo):
+    """The tuner's `--stage attn` change: only `unroll`'s default, a tunable stage attn owns."""
+    root, base, _ = mega_repo
+    _set_default(root, "unroll", 2)
+    v = _gate(root, base, commit(root, "mega: tune stage attn"), scope_only=True)
+    assert v.exit_code == EXIT_PASS and "stage attn of kernel mega (a one-stage change)" in v.reasons[0], v.reasons
+
+
+def test_a_default_change_of_a_kernel_wide_tunable_goes_to_full_review(mega_repo):
+    root, base, _ = mega_repo
+    _set_default(root, "depth", 2)
+    v = _gate(root, base, commit(root, "mega: tune depth"), scope_only=True)
+    assert v.exit_code == EXIT_NOT_ELIGIBLE
+    why = rules(v).get("stage-unassigned", "")
+    assert "tunable 'depth' belongs to none of its stages" in why, v.policy["violations"]
 
 
 def test_scope_only_names_the_stage(mega_repo):

@@ -326,7 +326,19 @@ def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, 
     closure = set(scope.closures.get(kernel, ())) | set(scope.base_closures.get(kernel, ()))
     for f in scope.files:
         cls = classification.get(f.path, "")
-        if cls in ("companion", "manifest"):
+        if cls == "manifest":
+            # a default changed in the manifest is a change of the stage that owns the tunable
+            # (`tunables` in its stage entry); a tunable no stage owns is the whole kernel's
+            for name, st in _changed_default_stages(scope, kernel, spec):
+                if st is None:
+                    out.append(Violation("stage-unassigned", f.path,
+                                         f"kernel {kernel!r} is staged ({names}) and its tunable {name!r} "
+                                         "belongs to none of its stages: a change of its default reaches "
+                                         "every stage"))
+                else:
+                    touched.setdefault(st, []).append(f"{f.path} ({name})")
+            continue
+        if cls == "companion":
             continue
         # its declared sources, and any other file its build compiles (a change there is its change)
         if kernel in f.owners or any(p in closure for p in f.paths()):
@@ -346,6 +358,16 @@ def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, 
     if out or not touched:
         return out, None
     return out, next(iter(touched))
+
+
+def _changed_default_stages(scope: ChangeScope, kernel: str, spec) -> list[tuple[str, str | None]]:
+    """(tunable, the stage that owns it or None) for each tunable of `kernel` whose manifest
+    default differs between base and head."""
+    base = scope.base_manifest.kernels.get(kernel) if scope.base_manifest else None
+    if base is None:
+        return []
+    old, new = base.tunable_defaults(), spec.tunable_defaults()
+    return [(n, spec.stage_of_tunable(n)) for n in sorted(new) if n in old and old[n] != new[n]]
 
 
 # -- the decision ------------------------------------------------------------------------------
