@@ -61,7 +61,7 @@ def test_a_stage_grid_varies_only_that_stages_tunables():
     mega = load_manifest().kernel("megakernel")
     w13 = tunable_grid(mega, "w13")
     name = "w13_prefetch_max_batch"
-    assert [c[name] for c in w13] == [0, 1, 2, 4]
+    assert sorted(c[name] for c in w13) == [0, 1, 2, 4] and w13[0] == mega.tunable_defaults()  # defaults first
     others = {k: v for k, v in mega.tunable_defaults().items() if k != name}
     assert all({k: v for k, v in c.items() if k != name} == others for c in w13)
 
@@ -140,7 +140,7 @@ def test_megakernel_plans_its_task_table_for_the_host_and_doubles_a_prefetching_
     from kernels.ops.megakernel import PREFETCH_STAGES, MegakernelOp, MegaStages, prefetched
 
     shape = megakernel_shape(get_config("k3"), 1)
-    plain = MegakernelOp(shape)
+    plain = MegakernelOp(shape, **{f"{s}_prefetch_max_batch": 0 for s in PREFETCH_STAGES})
     assert plain.host_params() == {"tasks": plain.table} and plain.stages.prefetch == ()
     both = MegakernelOp(shape, **{f"{s}_prefetch_max_batch": 1 for s in PREFETCH_STAGES})
     assert both.stages.prefetch == PREFETCH_STAGES == ("w13", "w2")
