@@ -439,7 +439,7 @@ class ExpertsUpOp(_GroupedBase):
         sorted position and its token count (1 at batch 1). A persistent caller that commits
         them and runs the previous item's `up_finish` meanwhile keeps two items' copies in
         flight (kernels/ops/megakernel.py, the w13 stage's prefetch)."""
-        T, K, I, R = self.batch, self.top_k, self.inter, self.stream_cols
+        T, I, R = self.batch, self.inter, self.stream_cols
         bf16 = cutlass.BFloat16
         gW = vector_view(expert_view(mW, mGroupExpert[u] if early is None else early, 2 * I, self.latent))
         row = (r // R) * I + cb * R + r % R
