@@ -347,6 +347,22 @@ def test_matrix_checks_every_decode_batch_and_unpredictable_shapes():
     assert all(c.batch not in CHECK_BATCHES for c in unseen_for(op, torch.device("cpu")))
 
 
+def test_every_drawn_unseen_config_is_a_model_config():
+    """The drawn widths respect ModelConfig's rules (a latent above hidden was refused, so a
+    drawn shape failed the check at random): 2,000 seeded draws, each built."""
+    import random
+
+    from kernels.config import get_config
+    from validation.opinputs import _cfg
+
+    op = op_def("moe_block")
+    gpu = {"gpu": "cpu", "gpu_count": 0, "sm_count": 0}
+    rng = random.Random(0)
+    for _ in range(2000):
+        for c in sampled_unseen(op, gpu, rng):
+            _cfg(c, get_config("tiny"))  # raises ConfigError for an impossible config
+
+
 def test_batch_specialised_candidate_fails_at_a_decode_batch():
     assert _run(X.honest_linear, _case("linear", 2)).passed
     assert _run(X.linear_only_checked_batches, _case("linear", 8)).passed  # the old matrix's batches

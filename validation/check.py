@@ -172,7 +172,8 @@ def sampled_unseen(op: OpDef, gpu: dict, rng: random.Random | None = None) -> li
     batches = rng.sample(pool, 2)
     hidden = 8 * rng.randint(7, 20)
     top_k = rng.randint(2, 4)
-    cfg = {"hidden": hidden, "latent": 8 * rng.randint(3, 8), "n_experts": rng.randint(top_k + 2, 20),
+    # the latent is at most the hidden width (ModelConfig refuses more)
+    cfg = {"hidden": hidden, "latent": 8 * rng.randint(3, min(8, hidden // 8)), "n_experts": rng.randint(top_k + 2, 20),
            "top_k": top_k, "expert_inter": 8 * rng.randint(1, 4), "shared_inter": 8 * rng.randint(2, 6)}
     if op.name in ("rmsnorm", "residual"):
         prob = {"width": hidden}
