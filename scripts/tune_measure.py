@@ -318,11 +318,15 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
             results.append(row)
             print(f"{kernel} {row['variant']} {row['tunables']}: "
                   + (f"{row['median_us']:.2f} us" if row.get("median_us") else row["error"]), file=sys.stderr)
+    # The commit the timed code is: the plan's when this tree's kernel sources are the plan's (a
+    # GPU host's copy of the tree may carry a stale or no git history), else this tree's own.
+    here = sources_sha256(_repo_root(), spec.sources)
+    commit = plan.get("commit") if plan.get("sources_sha256") == here else git_commit(_repo_root())
     return {
         "schema": MEASUREMENTS_SCHEMA, "kernel": kernel,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "commit": git_commit(_repo_root()), "plan_commit": plan.get("commit"),
-        "sources_sha256": sources_sha256(_repo_root(), spec.sources),
+        "command": " ".join(sys.argv), "commit": commit, "plan_commit": plan.get("commit"),
+        "sources_sha256": here,
         "plan_sources_sha256": plan.get("sources_sha256"),
         "environment": gpu_environment(), "timing": "cuda_graph", "replays": replays, "rounds": rounds,
         "default": default, "results": results,
