@@ -71,7 +71,7 @@ SMEM_ALIGN = 1024
 # Stages that can run prefetched (tunable `<stage>_prefetch_max_batch`: at batches up to it, 0
 # never): each item's copies are issued before the previous item computes, so two items'
 # copies are in flight.
-PREFETCH_STAGES = ("w13", "w2")
+PREFETCH_STAGES = ("w13",)
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
@@ -332,8 +332,7 @@ class MegakernelOp(OpBase):
             if tidx == 0:
                 mStamps[worker, si, 0] = _globaltimer()
             if cutlass.const_expr(stage in st.prefetch):
-                self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
-                                     False)
+                self._run_prefetched(stage, tidx, region, bufs, lo, hi, step)
             else:
                 op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
                 smem = op.allocate_smem(region)
@@ -347,17 +346,13 @@ class MegakernelOp(OpBase):
         """A MEGA_ITEM_SYNC stage: per item, its waits (past the first the counters are at their
         targets: one poll), the item, its signal; the item's loads are ordered by a wait of
         their own iteration, which is what the static audit proves of a loop that synchronizes."""
-        if cutlass.const_expr(stage in self.stages.prefetch):
-            self._run_prefetched(stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
-                                 True)
-        else:
-            smem = getattr(self.stages, stage).allocate_smem(region)
-            for item in cutlass.range(lo, hi, step, unroll=1):
-                self._waits(stage, si, worker, tidx, mTasks, mCounters)
-                if (item == lo) & (tidx == 0):
-                    mStamps[worker, si, 0] = _globaltimer()
-                self._item(stage, item, tidx, smem, bufs)
-                self._signal(mCounters, si, tidx, 1)
+        smem = getattr(self.stages, stage).allocate_smem(region)
+        for item in cutlass.range(lo, hi, step, unroll=1):
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
+            if (item == lo) & (tidx == 0):
+                mStamps[worker, si, 0] = _globaltimer()
+            self._item(stage, item, tidx, smem, bufs)
+            self._signal(mCounters, si, tidx, 1)
 
     @cute.jit
     def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
@@ -367,99 +362,62 @@ class MegakernelOp(OpBase):
             self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
 
     @cute.jit
-    def _run_prefetched(self, stage, si, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps,
-                        per_item):
-        """The items of a stage that runs prefetched (`prefetched`): two item buffers
-        (the op's `allocate_smem` twice); item k's copies (`_issue`: one commit group, empty
-        for an item past n_groups) go into buffer k % 2, and only then does item k - 1 compute
-        (`_finish`, waiting for all but the newest commit group), followed by a CTA barrier
-        (the next item's copies overwrite its buffer). The last item computes after the loop.
-        With `per_item` (a MEGA_ITEM_SYNC stage) item k's waits come first in its iteration
-        and item k - 1 signals after it computes, one iteration later (no prefetching stage
-        waits on its own counter, so the delay cannot deadlock); the last item computes behind
-        one more round of waits (met already: one poll each), so that its loads too follow a
-        wait of their own iteration."""
+    def _run_prefetched(self, stage, tidx, region, bufs, lo, hi, step):
+        """The items of a stage that runs prefetched (`prefetched`), after the stage's waits: two
+        item buffers (the op's `allocate_smem` twice); item k's copies (`_issue`: one commit
+        group, empty for an item past n_groups) go into buffer k % 2, and only then does item
+        k - 1 compute (`_finish`, waiting for all but the newest commit group), each followed by
+        a CTA barrier (the next item's copies overwrite its buffer). The last item computes
+        after the loop."""
         op = getattr(self.stages, stage)
         sm = (op.allocate_smem(region), op.allocate_smem(region))
         for item in cutlass.range(lo, hi, step, unroll=1):
-            if cutlass.const_expr(per_item):
-                self._waits(stage, si, worker, tidx, mTasks, mCounters)
-                if (item == lo) & (tidx == 0):
-                    mStamps[worker, si, 0] = _globaltimer()
             k = (item - lo) // step
             if k % 2 == 0:  # CTA-uniform
                 self._issue(stage, item, tidx, sm[0], bufs)
                 if k > 0:
                     self._finish(stage, item - step, tidx, sm[1], bufs, 1)
-                    self._item_done(mCounters, si, tidx, per_item)
+                    cute.arch.sync_threads()
             else:
                 self._issue(stage, item, tidx, sm[1], bufs)
                 self._finish(stage, item - step, tidx, sm[0], bufs, 1)
-                self._item_done(mCounters, si, tidx, per_item)
+                cute.arch.sync_threads()
         last = lo + (hi - 1 - lo) // step * step
-        if cutlass.const_expr(per_item):
-            self._waits(stage, si, worker, tidx, mTasks, mCounters)  # met already: orders the drain's loads
         if (last - lo) // step % 2 == 0:
             self._finish(stage, last, tidx, sm[0], bufs, 0)
         else:
             self._finish(stage, last, tidx, sm[1], bufs, 0)
-        self._item_done(mCounters, si, tidx, per_item)
-
-    @cute.jit
-    def _item_done(self, mCounters, si, tidx, per_item):
-        """After an item: its signal (`per_item`), else the CTA barrier that keeps the next
-        item's copies off its shared memory."""
-        if cutlass.const_expr(per_item):
-            self._signal(mCounters, si, tidx, 1)
-        else:
-            cute.arch.sync_threads()
+        cute.arch.sync_threads()
 
     @cute.jit
     def _issue(self, stage, item, tidx, smem, bufs):
-        """Item `item`'s copies into `smem` (none for a group past n_groups), one commit group:
-        moe_w13's `up_issue` (w13) or moe_w2's `down_issue` (w2)."""
+        """w13's item `item`: its copies into `smem` (moe_w13's `up_issue`; none for a group past
+        n_groups), one commit group."""
         b = _named(bufs)
-        if cutlass.const_expr(stage == "w13"):
-            P = self.stages.w13.stream_plan
-            u = item // self.stages.w13.col_blocks
-            if u < b["n_groups"][0]:  # CTA-uniform
-                self.stages.w13.up_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
-                                         item % self.stages.w13.col_blocks, None, b["z"], b["w13"],
-                                         b["group_expert"], b["group_start"], b["sorted_slots"])
-        else:
-            P = self.stages.w2.stream_plan
-            u = item // self.stages.w2.row_blocks
-            if u < b["n_groups"][0]:  # CTA-uniform
-                self.stages.w2.down_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
-                                          item % self.stages.w2.row_blocks, b["act"], b["w2"], b["group_expert"],
-                                          b["group_start"])
+        P = self.stages.w13.stream_plan
+        u = item // self.stages.w13.col_blocks
+        if u < b["n_groups"][0]:  # CTA-uniform
+            self.stages.w13.up_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
+                                     item % self.stages.w13.col_blocks, None, b["z"], b["w13"],
+                                     b["group_expert"], b["group_start"], b["sorted_slots"])
         cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _finish(self, stage, item, tidx, smem, bufs, pending):
-        """Item `item`'s compute over `smem`, its copies waited for with `pending` newer commit
-        groups left in flight (nothing for a group past n_groups): `up_finish` (w13) or
-        `down_finish` (w2, with its row block's arrival and combine)."""
+        """w13's item `item`: its compute over `smem` (moe_w13's `up_finish`; nothing for a group
+        past n_groups), its copies waited for with `pending` newer commit groups left in flight."""
         b = _named(bufs)
-        op = self.stages.w13 if stage == "w13" else self.stages.w2
-        P = op.stream_plan
-        blocks = op.col_blocks if stage == "w13" else op.row_blocks
+        P = self.stages.w13.stream_plan
+        blocks = self.stages.w13.col_blocks
         u = item // blocks
-        n_groups = b["n_groups"][0]
-        if u < n_groups:  # CTA-uniform
+        if u < b["n_groups"][0]:  # CTA-uniform
             pos0 = b["group_start"][u]
             cnt = 1
             if cutlass.const_expr(self.batch > 1):
                 cnt = b["group_start"][u + 1] - pos0
-            if cutlass.const_expr(stage == "w13"):
-                self.stages.w13.up_finish(P, smem["w"], smem["x"], smem["partials"], tidx // P.row_threads,
-                                          tidx % P.row_threads, tidx, pos0, cnt, item % blocks, b["z"],
-                                          b["sorted_slots"], b["act"], pending)
-            else:
-                self.stages.w2.down_finish(P, smem["w"], smem["x"], smem["partials"], smem["last"],
-                                           tidx // P.row_threads, tidx % P.row_threads, tidx, pos0, cnt,
-                                           item % blocks, n_groups, b["act"], b["weights"], b["sorted_slots"],
-                                           b["o"], b["w2_counters"], b["c"], pending)
+            self.stages.w13.up_finish(P, smem["w"], smem["x"], smem["partials"], tidx // P.row_threads,
+                                      tidx % P.row_threads, tidx, pos0, cnt, item % blocks, b["z"],
+                                      b["sorted_slots"], b["act"], pending)
 
     def _deps(self, stage: str) -> tuple[str, ...]:
         """The stages whose counters `stage` waits for before each item (MEGA_DEPS)."""

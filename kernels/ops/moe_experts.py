@@ -746,65 +746,42 @@ class ExpertsDownOp(_GroupedBase):
                           mGroupExpert, mGroupStart, mSorted, mO, mCounters, mC):
         """One (group u, row block rb) item of the stream path: its copies, one wait, its chunks,
         the arrival on the row block's counter and, in the CTA that completes it, the combine."""
-        pos0, cnt = self.down_issue(P, vW, vX, r, kv0, u, rb, mAct, mW, mGroupExpert, mGroupStart)
-        cute.arch.cp_async_commit_group()
-        self._pdl_trigger()
-        self.down_finish(P, vW, vX, sP, sLast, r, kv0, tidx, pos0, cnt, rb, n_groups, mAct, mWeights, mSorted, mO,
-                         mCounters, mC, 0)
-
-    @cute.jit
-    def down_issue(self, P, vW, vX, r, kv0, u, rb, mAct, mW, mGroupExpert, mGroupStart):
-        """The copies of item (group u, row block rb), uncommitted: its rows of W2_e and the
-        group's first chunk of act rows. Returns (pos0, cnt), the group's first sorted position
-        and token count (1 at batch 1); see `ExpertsUpOp.up_issue` for the persistent caller."""
-        T, L, I, R = self.batch, self.latent, self.inter, self.rows_per_cta
+        T, L, I, R, S = self.batch, self.latent, self.inter, self.rows_per_cta, self.x_slots
         bf16 = cutlass.BFloat16
         gW = vector_view(expert_view(mW, mGroupExpert[u], L, I))
         stream.copy_row(P, stream.weight_copy_atom(bf16), gW, rb * R + r, vW, r * P.kv, kv0)
         pos0 = mGroupStart[u]
-        cnt = 1
         gA = vector_view(mAct)
         if cutlass.const_expr(T == 1):  # one token: the group's one act row
             if r == 0:
                 stream.copy_row(P, stream.activation_copy_atom(bf16), gA, pos0, vX, 0, kv0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, 1, rb, mSorted, mO)
         else:
             cnt = mGroupStart[u + 1] - pos0
-            self._copy_slots(P, gA, vX, r, kv0, self._a_row(pos0, cnt), 0)
-        return pos0, cnt
 
-    def _a_row(self, pos0, cnt):
-        """Slot s of chunk c0 holds act row pos0 + min(c0 + s, cnt - 1)."""
-        def a_row(s, c0):
-            return pos0 + cutlass.min(c0 + s, cnt - 1)
+            def a_row(s, c0, pos0=pos0, cnt=cnt):
+                return pos0 + cutlass.min(c0 + s, cnt - 1)
 
-        return a_row
-
-    @cute.jit
-    def down_finish(self, P, vW, vX, sP, sLast, r, kv0, tidx, pos0, cnt, rb, n_groups, mAct, mWeights, mSorted, mO,
-                    mCounters, mC, pending):
-        """The item `down_issue` copied (its copies committed): its first chunk once at most
-        `pending` later commit groups are outstanding, the group's further chunks, then the
-        arrival on the row block's counter and, in the CTA that completes it, the combine."""
-        S = self.x_slots
-        self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, rb, mSorted, mO, pending)
-        if cutlass.const_expr(self.batch > 1):
-            a_row = self._a_row(pos0, cnt)
+            self._copy_slots(P, gA, vX, r, kv0, a_row, 0)
+            cute.arch.cp_async_commit_group()
+            self._pdl_trigger()
+            self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, 0, cnt, rb, mSorted, mO)
             for c0 in cutlass.range(S, cnt, S, unroll=1):  # groups of more than S tokens
                 cute.arch.sync_threads()  # every thread is done with the slots and partials
-                self._copy_slots(P, vector_view(mAct), vX, r, kv0, a_row, c0)
+                self._copy_slots(P, gA, vX, r, kv0, a_row, c0)
                 cute.arch.cp_async_commit_group()
-                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO, 0)
+                self._down_stream_chunk(P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO)
         # one arrival per group, after every chunk's o writes
         _arrive_and_combine(self, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, mC)
 
     @cute.jit
-    def _down_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO,
-                           pending):
-        """Wait for the copies (all but the `pending` latest commit groups), then the chunk's
-        tokens c0 .. c0+S-1 (those below cnt): dot products against the weights in shared
-        memory, o rows written in fp32."""
+    def _down_stream_chunk(self, P, vW, vX, sP, r, kv0, tidx, pos0, c0, cnt, rb, mSorted, mO):
+        """Wait for the copies, then the chunk's tokens c0 .. c0+S-1 (those below cnt): dot
+        products against the weights in shared memory, o rows written in fp32."""
         R, S = self.rows_per_cta, self.x_slots
-        cute.arch.cp_async_wait_group(pending)
+        cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # act rows were copied by other rows' threads
         acc = stream.dot(P, vW, r * P.kv, vX, [s * P.kv for s in range(S)], kv0)
         stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
