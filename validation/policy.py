@@ -308,14 +308,17 @@ def _stages_change(name: str, base, head) -> str:
             "protocol and sources are the kernel's contract between its stages")
 
 
-def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, str]) -> tuple[list[Violation], str | None]:
+def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, str],
+                     changed_defaults=()) -> tuple[list[Violation], str | None]:
     """(violations, the one stage touched) of a change whose only touched kernel is `kernel`.
 
     For a staged kernel (manifest `stages`), every changed path that is a source of the kernel
     or in its build closure (companions aside) must lie in the sources of exactly one stage, the same for every
     path (a file several stages share touches all of them): then the change is a one-stage
     change. A path in no stage (the kernel's shared code) or paths in two stages go to full
-    review. (None, no violation) for a kernel without stages."""
+    review. `changed_defaults` (the kernel's tunables whose manifest default changed) count for
+    the stage that owns each, or, owned by none, as shared. (None, no violation) for a kernel
+    without stages."""
     man = scope.head_manifest
     spec = man.kernels.get(kernel) if man else None
     if spec is None or not spec.stages:
@@ -327,9 +330,11 @@ def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, 
     for f in scope.files:
         cls = classification.get(f.path, "")
         if cls == "manifest":
-            # a default changed in the manifest is a change of the stage that owns the tunable
-            # (`tunables` in its stage entry); a tunable no stage owns is the whole kernel's
-            for name, st in _changed_default_stages(scope, kernel, spec):
+            # a default changed in the manifest (`changed_defaults`: manifest_changes' "defaults")
+            # is a change of the stage that owns the tunable (`tunables` in its stage entry); a
+            # tunable no stage owns is the whole kernel's
+            for name in changed_defaults:
+                st = spec.stage_of_tunable(name)
                 if st is None:
                     out.append(Violation("stage-unassigned", f.path,
                                          f"kernel {kernel!r} is staged ({names}) and its tunable {name!r} "
@@ -358,16 +363,6 @@ def stage_violations(scope: ChangeScope, kernel: str, classification: dict[str, 
     if out or not touched:
         return out, None
     return out, next(iter(touched))
-
-
-def _changed_default_stages(scope: ChangeScope, kernel: str, spec) -> list[tuple[str, str | None]]:
-    """(tunable, the stage that owns it or None) for each tunable of `kernel` whose manifest
-    default differs between base and head."""
-    base = scope.base_manifest.kernels.get(kernel) if scope.base_manifest else None
-    if base is None:
-        return []
-    old, new = base.tunable_defaults(), spec.tunable_defaults()
-    return [(n, spec.stage_of_tunable(n)) for n in sorted(new) if n in old and old[n] != new[n]]
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -553,7 +548,8 @@ def evaluate_policy(scope: ChangeScope, policy: Policy | None = None) -> PolicyD
                                         "decode path"))
     stage = None
     if len(kernels) == 1:
-        sviol, stage = stage_violations(scope, kernels[0], classification)
+        sviol, stage = stage_violations(scope, kernels[0], classification,
+                                        own_changes.get(kernels[0], {}).get("defaults", ()))
         violations.extend(sviol)
         if stage:
             notes.append(f"one-stage change: stage {stage} of kernel {kernels[0]} (its bound, passing "
