@@ -231,14 +231,6 @@ def time_interleaved(launchers: dict, *, rounds: int, timer) -> dict:
     return samples
 
 
-def _op_class(path: str):
-    """The op class of a manifest `op` entry ("module:Class"); importable without the DSL."""
-    import importlib
-
-    mod, _, cls = path.partition(":")
-    return getattr(importlib.import_module(mod), cls)
-
-
 def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict:
     import torch
 
@@ -248,7 +240,7 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
     from kernels.build import BuildError, find_artifact
     from kernels.launch import CubinKernel, LaunchError
     kernel = plan["kernel"]
-    from kernels.manifest import load_manifest
+    from kernels.manifest import load_manifest, resolve
 
     spec = load_manifest().kernel(kernel)
     build_root = Path(root or plan.get("root") or "build")
@@ -262,7 +254,7 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
     def timer(launch, launches):
         return time_graph(launch, launches=launches, replays=replays)
 
-    op_class = _op_class(spec.op)
+    op_class = resolve(spec.op)  # the op class (its host plan imports without the DSL)
     for si, (skey, entries) in enumerate(sorted(by_shape.items())):
         entries.sort(key=lambda e: e["tunables"] != default)  # the defaults first: the others agree with them
         ref_out = None
