@@ -374,23 +374,23 @@ class MegakernelOp(OpBase):
         for item in cutlass.range(lo, hi, step, unroll=1):
             k = (item - lo) // step
             if k % 2 == 0:  # CTA-uniform
-                self._issue(stage, item, tidx, sm[0], bufs)
+                self._issue(item, tidx, sm[0], bufs)
                 if k > 0:
-                    self._finish(stage, item - step, tidx, sm[1], bufs, 1)
+                    self._finish(item - step, tidx, sm[1], bufs, 1)
                     cute.arch.sync_threads()
             else:
-                self._issue(stage, item, tidx, sm[1], bufs)
-                self._finish(stage, item - step, tidx, sm[0], bufs, 1)
+                self._issue(item, tidx, sm[1], bufs)
+                self._finish(item - step, tidx, sm[0], bufs, 1)
                 cute.arch.sync_threads()
         last = lo + (hi - 1 - lo) // step * step
         if (last - lo) // step % 2 == 0:
-            self._finish(stage, last, tidx, sm[0], bufs, 0)
+            self._finish(last, tidx, sm[0], bufs, 0)
         else:
-            self._finish(stage, last, tidx, sm[1], bufs, 0)
+            self._finish(last, tidx, sm[1], bufs, 0)
         cute.arch.sync_threads()
 
     @cute.jit
-    def _issue(self, stage, item, tidx, smem, bufs):
+    def _issue(self, item, tidx, smem, bufs):
         """w13's item `item`: its copies into `smem` (moe_w13's `up_issue`; none for a group past
         n_groups), one commit group."""
         b = _named(bufs)
@@ -403,7 +403,7 @@ class MegakernelOp(OpBase):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _finish(self, stage, item, tidx, smem, bufs, pending):
+    def _finish(self, item, tidx, smem, bufs, pending):
         """w13's item `item`: its compute over `smem` (moe_w13's `up_finish`; nothing for a group
         past n_groups), its copies waited for with `pending` newer commit groups left in flight."""
         b = _named(bufs)
@@ -420,7 +420,8 @@ class MegakernelOp(OpBase):
                                       b["sorted_slots"], b["act"], pending)
 
     def _deps(self, stage: str) -> tuple[str, ...]:
-        """The stages whose counters `stage` waits for before each item (MEGA_DEPS)."""
+        """The stages whose counters `stage` waits for (MEGA_DEPS): before its items, or before
+        each item in a MEGA_ITEM_SYNC stage."""
         return MEGA_DEPS[stage]
 
     @cute.jit
