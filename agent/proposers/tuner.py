@@ -454,8 +454,9 @@ class TunerProposer:
                        "combinations of the declared tunables"
                        + (f" of stage {self.stage} (the others at their defaults)" if self.stage else "")
                        + f", timed by scripts/tune_measure.py ({measurer.source}); the winner must beat "
-                       f"the defaults by at least {self.min_gain_pct}% and be slower on no shape beyond the measured noise. Only "
-                       "the defaults change (the kernel's manifest entry, where they are declared), not its code."),
+                       f"the defaults by at least {self.min_gain_pct}% and be slower on no shape beyond the "
+                       "measured noise. Only the defaults change (the kernel's manifest entry, where they are "
+                       "declared), not its code."),
             "prediction": (f"Median kernel time {-decision['gain_pct']:+.1f}% (geometric mean); best "
                            f"{(best['ratio'] - 1) * 100:+.1f}% at {best['variant']}, worst "
                            f"{(worst['ratio'] - 1) * 100:+.1f}% at {worst['variant']}; numerics unchanged "
