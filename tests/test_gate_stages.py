@@ -208,6 +208,7 @@ def test_a_comment_in_two_stages_is_no_code_change(mega_repo):
      ["kernel 'mega': stage declarations changed (stage attn: writes)", "contract between its stages"]),
     (('protocol = "counters"\n\n[[', 'protocol = "flags"\n\n[['), "manifest-stages", ["stage attn: protocol"]),
     (('"16" = "sync"', '"16" = "activation"'), "manifest-points-to", ["kernel 'mega': points_to changed"]),
+    (('tunables = ["unroll"]', 'tunables = []'), "manifest-stages", ["stage attn: tunables"]),
 ])
 def test_stage_and_points_to_declarations_are_the_kernels_contract(mega_repo, edit, rule, words):
     root, base, _ = mega_repo

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -299,9 +299,9 @@ def _stages_change(name: str, base, head) -> str:
     what = [f"stage {n} added" for n in sorted(set(h) - set(b))]
     what += [f"stage {n} removed" for n in sorted(set(b) - set(h))]
     for n in sorted(set(b) & set(h)):
-        fields = [f for f in ("sources", "reads", "writes", "protocol") if getattr(b[n], f) != getattr(h[n], f)]
-        if fields:
-            what.append(f"stage {n}: {', '.join(fields)}")
+        changed = [f.name for f in fields(b[n]) if getattr(b[n], f.name) != getattr(h[n], f.name)]
+        if changed:
+            what.append(f"stage {n}: {', '.join(changed)}")
     if not what:
         what.append("the stages' order")
     return (f"kernel {name!r}: stage declarations changed ({'; '.join(what)}): the stages' buffers, "
