@@ -1,7 +1,7 @@
 """The race audit on its own corpus: hand-written PTX per class of bug the audit must catch
 (pointers loaded from task tables, publishing other threads' writes, reads after another
 thread's acquire, one side of a handshake in another launch, misdeclared buffers, a step's data
-read after another step's wait) and of false alarm it must not raise (L2 prefetch, __syncwarp
+read after another step's wait, a synchronizing loop whose wait and publish sit outside it) and of false alarm it must not raise (L2 prefetch, __syncwarp
 before a lane's release, a lane's acquire broadcast by shfl, a wait rotated to the bottom of a
 loop iteration), each bug with a correct twin. The SASS beside each PTX is what ptxas (the
 build's) emits for it; tests/fixtures/race/regen_sass.py regenerates it.
@@ -50,7 +50,7 @@ def test_corpus_covers_every_class_with_bugs_and_twins():
         m = _meta(p)
         by_class.setdefault(m["class"], []).append(bool(m["expect_ptx"] or m["expect_sass"]))
     assert set(by_class) >= {"loaded-pointer", "publish-others", "acquire-others", "other-launch",
-                             "misdeclared", "prefetch", "step-order"}
+                             "misdeclared", "prefetch", "step-order", "sync-loop"}
     for cls, bugs in by_class.items():
         assert any(bugs) and not all(bugs), cls  # some caught, some clean
     assert all(p.with_suffix(".sass").is_file() for p in FIXTURES)

@@ -598,6 +598,17 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
     loop_steps = steps_mod.analyze(cfg, heads)
     lap("step-keys")  # induction variables and steps of the synchronizing loops (steps.py)
     body_of = {lp.header: lp.body for lp in cfg.loops if lp.header in loop_steps}
+
+    def flag_reads(blocks) -> set:
+        return {p for x in blocks for k in range(cfg.blocks[x].start, cfg.blocks[x].end)
+                if fn.instrs[k].kind in (ir.LOAD, ir.ATOM) and _touches_sync(fn.instrs[k], prov, roles)
+                for p in _buffer_params(prov, k, roles)}
+
+    # synchronizing loops that read a flag buffer their prologue (the blocks that dominate the
+    # header) reads too
+    outside = {h: flag_reads({x for x in cfg.reachable if x not in body and cfg.dominates(x, h)})
+               for h, body in body_of.items()}
+    per_step_flags = {h for h, body in body_of.items() if flag_reads(body) & outside[h]}
     key_cache: dict[int, frozenset] = {}
 
     def key_of(idx: int) -> frozenset:
@@ -631,7 +642,8 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
     def head_state(b: int, preds: list[tuple[int, dict]]) -> dict:
         """A synchronizing loop's header: a fresh iteration, but a wait the previous iteration
         made for the next step (a wait rotated to the bottom), or the prologue made for the
-        first, still orders that step's data."""
+        first, still orders that step's data, and a wait the prologue made on a flag of no
+        step orders every iteration's."""
         st = dict(zero)
         body = body_of.get(b)
         if body is None:
@@ -661,8 +673,13 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
                 out.add(frozenset(nk))
             return frozenset(out)
 
-        sides = [enter(s["A"]) for p, s in preds if p not in body] + \
-                [back(p, s["A"]) for p, s in preds if p in body]
+        entry = [enter(s["A"]) for p, s in preds if p not in body]
+        # an acquire made before the loop whose flag names no step of it (a counter at a fixed
+        # address) happened before every iteration: it orders every iteration's loads
+        # unless the loop reads that flag buffer too (then the prologue's wait is its first step's)
+        held = _meet(entry) if entry and b not in per_step_flags else frozenset()
+        prior = frozenset(k for k in held if not any(len(c) == 2 and c[0] == b for c in k))
+        sides = entry + [back(p, s["A"]) | (s["A"] & prior) for p, s in preds if p in body]
         st["A"] = _meet(sides) if sides else frozenset()
         st["SK"] = frozenset().union(*([enter(s["SK"]) for p, s in preds if p not in body]
                                       + [back(p, s["SK"]) for p, s in preds if p in body]))
@@ -945,9 +962,16 @@ def _dsmem_order(cfg: CFG) -> list[RawFinding]:
 
 def _unpublished_writes(cfg, prov, roles, heads, td, xdata) -> list[RawFinding]:
     """Backward: at each write to cross-CTA data, is a publish ahead on every path to the end
-    of the iteration? At a thread-dependent branch one side suffices (an elected publisher)."""
+    of the iteration, or, past its last iteration, on every way out of the loop (one publish
+    after a loop covers every iteration's writes: a counter of the loop's item count)? At a
+    thread-dependent branch one side suffices (an elected publisher)."""
     fn = cfg.fn
-    back = {(t, h) for lp in cfg.loops if lp.header in heads for (t, h) in lp.back_edges}
+    exits = {}  # back edge of a synchronizing loop -> the blocks its loop leaves to
+    for lp in cfg.loops:
+        if lp.header in heads:
+            out = {s for x in lp.body for s in cfg.blocks[x].succs if s not in lp.body}
+            for e in lp.back_edges:
+                exits[e] = out
     out_state: dict[int, bool] = {}
     in_state: dict[int, bool] = {}
 
@@ -973,7 +997,8 @@ def _unpublished_writes(cfg, prov, roles, heads, td, xdata) -> list[RawFinding]:
         changed = False
         for b in order:
             succs = cfg.blocks[b].succs
-            vals = [False if (b, s) in back else in_state.get(s, True) for s in succs]
+            vals = [(bool(exits[(b, s)]) and all(in_state.get(x, True) for x in exits[(b, s)]))
+                    if (b, s) in exits else in_state.get(s, True) for s in succs]
             if not succs:
                 after = False
             elif prov.guard_is_thread_varying(cfg.branch_instr(b).index) and len(succs) > 1:
