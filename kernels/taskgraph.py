@@ -207,13 +207,11 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
 # completion counters of the stages in MEGA_DEPS (each for every item of that stage) before its
 # first item of a stage, and after its last item of the stage signals its own counter once for
 # each of its items (one red.add of their count, after a CTA barrier that follows their writes).
-# The stages of MEGA_ITEM_SYNC wait before and signal after every item instead: their items
-# synchronize among themselves (w2's row-block counters and combine), and the static audit
-# proves a synchronizing loop's loads and publishes per iteration.
+# w2's items also meet among themselves on moe_w2's row-block counters (the last arriver of a
+# column block combines c); nothing waits on those, so the one wait and signal per worker hold.
 # Dependencies point only to earlier stages, so the static per-worker lists in stage order
 # cannot deadlock with every worker resident (a cooperative launch).
 MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "norm_latent", "out")
-MEGA_ITEM_SYNC = ("w2",)
 MEGA_DEPS = {
     "norm_pre": (),
     "router_rows": ("norm_pre",),
@@ -324,11 +322,8 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
         for w in range(workers):
             run = range(*mega_range(counts, s, w, workers))
             for i in run:
-                if s in MEGA_ITEM_SYNC:
-                    head, tail = waits, [("signal", mega_counter(s))]
-                else:
-                    head = waits if i == run[0] else []
-                    tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
+                head = waits if i == run[0] else []
+                tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
                 staged[i] = Task(s, i, tuple(head + items[s][i] + tail))
         tasks += staged
     schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]

@@ -13,7 +13,6 @@ from kernels.config import get_config
 from kernels.manifest import load_manifest
 from kernels.taskgraph import (
     MEGA_DEPS,
-    MEGA_ITEM_SYNC,
     MEGA_STAGES,
     TASK_FIELDS,
     TaskGraph,
@@ -55,15 +54,9 @@ def test_graph_shape_at_every_decode_batch(batch):
         assert stages == sorted(stages)
         for s in {g.tasks[i].stage for i in lst}:
             # its first item of a stage waits for every item of each stage it depends on, before
-            # anything else, and its last signals once per item, after everything else; an item
-            # of a MEGA_ITEM_SYNC stage waits and signals itself
+            # anything else, and its last signals once per item, after everything else
             run = [g.tasks[i] for i in lst if g.tasks[i].stage == s]
             waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
-            if s in MEGA_ITEM_SYNC:
-                assert all(list(t.ops[:len(waits)]) == waits and [o for o in t.ops if o[0] == "wait"] == waits
-                           and [o for o in t.ops if o[0] == "signal"] == [t.ops[-1]] == [("signal", mega_counter(s))]
-                           for t in run)
-                continue
             assert list(run[0].ops[:len(waits)]) == waits
             assert list(run[-1].ops[len(run[-1].ops) - len(run):]) == [("signal", mega_counter(s))] * len(run)
             ops = [op for t in run for op in t.ops]

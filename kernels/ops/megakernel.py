@@ -34,9 +34,9 @@ The protocol, per worker and stage (`counters` holds one int32 per stage and an 
     waits for a stage's whole item count, so signals per item would tell it nothing sooner;
     they cost a release and the next item's wait (two gpu-scope round trips) per item, and
     measured, batch 1 to 4, 1.5 to 2 times the step (docs/decisions.md);
-  * except in the stages of MEGA_ITEM_SYNC (w2, whose items meet on moe_w2's row-block
-    counters), which wait before and signal (add 1) after every item, as the static audit
-    proves a loop that synchronizes: per iteration;
+  * w2's items also meet among themselves on moe_w2's row-block counters (the last item of a
+    column block to arrive combines c): no item waits on them, and the worker's one signal
+    after its last item covers the combines it made;
   * with `watchdog` 1 a wait that polls 2^24 times prints the stage and counter and traps, so a
     broken graph fails instead of hanging;
   * at exit each worker adds 1 to the exit count (acq_rel); the last resets every counter, so
@@ -62,7 +62,7 @@ from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
 from kernels.ops.parts.common import BF16_PER_VECTOR, cute, cutlass
 from kernels.ops.rmsnorm import RMSNormOp
 from kernels.ops.router import ROUTER_MAX_BATCH, RouterOp
-from kernels.taskgraph import MEGA_DEPS, MEGA_ITEM_SYNC, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
+from kernels.taskgraph import MEGA_DEPS, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
 
 THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
@@ -321,38 +321,24 @@ class MegakernelOp(OpBase):
         """Trace-time: lay out the stage's shared memory, wait for the stages `stage` depends on
         (their targets from the task table), run the worker's items (a CTA barrier after each),
         then signal them all at once: the wait dominates every item's loads, which is what the
-        static audit proves of a loop that waits before it and signals after it. A stage of
-        MEGA_ITEM_SYNC waits and signals per item instead (`_run_items`)."""
+        static audit proves of a loop that waits before it and signals after it (w2's loop
+        synchronizes on its row-block counters too: the audit carries the wait before it, on a
+        counter of no item, into every iteration, and takes the signal after it as every
+        iteration's publish)."""
         st = self.stages
         region = _Region(base, self.region_bytes)
-        if cutlass.const_expr(stage in MEGA_ITEM_SYNC):
-            self._run_items(si, stage, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps)
+        self._waits(stage, si, worker, tidx, mTasks, mCounters)
+        if tidx == 0:
+            mStamps[worker, si, 0] = _globaltimer()
+        if cutlass.const_expr(stage in st.prefetch):
+            self._run_prefetched(stage, tidx, region, bufs, lo, hi, step)
         else:
-            self._waits(stage, si, worker, tidx, mTasks, mCounters)
-            if tidx == 0:
-                mStamps[worker, si, 0] = _globaltimer()
-            if cutlass.const_expr(stage in st.prefetch):
-                self._run_prefetched(stage, tidx, region, bufs, lo, hi, step)
-            else:
-                op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
-                smem = op.allocate_smem(region)
-                for item in cutlass.range(lo, hi, step, unroll=1):
-                    self._item(stage, item, tidx, smem, bufs)
-                    cute.arch.sync_threads()  # the next item's copies overwrite this one's shared memory
-            self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
-
-    @cute.jit
-    def _run_items(self, si, stage, worker, tidx, region, mTasks, mCounters, bufs, lo, hi, step, mStamps):
-        """A MEGA_ITEM_SYNC stage: per item, its waits (past the first the counters are at their
-        targets: one poll), the item, its signal; the item's loads are ordered by a wait of
-        their own iteration, which is what the static audit proves of a loop that synchronizes."""
-        smem = getattr(self.stages, stage).allocate_smem(region)
-        for item in cutlass.range(lo, hi, step, unroll=1):
-            self._waits(stage, si, worker, tidx, mTasks, mCounters)
-            if (item == lo) & (tidx == 0):
-                mStamps[worker, si, 0] = _globaltimer()
-            self._item(stage, item, tidx, smem, bufs)
-            self._signal(mCounters, si, tidx, 1)
+            op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
+            smem = op.allocate_smem(region)
+            for item in cutlass.range(lo, hi, step, unroll=1):
+                self._item(stage, item, tidx, smem, bufs)
+                cute.arch.sync_threads()  # the next item's copies overwrite this one's shared memory
+        self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
 
     @cute.jit
     def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
@@ -420,8 +406,7 @@ class MegakernelOp(OpBase):
                                       b["sorted_slots"], b["act"], pending)
 
     def _deps(self, stage: str) -> tuple[str, ...]:
-        """The stages whose counters `stage` waits for (MEGA_DEPS): before its items, or before
-        each item in a MEGA_ITEM_SYNC stage."""
+        """The stages whose counters `stage` waits for (MEGA_DEPS), before its items."""
         return MEGA_DEPS[stage]
 
     @cute.jit
