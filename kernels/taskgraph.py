@@ -207,25 +207,29 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
 # completion counters of the stages in MEGA_DEPS (each for every item of that stage) before its
 # first item of a stage, and after its last item of the stage signals its own counter once for
 # each of its items (one red.add of their count, after a CTA barrier that follows their writes).
-# w2's items also meet among themselves on moe_w2's row-block counters (the last arriver of a
-# column block combines c); nothing waits on those, so the one wait and signal per worker hold.
-# Dependencies point only to earlier stages, so the static per-worker lists in stage order
-# cannot deadlock with every worker resident (a cooperative launch).
-MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "norm_latent", "out")
+# At MEGA_ROUTING_AT every worker makes that stage's waits whether or not it has items there, and
+# copies the routing into shared memory: from there on its ring may issue the routed experts'
+# weights, whose addresses are the routing's (the graph puts those waits on the worker's first
+# task at or after that stage). Dependencies point only to earlier stages, so the static
+# per-worker lists in stage order cannot deadlock with every worker resident (a cooperative
+# launch).
+MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "combine", "norm_latent", "out")
 MEGA_DEPS = {
     "norm_pre": (),
     "router_rows": ("norm_pre",),
     "select": ("router_rows",),
     "down": ("norm_pre",),
-    "shared_gu": ("norm_pre",),
+    "shared_gu": ("norm_pre", "select"),  # select: the routing, for the ring's routed weights
     "w13": ("select", "down"),
     "w2": ("w13",),  # the routing through w13's wait on select (release/acquire is cumulative)
-    "norm_latent": ("w2",),
+    "combine": ("w2",),
+    "norm_latent": ("combine",),
     "out": ("norm_latent", "shared_gu"),
 }
+MEGA_ROUTING_AT = "shared_gu"
 # Output columns per item of the stages split by columns (the rest: one item per token row, or
 # one item): the ops' plans give them (kernels.ops.megakernel.stage_cols).
-MEGA_COL_STAGES = ("router_rows", "down", "shared_gu", "w13", "w2", "out")
+MEGA_COL_STAGES = ("router_rows", "down", "shared_gu", "w13", "w2", "combine", "out")
 # One task-table entry: the worker's items of the stage are range(lo, hi, step); `target` is the
 # count the stage's completion counter reaches in a launch (its item count), what its
 # consumers wait for.
@@ -248,9 +252,8 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
     (G = min(batch * top_k, n_experts)); an item past the launch's n_groups does nothing. Their
     rows of act and o depend on the routing: the graph names the rows of the routing where
     every selected (token, k) pair is a group of its own (at batch 1 the only routing there is;
-    past n_experts pairs, the positions split evenly). Which w2 item of a column block combines
-    c is the last to arrive on that block's counter (moe_w2's own protocol, audited as that
-    op's); the graph names item (0, block)."""
+    past n_experts pairs, the positions split evenly). The combine's items, blocks of latent
+    columns, read o for every (token, k) after the wait on w2."""
     if cols is None:
         from kernels.ops.megakernel import stage_cols
 
@@ -259,7 +262,7 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
     I, S = cfg.expert_inter, cfg.shared_inter
     TK = T * K
     G = min(TK, E)
-    widths = {"router_rows": E, "down": L, "shared_gu": S, "w13": I, "w2": L, "out": H}
+    widths = {"router_rows": E, "down": L, "shared_gu": S, "w13": I, "w2": L, "combine": L, "out": H}
     for st in MEGA_COL_STAGES:
         if st not in cols or cols[st] < 1 or widths[st] % cols[st]:
             raise TaskGraphError(f"megakernel: {st} needs a column count dividing {widths[st]}, got {cols.get(st)}")
@@ -268,8 +271,8 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
             "act": TK * I, "o": TK * L, "c": T * L, "n": T * L, "out": T * H}
     outputs = {"norm_pre": ("h",), "router_rows": ("logits",),
                "select": ("ids", "weights", "n_groups", "group_expert", "group_start", "sorted_slots"),
-               "down": ("z",), "shared_gu": ("a_shared",), "w13": ("act",), "w2": ("o", "c"), "norm_latent": ("n",),
-               "out": ("out",)}
+               "down": ("z",), "shared_gu": ("a_shared",), "w13": ("act",), "w2": ("o",), "combine": ("c",),
+               "norm_latent": ("n",), "out": ("out",)}
     counters = {mega_counter(s): Counter(mega_counter(s), tuple((b, 0, bufs[b]) for b in outputs[s]))
                 for s in MEGA_STAGES}
     routing = [("read", b, 0, bufs[b]) for b in ("n_groups", "group_expert", "group_start", "sorted_slots")]
@@ -300,10 +303,12 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
             lo, hi = positions[u]
             ops = routing + [("read", "act", lo * I, hi * I)]
             ops += [("write", "o", p * L + rb * c, p * L + (rb + 1) * c) for p in range(lo, hi)]
-            if u == 0:
-                ops += [("read", "weights", 0, TK)] + cols_of("c", L, rb * c, c)
             w2.append(ops)
     items["w2"] = w2
+    c = cols["combine"]
+    items["combine"] = [[("read", "weights", 0, TK)] + [("read", "o", p * L + i * c, p * L + (i + 1) * c)
+                                                        for p in range(TK)] + cols_of("c", L, i * c, c)
+                        for i in range(L // c)]
     items["norm_latent"] = [[("read", "c", t * L, (t + 1) * L), ("write", "n", t * L, (t + 1) * L)]
                             for t in range(T)]
     c = cols["out"]
@@ -311,6 +316,8 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
                     + cols_of("out", H, i * c, c) for i in range(H // c)]
 
     counts = {s: len(items[s]) for s in MEGA_STAGES}
+    routing_waits = [("wait", mega_counter(d), counts[d]) for d in MEGA_DEPS[MEGA_ROUTING_AT]]
+    at = MEGA_STAGES.index(MEGA_ROUTING_AT)
     tasks: list[Task] = []
     first: dict[str, int] = {}
     for s in MEGA_STAGES:
@@ -323,6 +330,9 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
             run = range(*mega_range(counts, s, w, workers))
             for i in run:
                 head = waits if i == run[0] else []
+                if i == run[0] and MEGA_STAGES.index(s) > at and not any(
+                        mega_range(counts, p, w, workers)[0] < counts[p] for p in MEGA_STAGES[at:MEGA_STAGES.index(s)]):
+                    head = routing_waits + head  # the worker's first task since the routing point
                 tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
                 staged[i] = Task(s, i, tuple(head + items[s][i] + tail))
         tasks += staged

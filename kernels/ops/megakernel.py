@@ -4,22 +4,42 @@
 kernels/taskgraph.py MEGA_STAGES in order:
 
     norm_pre     h = RMSNorm(x) * gamma_pre          rmsnorm's tile, an item per token
-    router_rows  logits = h @ W_g.T (fp32)            the router's whole-row stream CTAs
+    router_rows  logits = h @ W_g.T (fp32)            ring: the router's whole rows of W_g
     select       top-k, weights, grouping by expert   the router's phase 2 from logits in memory
-    down         z = h @ W_down.T                     the router's W_down rows
-    shared_gu    a_s = SiTU(h @ W_sgu.T)              shared_gate_up's tile
-    w13          act = SiTU(z[token] @ W13_e.T)       moe_w13's stream tile, an item per (group, cols)
-    w2           o, then c = sum_k w_k o_k            moe_w2's stream tile and its row-block combine
+    down         z = h @ W_down.T                     ring: the router's whole rows of W_down
+    shared_gu    a_s = SiTU(h @ W_sgu.T)              ring: shared_gate_up's gate row and up row
+    w13          act = SiTU(z[token] @ W13_e.T)       ring: moe_w13's gate rows and up rows, an item per (group, cols)
+    w2           o = act @ W2_e.T (fp32)              ring: moe_w2's rows, an item per (group, rows)
+    combine      c = bf16(sum_k w_k o_k)              an item per block of latent columns, k in order
     norm_latent  n = RMSNorm(c) * gamma_latent        rmsnorm's tile
-    out          out = x + n @ W_up.T + a_s @ W_sd.T  latent_out's tile
+    out          out = x + n @ W_up.T + a_s @ W_sd.T  ring: latent_out's W_up row and W_sd row
 
-Each stage's items are the op's own tile function (the ops are built with THREADS threads and
-no programmatic dependent launch); the chain (kernels/block.py) launches the same code one op
-at a time. The schedule is data: `task_table` of the stage's graph (kernels/taskgraph.py
+Where the bytes go (why the design is what it is): a decode step reads its weights once, 1.44 GB
+at batch 1, so the step's time is how long the weights take to stream, and a worker must keep
+many bytes in flight the whole time. The ring stages stream their items' weights through a
+ring of shared-memory slots (kernels/ops/parts/ring.py): one thread issues item j +
+`slots` - 1 by bulk copies while every thread computes item j, across stage boundaries (weights
+are static, so the copies of a stage's first items are issued before its waits; activations are
+never in the ring). The consumer side of an item is the op's stream design (kernels/ops/parts/
+stream.py): each thread reads its 16-byte vectors of the item's rows from the slot and of the
+stage's activations from shared memory, fp32 FMAs, a warp-shuffle and warp-order reduction
+(bitwise deterministic), and the op's epilogue. One CTA barrier per item: the reduction's
+partials alternate between two buffers, and the barrier also frees the slot for the item
+`slots` ahead.
+
+Activations are loaded by coherent copies after the stage's waits, into the stage's shared
+region: h (router_rows, down, shared_gu), z (w13), n and a_s (out), once per stage; w2 loads
+the act rows of an item's group when the group changes. The routing (n_groups, the groups'
+experts, starts, sorted slots) is copied into shared memory once per worker, after
+a wait on select that every worker makes at the start of shared_gu (items or not, MEGA_DEPS and
+MEGA_ROUTING_AT): from there on the ring may issue routed experts' weights (their addresses are
+the routing's), and the consumers read the routing without a global load per item.
+
+The schedule is data: `task_table` of the stage's graph (kernels/taskgraph.py
 `megakernel_graph`, the one declaration of stages, items, buffers and counters), int32
-[workers][stages][4] = (lo, hi, step, target), read by each worker at the start of each stage:
-its items are range(lo, hi, step); `target` is the item count of the stage, what its completion
-counter reaches.
+[workers][stages][4] = (lo, hi, step, target), read by each worker: its items of a stage are
+range(lo, hi, step); `target` is the item count of the stage, what its completion counter
+reaches. The ring walks the worker's items of the ring stages (RING_STAGES) in stage order.
 
 The protocol, per worker and stage (`counters` holds one int32 per stage and an exit count):
   * wait, once, before the worker's first item of the stage, for each stage it depends on
@@ -28,21 +48,16 @@ The protocol, per worker and stage (`counters` holds one int32 per stage and an 
     thread's later loads, those of all the worker's items of the stage, are ordered after the
     producers' writes. Activations are read only after it, and only by coherent paths (plain
     loads and cp.async; never ld.global.nc, which only static weights may use);
-  * the items, a CTA barrier after each (the next item's copies overwrite shared memory);
+  * the items;
   * signal, once, after the worker's last item: a CTA barrier (every thread's writes of the
-    items done), then thread 0 adds the worker's item count with red.release.gpu. A consumer
-    waits for a stage's whole item count, so signals per item would tell it nothing sooner;
-    they cost a release and the next item's wait (two gpu-scope round trips) per item, and
-    measured, batch 1 to 4, 1.5 to 2 times the step (docs/decisions.md);
-  * w2's items also meet among themselves on moe_w2's row-block counters (the last item of a
-    column block to arrive combines c): no item waits on them, and the worker's one signal
-    after its last item covers the combines it made;
+    items done), then thread 0 adds the worker's item count with red.release.gpu;
   * with `watchdog` 1 a wait that polls 2^24 times prints the stage and counter and traps, so a
     broken graph fails instead of hanging;
   * at exit each worker adds 1 to the exit count (acq_rel); the last resets every counter, so
     the next launch starts from zero (the host zeroes them once).
-Shared memory is one region, laid out per stage (`_Region`): a stage's tensors overlap the
-previous stage's, which the barrier of each signal separates.
+Shared memory: the ring and its mbarriers, the routing, then one region laid out per stage
+(`_Region`): a stage's tensors overlap the previous stage's, which the barrier of each signal
+separates.
 
 The kernel stamps its own timeline: thread 0 of each worker writes `%globaltimer` (ns) into
 `stamps[worker][stage]` when it has passed its waits for a stage, and when it has signalled
@@ -57,38 +72,42 @@ from __future__ import annotations
 
 from kernels.config import ModelConfig
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
-from kernels.ops.latent_out import LatentOutOp, SharedGateUpOp
+from kernels.ops.latent_out import LatentOutOp, SharedGateUpOp, _dot_section
 from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
-from kernels.ops.parts.common import BF16_PER_VECTOR, cute, cutlass
+from kernels.ops.parts import ring, stream
+from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
+from kernels.ops.parts.decode_mma import expert_view, situ, vector_view
 from kernels.ops.rmsnorm import RMSNormOp
 from kernels.ops.router import ROUTER_MAX_BATCH, RouterOp
-from kernels.taskgraph import MEGA_DEPS, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
+from kernels.taskgraph import MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
 
 THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
 WATCHDOG_POLLS = 1 << 24
 SMEM_ALIGN = 1024
-# Stages that can run prefetched (tunable `<stage>_prefetch_max_batch`: at batches up to it, 0
-# never): each item's copies are issued before the previous item computes, so two items'
-# copies are in flight.
-PREFETCH_STAGES = ("w13",)
+SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory (the launcher opts in past 48 KB)
+MAX_RING_SLOTS = 8
+GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
+# The stages whose items stream their weights through the ring, in stage order; ROUTED: those
+# whose items' weights are the routing's experts (issued only after the routing is waited for).
+RING_STAGES = tuple(s for s in MEGA_STAGES if s in ("router_rows", "down", "shared_gu", "w13", "w2", "out"))
+ROUTED = ("w13", "w2")
+COMBINE_COLS = 32  # latent columns of one combine item
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
 # the buffers a stage's item is given, in order ("routing": the router's seven outputs)
 BUFFERS = ("x", "gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w13", "w2", "gamma_latent", "w_up",
-           "w_shared_down", "w2_counters", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
+           "w_shared_down", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
 ROUTING = ("logits", "ids", "weights", "n_groups", "group_expert", "group_start", "sorted_slots")
 # Every tunable of the stages' ops, given here in full: the megakernel's design is declared by
 # its own module and its manifest tunables (and a compile child has no manifest to read). The
-# designs are sized for THREADS threads: the experts' and the router's stream designs; for
-# shared_gu and out the mma designs at every batch (stream_max_batch 0). The stream design wants
-# several short CTAs per SM in flight; with one worker per SM it read at a third of the rate the
-# mma design does (the timeline at batch 1 against batch 2, docs/decisions.md).
-SHARED_GU = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 0,
+# ring stages use the ops' stream designs, sized for THREADS threads: shared_gu a gate row and
+# its up row per item (half the threads each), out a W_up row (64 threads) and its W_sd row.
+SHARED_GU = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": MAX_BATCH,
              "stream_rows": 1, "stream_threads": THREADS // 2}
 EXPERTS = {"stream_slots": 1, "wg": 0, "wg_stages": 4, "wg_k": 128, "wg_n": 8}
-LATENT_OUT = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": 0,
+LATENT_OUT = {"warps_per_cta": THREADS // 32, "row_tiles": 2, "k_unroll": 8, "stream_max_batch": MAX_BATCH,
               "stream_rows": 1, "stream_up_threads": 64, "stream_down_threads": THREADS - 64}
 
 
@@ -102,69 +121,95 @@ def shape_config(shape: dict) -> ModelConfig:
         raise ValueError(f"megakernel: shape needs batch and {', '.join(keys)}; missing {e}") from None
 
 
+def _words(n: int) -> int:
+    """int32 words of an array of n, 16-byte aligned."""
+    return ceil_div(n, 4) * 4
+
+
 class MegaStages:
     """The ops whose tiles the stages run at one batch, each planned for THREADS threads and
-    without programmatic dependent launch (host side; no DSL needed). `cols` gives the output
-    columns per item of MEGA_COL_STAGES, for `megakernel_graph`."""
+    without programmatic dependent launch (host side; no DSL needed); the ring, the routing
+    copy and every stage's shared region. `cols` gives the output columns per item of
+    MEGA_COL_STAGES, for `megakernel_graph`."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, stream_cta_kib: int, prefetch: tuple[str, ...] = ()):
+    def __init__(self, cfg: ModelConfig, batch: int, slot_kib: int, slots: int = 0):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"megakernel: batch {batch} outside 1..{MAX_BATCH} (past it the router's stages "
                              "need the gemv tiles, not yet a stage)")
         T, H, L, E, K, I, S = (batch, cfg.hidden, cfg.latent, cfg.n_experts, cfg.top_k, cfg.expert_inter,
                                cfg.shared_inter)
-        stream = {"stream_threads": THREADS, "stream_cta_kib": stream_cta_kib, "pdl": 0}
+        self.batch = T
+        stream_t = {"stream_threads": THREADS, "stream_cta_kib": slot_kib, "pdl": 0}
         experts = {"batch": T, "n_experts": E, "latent": L, "expert_inter": I, "top_k": K}
         self.norm_pre = RMSNormOp({"batch": T, "width": H}, threads=THREADS)
         self.router = RouterOp({"batch": T, "n_experts": E, "hidden": H, "top_k": K, "latent": L},
-                               **stream, poll_sleep=0)
+                               **stream_t, poll_sleep=0)
         self.shared_gu = SharedGateUpOp({"batch": T, "hidden": H, "shared_inter": S}, **SHARED_GU)
-        self.w13 = ExpertsUpOp(experts, **stream, **EXPERTS)
-        self.w2 = ExpertsDownOp(experts, **stream, **EXPERTS)
+        self.w13 = ExpertsUpOp(experts, **stream_t, **EXPERTS)
+        self.w2 = ExpertsDownOp(experts, **stream_t, **EXPERTS)
         self.norm_latent = RMSNormOp({"batch": T, "width": L}, threads=THREADS)
         self.out = LatentOutOp({"batch": T, "hidden": H, "latent": L, "shared_inter": S}, **LATENT_OUT)
         for name in ("norm_pre", "router", "shared_gu", "w13", "w2", "norm_latent", "out"):
             op = getattr(self, name)
             if op.threads != THREADS:
                 raise ValueError(f"megakernel: the {name} stage's op plans {op.threads} threads, not {THREADS}")
+        if L % COMBINE_COLS or T * COMBINE_COLS > THREADS:
+            raise ValueError(f"megakernel: combine items of {COMBINE_COLS} columns need latent {L} a multiple "
+                             f"of them and batch * {COMBINE_COLS} <= {THREADS} threads")
         self.cols = {"router_rows": self.router.rows_per_cta, "down": self.router.down_rows_per_cta,
                      "shared_gu": self.shared_gu.half_rows, "w13": self.w13.stream_cols,
-                     "w2": self.w2.rows_per_cta, "out": self.out.rows_per_cta}
-        # shared memory per stage, as each op lays it out (the router's for its three stages)
+                     "w2": self.w2.rows_per_cta, "combine": COMBINE_COLS, "out": self.out.rows_per_cta}
+        # the weight bytes of one item of each ring stage (what its slot must hold)
+        self.item_bytes = {"router_rows": self.router.rows_per_cta * H * 2,
+                           "down": self.router.down_rows_per_cta * H * 2,
+                           "shared_gu": 2 * self.shared_gu.half_rows * H * 2,
+                           "w13": 2 * self.w13.stream_cols * L * 2,
+                           "w2": self.w2.rows_per_cta * I * 2,
+                           "out": self.out.rows_per_cta * (L + S) * 2}
+        slot_bytes = slot_kib * 1024
+        over = {s: b for s, b in self.item_bytes.items() if b > slot_bytes}
+        if over:
+            raise ValueError(f"megakernel: items of {over} bytes do not fit a {slot_kib} KiB slot")
+        f32p = 4 * T * (THREADS // WARP) + 16  # one partials buffer: fp32 [batch, warps]
+        # every stage's shared region, as its tensors are laid out (16-byte alignment slack each)
         self.smem = {"norm_pre": self.norm_pre.launch_config().smem_bytes,
-                     "router_rows": self.router.smem_bytes, "select": self.router.smem_bytes,
-                     "down": self.router.smem_bytes, "shared_gu": self.shared_gu.smem_bytes,
-                     "w13": self.w13.smem_bytes, "w2": self.w2.smem_bytes,
-                     "norm_latent": self.norm_latent.launch_config().smem_bytes, "out": self.out.smem_bytes}
-        # a prefetching stage holds two items' shared memory: the next item's copies land in one
-        # while the other's item computes
-        unknown = set(prefetch) - set(PREFETCH_STAGES)
-        if unknown:
-            raise ValueError(f"megakernel: stages {sorted(unknown)} cannot prefetch (only {PREFETCH_STAGES})")
-        self.prefetch = tuple(prefetch)
-        for stage in self.prefetch:
-            self.smem[stage] *= 2
+                     "router_rows": T * H * 2 + 2 * f32p + 64, "select": self.router.smem_bytes,
+                     "down": T * H * 2 + 2 * f32p + 64, "shared_gu": T * H * 2 + 4 * f32p + 80,
+                     "w13": T * L * 2 + 2 * f32p + 64, "w2": T * I * 2 + 2 * f32p + 16 + 80, "combine": 0,
+                     "norm_latent": self.norm_latent.launch_config().smem_bytes,
+                     "out": T * (L + S) * 2 + 4 * f32p + 96}
+        G = self.w13.groups
+        # the routing's shared copy, int32 words: n_groups, group_expert, group_start, sorted_slots
+        self.routing_words = {"n_groups": _words(1), "group_expert": _words(G), "group_start": _words(G + 1),
+                              "sorted_slots": _words(T * K)}
+        routing_bytes = 4 * sum(self.routing_words.values())
+        self.region_bytes = -(-max(self.smem.values()) // 128) * 128
+        fixed = routing_bytes + self.region_bytes + 2 * 128 + SMEM_ALIGN
+        fit = (SMEM_LIMIT - fixed) // (slot_bytes + ring.MBARRIER_BYTES)
+        if slots == 0:
+            slots = min(MAX_RING_SLOTS, fit)
+        if not 2 <= slots <= fit:
+            raise ValueError(f"megakernel: {slots} ring slots of {slot_kib} KiB do not fit beside the "
+                             f"{fixed} bytes of the stages at batch {T} (at most {fit})")
+        self.ring = ring.RingPlan(slots=slots, slot_bytes=slot_bytes)
+        self.routing_offset = -(-self.ring.smem_bytes // 128) * 128
+        self.region_offset = -(-(self.routing_offset + routing_bytes) // 128) * 128
+        self.smem_total = self.region_offset + self.region_bytes
 
 
-def prefetched(tunables: dict, batch: int) -> tuple[str, ...]:
-    """The stages that run prefetched at `batch` (`batch` <= their `<stage>_prefetch_max_batch`),
-    in PREFETCH_STAGES order."""
-    return tuple(s for s in PREFETCH_STAGES if batch <= int(tunables[f"{s}_prefetch_max_batch"]))
-
-
-def stage_cols(cfg: ModelConfig, batch: int, stream_cta_kib: int | None = None) -> dict[str, int]:
+def stage_cols(cfg: ModelConfig, batch: int, slot_kib: int | None = None) -> dict[str, int]:
     """Output columns per item of the column-split stages, as the megakernel plans them at
-    `batch` (`stream_cta_kib` default: the manifest's)."""
-    if stream_cta_kib is None:
-        stream_cta_kib = int(op_tunables("megakernel", MegakernelOp.TUNABLES, {})["stream_cta_kib"])
-    return MegaStages(cfg, batch, stream_cta_kib).cols
+    `batch` (`slot_kib` default: the manifest's `stream_cta_kib`)."""
+    if slot_kib is None:
+        slot_kib = int(op_tunables("megakernel", MegakernelOp.TUNABLES, {})["stream_cta_kib"])
+    return MegaStages(cfg, batch, slot_kib).cols
 
 
 class _Region:
     """Trace-time: the allocator interface the ops' `allocate_smem` use (`allocate_tensor`),
     carving one stage's tensors from the shared region at `base` (a byte pointer) from offset 0,
-    so every stage's layout overlaps the others' (the megakernel's shared memory is the largest
-    stage's, not their sum). `used` is the bytes laid out so far."""
+    so every stage's layout overlaps the others' (the region is the largest stage's, not their
+    sum). `used` is the bytes laid out so far."""
 
     def __init__(self, base, size: int):
         self.base, self.size, self.used = base, size, 0
@@ -184,14 +229,25 @@ class _Region:
         ptr = cute.recast_ptr(self.base + off, dtype=element_type)
         return cute.make_tensor(ptr, layout)
 
+    def vectors(self, rows: int, k: int):
+        """`rows` rows of k bf16 as 16-byte vectors (((8), rows * k / 8))."""
+        t = self.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * k,)), byte_alignment=16)
+        return cute.zipped_divide(t, (BF16_PER_VECTOR,))
+
+    def partials(self, batch: int):
+        """Two fp32 [batch, warps] partials buffers, one after the other (a ring item's
+        reduction alternates them: `_alternate`)."""
+        return self.allocate_tensor(cutlass.Float32, cute.make_layout((2 * batch * (THREADS // WARP),)),
+                                    byte_alignment=16)
+
 
 class MegakernelOp(OpBase):
     """The megakernel at one batch (module docstring): shape {"batch", model widths} plus
-    tunables `stream_cta_kib` (the router's and the experts' stream CTAs), `watchdog` and, per
-    stage of PREFETCH_STAGES, `<stage>_prefetch_max_batch`."""
+    tunables `stream_cta_kib` (the ring's slot, KiB), `ring_slots` (0: as many as fit) and
+    `watchdog`."""
 
     kernel_name = "megakernel"
-    TUNABLES = ("stream_cta_kib", "watchdog", *(f"{s}_prefetch_max_batch" for s in PREFETCH_STAGES))
+    TUNABLES = ("stream_cta_kib", "ring_slots", "watchdog")
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
@@ -205,18 +261,16 @@ class MegakernelOp(OpBase):
         if self.watchdog not in (0, 1):
             raise ValueError("megakernel: watchdog must be 0 or 1")
         self.stages = MegaStages(self.cfg, self.batch, int(self.tunables["stream_cta_kib"]),
-                                 prefetched(self.tunables, self.batch))
+                                 int(self.tunables["ring_slots"]))
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
-        self.region_bytes = -(-max(self.stages.smem.values()) // SMEM_ALIGN) * SMEM_ALIGN
-        self.smem_bytes = self.region_bytes + SMEM_ALIGN  # the allocator's alignment slack
+        self.smem_bytes = self.stages.smem_total + SMEM_ALIGN  # the allocator's alignment slack
 
     # -- contract ---------------------------------------------------------------------------
     def tensor_specs(self) -> dict[str, TensorSpec]:
         c = self.cfg
         T, H, L, E, K, I, S = self.batch, c.hidden, c.latent, c.n_experts, c.top_k, c.expert_inter, c.shared_inter
-        r, w2 = self.stages.router, self.stages.w2
-        G = r.groups
+        G = self.stages.router.groups
         bf16, f32, i32 = "bfloat16", "float32", "int32"
         return {
             "x": TensorSpec((T, H), bf16),
@@ -232,7 +286,6 @@ class MegakernelOp(OpBase):
             "w_shared_down": TensorSpec((H, S), bf16),
             "tasks": TensorSpec((self.workers, len(MEGA_STAGES), len(TASK_FIELDS)), i32),
             "counters": TensorSpec((len(MEGA_STAGES) + 1,), i32),
-            "w2_counters": TensorSpec((w2.row_blocks,), i32),
             "h": TensorSpec((T, H), bf16),
             "logits": TensorSpec((T, E), f32),
             "ids": TensorSpec((T, K), i32),
@@ -277,167 +330,448 @@ class MegakernelOp(OpBase):
     def __call__(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                  mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                  mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-                 mW2Counters: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
-                 mWeights: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor,
-                 mSorted: cute.Tensor, mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor,
-                 mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
+                 mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
+                 mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
+                 mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
-                    mW2Counters, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ,
-                    mAs, mAct, mO, mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block),
-                                                        smem=lc.smem_bytes)
+                    mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
+                    mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-               mW2Counters: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor,
-               mWeights: cute.Tensor, mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor,
-               mSorted: cute.Tensor, mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor,
-               mC: cute.Tensor, mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
+               mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+               mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
+               mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
+               mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         worker, _, _ = cute.arch.block_idx()
-        base = cutlass.memory.SmemAllocator().allocate(self.region_bytes, byte_alignment=SMEM_ALIGN)
-        bufs = (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mW2Counters, mH,
+        st = self.stages
+        base = cutlass.memory.SmemAllocator().allocate(st.smem_total, byte_alignment=SMEM_ALIGN)
+        _, bars = ring.smem_tensors(base, st.ring)
+        bufs = (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mH,
                 (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
                 mOut)
+        ring.init(bars, st.ring, tidx)
+        # the worker's ring items: its (lo, hi, step) of each ring stage, and where each stage's
+        # items start in the ring's count (items are numbered across the ring stages in order)
+        tab, starts = [], [cutlass.Int32(0)]
+        for s in RING_STAGES:  # trace-time
+            si = STAGE_INDEX[s]
+            lo, hi, step = mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]
+            tab.append((lo, hi, step))
+            starts.append(starts[-1] + (hi - lo + step - 1) // step)
+        rs = (base, tab, starts)  # the ring's shared tensors are made from base where used
+        issued = cutlass.Int32(0)
+        consumed = cutlass.Int32(0)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            self._stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, mStamps)
+            issued, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks, mCounters,
+                                           bufs, mStamps, rs, issued, consumed)
         self._exit(mCounters, tidx)
 
+    def _routing_smem(self, base) -> dict:
+        """Trace-time: the routing's shared copy (`base`: the kernel's shared memory, a byte
+        pointer), int32 arrays in `MegaStages.routing_words` order."""
+        base = base + self.stages.routing_offset
+        out, off = {}, 0
+        for name, words in self.stages.routing_words.items():
+            out[name] = cute.make_tensor(cute.recast_ptr(base + 4 * off, dtype=cutlass.Int32), cute.make_layout((words,)))
+            off += words
+        return out
+
     @cute.jit
-    def _stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, mStamps):
-        """Trace-time: this worker's items of `stage` (task-table entry si), if it has any."""
+    def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, consumed):
+        """Trace-time: this worker's items of `stage` (task-table entry si), if it has any; at
+        MEGA_ROUTING_AT, first the wait on the routing and its copy, items or not. `rs` is the
+        ring (its tensors and the worker's tables), `issued` and `consumed` its counts of items;
+        returns the counts."""
         lo = mTasks[worker, si, 0]
         hi = mTasks[worker, si, 1]
         step = mTasks[worker, si, 2]
+        if cutlass.const_expr(stage == MEGA_ROUTING_AT):
+            issued = self._fill(rs, tidx, issued, consumed, False, bufs)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
+            self._copy_routing(self._routing_smem(rs[0]), bufs, tidx)
         if lo < hi:  # CTA-uniform
-            self._run_stage(si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step, mStamps)
-            if tidx == 0:
-                mStamps[worker, si, 1] = _globaltimer()
+            issued, consumed = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters, bufs,
+                                               mStamps, rs, issued, consumed, lo, hi, step)
+        return issued, consumed
 
     @cute.jit
-    def _run_stage(self, si, stage, worker, tidx, base, mTasks, mCounters, bufs, lo, hi, step, mStamps):
-        """Trace-time: lay out the stage's shared memory, wait for the stages `stage` depends on
-        (their targets from the task table), run the worker's items (a CTA barrier after each),
-        then signal them all at once: the wait dominates every item's loads, which is what the
-        static audit proves of a loop that waits before it and signals after it (w2's loop
-        synchronizes on its row-block counters too: the audit carries the wait before it, on a
-        counter of no item, into every iteration, and takes the signal after it as every
-        iteration's publish)."""
-        st = self.stages
-        region = _Region(base, self.region_bytes)
-        self._waits(stage, si, worker, tidx, mTasks, mCounters)
+    def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued,
+                   consumed, lo, hi, step):
+        """Trace-time: the waits of `stage` (done already at MEGA_ROUTING_AT), the worker's items
+        range(lo, hi, step), each after a fill of the ring, then one signal of them all; the
+        ring stages' items over their slots, the others over the op's shared memory with a CTA
+        barrier after each. Returns the ring's counts."""
+        routed = STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
+        if cutlass.const_expr(stage != MEGA_ROUTING_AT):
+            issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
-        if cutlass.const_expr(stage in st.prefetch):
-            self._run_prefetched(stage, tidx, region, bufs, lo, hi, step)
-        else:
-            op = st.router if stage in ("router_rows", "select", "down") else getattr(st, stage)
-            smem = op.allocate_smem(region)
+        region = _Region(region_base, self.stages.region_bytes)
+        if cutlass.const_expr(stage in RING_STAGES):
+            smem = self._ring_smem(stage, region, self._routing_smem(rs[0]))
+            self._load_acts(stage, smem, bufs, tidx)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                self._item(stage, item, tidx, smem, bufs)
-                cute.arch.sync_threads()  # the next item's copies overwrite this one's shared memory
-        self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
-
-    @cute.jit
-    def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
-        """Trace-time: the waits of `stage`, one per stage it depends on."""
-        for dep in self._deps(stage):
-            d = STAGE_INDEX[dep]
-            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
-
-    @cute.jit
-    def _run_prefetched(self, stage, tidx, region, bufs, lo, hi, step):
-        """The items of a stage that runs prefetched (`prefetched`), after the stage's waits: two
-        item buffers (the op's `allocate_smem` twice); item k's copies (`_issue`: one commit
-        group, empty for an item past n_groups) go into buffer k % 2, and only then does item
-        k - 1 compute (`_finish`, waiting for all but the newest commit group), each followed by
-        a CTA barrier (the next item's copies overwrite its buffer). The last item computes
-        after the loop."""
-        op = getattr(self.stages, stage)
-        sm = (op.allocate_smem(region), op.allocate_smem(region))
-        for item in cutlass.range(lo, hi, step, unroll=1):
-            k = (item - lo) // step
-            if k % 2 == 0:  # CTA-uniform
-                self._issue(item, tidx, sm[0], bufs)
-                if k > 0:
-                    self._finish(item - step, tidx, sm[1], bufs, 1)
-                    cute.arch.sync_threads()
-            else:
-                self._issue(item, tidx, sm[1], bufs)
-                self._finish(item - step, tidx, sm[0], bufs, 1)
-                cute.arch.sync_threads()
-        last = lo + (hi - 1 - lo) // step * step
-        if (last - lo) // step % 2 == 0:
-            self._finish(last, tidx, sm[0], bufs, 0)
+                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
+                ring.wait(bars, self.stages.ring, consumed)
+                self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
+                consumed = consumed + 1
         else:
-            self._finish(last, tidx, sm[1], bufs, 0)
+            smem = self._plain_smem(stage, region)
+            for item in cutlass.range(lo, hi, step, unroll=1):
+                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                self._item(stage, item, tidx, smem, bufs)
+                cute.arch.sync_threads()  # the next item reuses this one's shared memory
+        self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
+        if tidx == 0:
+            mStamps[worker, si, 1] = _globaltimer()
+        return issued, consumed
+
+    def _slot_smem(self, smem, slots, j) -> dict:
+        """Trace-time: a ring stage's shared memory for its ring item j: "w" the item's slot as
+        16-byte vectors, "p" which partials buffer its reduction uses (j % 2)."""
+        rp = self.stages.ring
+        w = cute.make_tensor(ring.slot_ptr(slots, rp, j % rp.slots), cute.make_layout((rp.slot_bytes // 2,)))
+        return {**smem, "w": cute.zipped_divide(w, (BF16_PER_VECTOR,)), "p": j % 2}
+
+    # -- the ring ---------------------------------------------------------------------------
+    @cute.jit
+    def _fill(self, rs, tidx, issued, consumed, routed, bufs):
+        """Thread 0 issues the ring items after `issued` up to `slots` past `consumed` (every
+        item before `consumed` has been computed and a CTA barrier has followed it), the routed
+        stages' items only where `routed` (trace-time: the routing was waited for); returns the
+        new issued count (uniform: every thread computes it)."""
+        _, tab, starts = rs
+        limit = starts[len(RING_STAGES)] if routed else starts[RING_STAGES.index(ROUTED[0])]
+        end = cutlass.min(consumed + self.stages.ring.slots, limit)
+        if tidx == 0:
+            for j in cutlass.range(issued, end, unroll=1):
+                self._issue(j, rs, routed, bufs)
+        return cutlass.max(issued, end)
+
+    @cute.jit
+    def _issue(self, j, rs, routed, bufs):
+        """Thread 0: ring item j (of the worker's items across RING_STAGES) into slot j % slots."""
+        base, tab, starts = rs
+        slots, bars = ring.smem_tensors(base, self.stages.ring)
+        rt = self._routing_smem(base)
+        for k, s in enumerate(RING_STAGES):  # trace-time
+            if cutlass.const_expr(routed or s not in ROUTED):
+                if (starts[k] <= j) & (j < starts[k + 1]):
+                    lo, _, step = tab[k]
+                    self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars, rt,
+                                     bufs)
+
+    @cute.jit
+    def _issue_item(self, stage, item, slot, slots, bars, rt, bufs):
+        """Thread 0: arm slot `slot` with item `item` of ring stage `stage`'s weight bytes and
+        issue its bulk copies (an item of a group past n_groups: no bytes)."""
+        b = _named(bufs)
+        st = self.stages
+        c = self.cfg
+        H, L, I, S = c.hidden, c.latent, c.expert_inter, c.shared_inter
+        dst = ring.slot_ptr(slots, st.ring, slot)
+        nbytes = st.item_bytes[stage]
+        if cutlass.const_expr(stage in ("router_rows", "down")):
+            rows = st.cols[stage]
+            w = b["w_gate"] if stage == "router_rows" else b["w_down"]
+            ring.arm(bars, slot, nbytes)
+            ring.copy(dst, w.iterator + cute.assume(item * (rows * H), divby=BF16_PER_VECTOR), nbytes, bars, slot)
+        elif cutlass.const_expr(stage == "shared_gu"):  # gate row `item`, then up row S + item
+            w = b["w_shared_gate_up"]
+            ring.arm(bars, slot, nbytes)
+            ring.copy(dst, w.iterator + cute.assume(item * H, divby=BF16_PER_VECTOR), H * 2, bars, slot)
+            ring.copy(dst + H, w.iterator + cute.assume((S + item) * H, divby=BF16_PER_VECTOR), H * 2, bars, slot)
+        elif cutlass.const_expr(stage == "out"):  # W_up row `item` (latent), then W_sd row `item` (shared_inter)
+            ring.arm(bars, slot, nbytes)
+            ring.copy(dst, b["w_up"].iterator + cute.assume(item * L, divby=BF16_PER_VECTOR), L * 2, bars, slot)
+            ring.copy(dst + L, b["w_shared_down"].iterator + cute.assume(item * S, divby=BF16_PER_VECTOR), S * 2,
+                      bars, slot)
+        else:  # a routed expert's rows: w13 (gate rows, then the matching up rows), w2
+            blocks = st.w13.col_blocks if stage == "w13" else st.w2.row_blocks
+            u = item // blocks
+            rb = item % blocks
+            if u < rt["n_groups"][0]:
+                e = rt["group_expert"][u]
+                ring.arm(bars, slot, nbytes)
+                if cutlass.const_expr(stage == "w13"):
+                    R = st.w13.stream_cols
+                    ew = expert_view(b["w13"], e, 2 * I, L).iterator
+                    ring.copy(dst, ew + cute.assume(rb * (R * L), divby=BF16_PER_VECTOR), R * L * 2, bars, slot)
+                    ring.copy(dst + R * L, ew + cute.assume((I + rb * R) * L, divby=BF16_PER_VECTOR), R * L * 2,
+                              bars, slot)
+                else:
+                    R = st.w2.rows_per_cta
+                    ew = expert_view(b["w2"], e, L, I).iterator
+                    ring.copy(dst, ew + cute.assume(rb * (R * I), divby=BF16_PER_VECTOR), nbytes, bars, slot)
+            else:
+                ring.arm(bars, slot, 0)
+
+    @cute.jit
+    def _copy_routing(self, rt, bufs, tidx):
+        """Every thread: the routing (after the wait on select) into its shared copy, by plain
+        loads, then a CTA barrier."""
+        b = _named(bufs)
+        T, K = self.batch, self.cfg.top_k
+        G = self.stages.w13.groups
+        srcs = (("n_groups", b["n_groups"], 1), ("group_expert", b["group_expert"], G),
+                ("group_start", b["group_start"], G + 1), ("sorted_slots", b["sorted_slots"], T * K))
+        for name, src, n in srcs:  # trace-time
+            for q in cutlass.range_constexpr(ceil_div(n, THREADS)):
+                i = tidx + q * THREADS
+                if i < n:
+                    rt[name][i] = src[i]
+        cute.arch.sync_threads()
+
+    # -- the stages' shared memory and activations ------------------------------------------
+    def _plain_smem(self, stage, region) -> dict:
+        """Trace-time: a stage outside the ring: its op's own layout over the region."""
+        st = self.stages
+        if stage in ("select",):
+            return st.router.allocate_smem(region)
+        if stage == "combine":
+            return {}
+        return getattr(st, stage).allocate_smem(region)
+
+    def _ring_smem(self, stage, region, rt) -> dict:
+        """Trace-time: a ring stage's region: its activations ("x": h, z or w2's act rows as
+        16-byte vectors; out: "n" and "a"), w2's "group" word (whose act rows "x" holds), its
+        partials pairs ("partials", and "partials2" for a second section), and "rt" the
+        routing's shared copy."""
+        T, c = self.batch, self.cfg
+        H, L, I, S = c.hidden, c.latent, c.expert_inter, c.shared_inter
+        out = {"rt": rt}
+        if stage in ("router_rows", "down", "shared_gu"):
+            out["x"] = region.vectors(T, H)
+        elif stage == "w13":
+            out["x"] = region.vectors(T, L)
+        elif stage == "w2":
+            out["x"] = region.vectors(T, I)
+            out["group"] = region.allocate_tensor(cutlass.Int32, cute.make_layout((4,)), byte_alignment=16)
+        else:  # out
+            out["n"] = region.vectors(T, L)
+            out["a"] = region.vectors(T, S)
+        out["partials"] = region.partials(T)
+        if stage in ("shared_gu", "out"):
+            out["partials2"] = region.partials(T)
+        return out
+
+    @cute.jit
+    def _load_acts(self, stage, smem, bufs, tidx):
+        """Every thread, after the stage's waits: the stage's activations into its region (h, z,
+        or n and a_s; w2 copies its act rows per group and here marks none loaded), then a CTA
+        barrier."""
+        b = _named(bufs)
+        T, c = self.batch, self.cfg
+        H, L, S = c.hidden, c.latent, c.shared_inter
+        if cutlass.const_expr(stage in ("router_rows", "down", "shared_gu")):
+            self._copy_acts(((b["h"], smem["x"], T * H // BF16_PER_VECTOR),), tidx)
+        elif cutlass.const_expr(stage == "w13"):
+            self._copy_acts(((b["z"], smem["x"], T * L // BF16_PER_VECTOR),), tidx)
+        elif cutlass.const_expr(stage == "w2"):
+            if tidx == 0:
+                smem["group"][0] = cutlass.Int32(-1)  # no group's act rows loaded yet
+        else:  # out
+            self._copy_acts(((b["n"], smem["n"], T * L // BF16_PER_VECTOR),
+                             (b["a_shared"], smem["a"], T * S // BF16_PER_VECTOR)), tidx)
         cute.arch.sync_threads()
 
     @cute.jit
-    def _issue(self, item, tidx, smem, bufs):
-        """w13's item `item`: its copies into `smem` (moe_w13's `up_issue`; none for a group past
-        n_groups), one commit group."""
-        b = _named(bufs)
-        P = self.stages.w13.stream_plan
-        u = item // self.stages.w13.col_blocks
-        if u < b["n_groups"][0]:  # CTA-uniform
-            self.stages.w13.up_issue(P, smem["w"], smem["x"], tidx // P.row_threads, tidx % P.row_threads, u,
-                                     item % self.stages.w13.col_blocks, None, b["z"], b["w13"],
-                                     b["group_expert"], b["group_start"], b["sorted_slots"])
+    def _copy_acts(self, srcs, tidx):
+        """Every thread: for each (bf16 tensor, shared vectors, n) of `srcs`, the tensor's first n
+        16-byte vectors into the shared ones by coherent cp.async (kept in L1), one commit, one
+        wait (the caller's barrier makes them every thread's)."""
+        flat = cute.make_layout((BF16_PER_VECTOR,))
+        atom = stream.activation_copy_atom(cutlass.BFloat16)
+        for src, dst, n in srcs:  # trace-time
+            gv = cute.zipped_divide(cute.make_tensor(src.iterator, cute.make_layout((n * BF16_PER_VECTOR,))),
+                                    (BF16_PER_VECTOR,))
+            for q in cutlass.range_constexpr(ceil_div(n, THREADS)):
+                v = tidx + q * THREADS
+                if v < n:
+                    cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), dst[(None, v)])
         cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
 
-    @cute.jit
-    def _finish(self, item, tidx, smem, bufs, pending):
-        """w13's item `item`: its compute over `smem` (moe_w13's `up_finish`; nothing for a group
-        past n_groups), its copies waited for with `pending` newer commit groups left in flight."""
-        b = _named(bufs)
-        P = self.stages.w13.stream_plan
-        blocks = self.stages.w13.col_blocks
-        u = item // blocks
-        if u < b["n_groups"][0]:  # CTA-uniform
-            pos0 = b["group_start"][u]
-            cnt = 1
-            if cutlass.const_expr(self.batch > 1):
-                cnt = b["group_start"][u + 1] - pos0
-            self.stages.w13.up_finish(P, smem["w"], smem["x"], smem["partials"], tidx // P.row_threads,
-                                      tidx % P.row_threads, tidx, pos0, cnt, item % blocks, b["z"],
-                                      b["sorted_slots"], b["act"], pending)
-
-    def _deps(self, stage: str) -> tuple[str, ...]:
-        """The stages whose counters `stage` waits for (MEGA_DEPS), before its items."""
-        return MEGA_DEPS[stage]
-
+    # -- the items --------------------------------------------------------------------------
     @cute.jit
     def _item(self, stage, item, tidx, smem, bufs):
-        """Trace-time: work item `item` of `stage`, the op's tile over this stage's `smem`;
-        `bufs` the kernel's buffers in BUFFERS order."""
-        (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mW2Counters, mH, routing, mZ, mAs,
+        """Trace-time: work item `item` of `stage`: a ring stage's over its slot `smem["w"]`
+        (16-byte vectors of the item's weight rows) and its region, else the op's tile over
+        this stage's `smem`; `bufs` the kernel's buffers in BUFFERS order."""
+        (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mH, routing, mZ, mAs,
          mAct, mO, mC, mN, mOut) = bufs
         st = self.stages
-        mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted = routing
         if cutlass.const_expr(stage == "norm_pre"):
             st.norm_pre.tile(item, tidx, smem, mX, mGammaPre, mH)
-        elif cutlass.const_expr(stage == "router_rows"):
-            vU = cute.zipped_divide(smem["union"], (BF16_PER_VECTOR,))
-            st.router._stream_rows(st.router.plan, mWg, mH, mLogits, item, vU, smem["partials"], tidx)
+        elif cutlass.const_expr(stage in ("router_rows", "down")):
+            self._rows_item(st.router.plan if stage == "router_rows" else st.router.down_plan, item, tidx, smem,
+                            routing[0] if stage == "router_rows" else mZ)
         elif cutlass.const_expr(stage == "select"):
             self._select(smem, routing, mBias, tidx)
-        elif cutlass.const_expr(stage == "down"):
-            vU = cute.zipped_divide(smem["union"], (BF16_PER_VECTOR,))
-            st.router._stream_rows(st.router.down_plan, mWd, mH, mZ, item, vU, smem["partials"], tidx)
         elif cutlass.const_expr(stage == "shared_gu"):
-            st.shared_gu.tile(item, tidx, smem, mH, mWsgu, mAs)
+            self._shared_gu_item(item, tidx, smem, mAs)
         elif cutlass.const_expr(stage == "w13"):
-            st.w13.tile(item, tidx, smem, mZ, mW13, mNGroups, mGroupExpert, mGroupStart, mSorted, mAct)
+            self._w13_item(item, tidx, smem, mAct)
         elif cutlass.const_expr(stage == "w2"):
-            st.w2.tile(item, tidx, smem, mAct, mW2, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mO,
-                       mW2Counters, mC)
+            self._w2_item(item, tidx, smem, mAct, mO)
+        elif cutlass.const_expr(stage == "combine"):
+            self._combine_item(item, tidx, mO, mC, bufs)
         elif cutlass.const_expr(stage == "norm_latent"):
             st.norm_latent.tile(item, tidx, smem, mC, mGammaLat, mN)
         else:
-            st.out.tile(item, tidx, smem, mX, mN, mWup, mAs, mWsd, mOut)
+            self._out_item(item, tidx, smem, mX, mOut)
+
+    @cute.jit
+    def _rows_item(self, P, item, tidx, smem, mY):
+        """router_rows / down: rows item * P.rows .. of y = h @ W.T (the router's stream rows)."""
+        T = self.batch
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        sP = _alternate(smem["partials"], smem["p"], T)
+        acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [b * P.kv for b in range(T)], kv0)
+        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        if tidx < P.rows * T:
+            rr = tidx // T
+            bb = tidx % T
+            mY[bb, item * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
+
+    @cute.jit
+    def _shared_gu_item(self, item, tidx, smem, mA):
+        """shared_gu: a_s[:, item] = bf16(SiTU(gate row . h, up row . h)); the gate section (the
+        first half of the threads) reads the slot's first row, the up section its second."""
+        P = self.stages.shared_gu.sp
+        T = self.batch
+        sPg = _alternate(smem["partials"], smem["p"], T)
+        sPu = _alternate(smem["partials2"], smem["p"], T)
+        if tidx < P.threads:
+            _dot_section(P, smem["w"], smem["x"], T, sPg, tidx)
+        else:
+            _dot_section(P, _offset(smem["w"], self.stages.ring.slot_bytes // 16, P.kv), smem["x"], T, sPu, tidx - P.threads)
+        cute.arch.sync_threads()
+        if tidx < T:
+            a = situ(stream.row_total(P, sPg, 0, tidx), stream.row_total(P, sPu, 0, tidx), GATE_LIMIT, UP_LIMIT)
+            mA[tidx, item] = a.to(cutlass.BFloat16)
+
+    @cute.jit
+    def _w13_item(self, item, tidx, smem, mAct):
+        """w13: item (group u, column block cb): act[pos, cb*R + c] = bf16(SiTU(gate . z[token],
+        up . z[token])) for each of the group's sorted positions (slot rows 0..R-1 the gate
+        rows, R..2R-1 the up rows); nothing for a group past n_groups."""
+        op = self.stages.w13
+        P, R, T, K = op.stream_plan, op.stream_cols, self.batch, self.cfg.top_k
+        rt = smem["rt"]
+        u = item // op.col_blocks
+        cb = item % op.col_blocks
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        sP = _alternate(smem["partials"], smem["p"], T)
+        valid = u < rt["n_groups"][0]  # CTA-uniform
+        pos0 = rt["group_start"][u]
+        cnt = rt["group_start"][u + 1] - pos0
+        if cutlass.const_expr(T == 1):
+            xb = [0]  # one token: z row 0
+        else:
+            xb = [rt["sorted_slots"][pos0 + cutlass.min(s, cnt - 1)] // K * P.kv for s in range(T)]
+        if valid:
+            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], xb, kv0)
+            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        if valid:
+            if tidx < R * T:
+                s = tidx // R
+                c = tidx % R
+                if s < cnt:
+                    a = situ(stream.row_total(P, sP, c, s), stream.row_total(P, sP, R + c, s), GATE_LIMIT, UP_LIMIT)
+                    mAct[pos0 + s, cb * R + c] = a.to(cutlass.BFloat16)
+
+    @cute.jit
+    def _w2_item(self, item, tidx, smem, mAct, mO):
+        """w2: item (group u, row block rb): o[slot, rb*R + c] = W2_e row . act[pos] in fp32 for
+        each of the group's sorted positions; the group's act rows are copied into the region
+        when the item's group is not the last one's (a worker's items run through a group's row
+        blocks in order); nothing for a group past n_groups."""
+        op = self.stages.w2
+        P, R, T = op.stream_plan, op.rows_per_cta, self.batch
+        rt = smem["rt"]
+        u = item // op.row_blocks
+        rb = item % op.row_blocks
+        r = tidx // P.row_threads
+        kv0 = tidx % P.row_threads
+        sP = _alternate(smem["partials"], smem["p"], T)
+        valid = u < rt["n_groups"][0]  # CTA-uniform
+        pos0 = rt["group_start"][u]
+        cnt = rt["group_start"][u + 1] - pos0
+        if valid:
+            if smem["group"][0] != u:  # CTA-uniform: another group's rows are loaded
+                gA = vector_view(mAct)
+                atom = stream.activation_copy_atom(cutlass.BFloat16)
+                for s in cutlass.range_constexpr(T):
+                    row = pos0 + cutlass.min(s, cnt - 1)
+                    for q in cutlass.range_constexpr(ceil_div(P.kv, THREADS)):
+                        v = tidx + q * THREADS
+                        if v < P.kv:
+                            cute.copy(atom, cute.make_tensor(gA[(None, (row, v))].iterator,
+                                                             cute.make_layout((BF16_PER_VECTOR,))),
+                                      smem["x"][(None, s * P.kv + v)])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()  # every thread has read the group word; the rows are everyone's
+                if tidx == 0:
+                    smem["group"][0] = u
+            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [s * P.kv for s in range(T)], kv0)
+            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        cute.arch.sync_threads()
+        if valid:
+            if tidx < R * T:
+                s = tidx // R
+                c = tidx % R
+                if s < cnt:
+                    mO[rt["sorted_slots"][pos0 + s], rb * R + c] = stream.row_total(P, sP, c, s)
+
+    @cute.jit
+    def _combine_item(self, item, tidx, mO, mC, bufs):
+        """combine: c[t, cols] = bf16(sum_k w[t, k] * o[t*K + k, cols]), k in order 0..K-1 (the
+        chain's moe_w2 combine, bitwise), for the item's COMBINE_COLS latent columns."""
+        b = _named(bufs)
+        T, K, C = self.batch, self.cfg.top_k, COMBINE_COLS
+        mW = b["weights"]
+        if tidx < T * C:
+            t = tidx // C
+            col = item * C + tidx % C
+            s = mW[t, 0] * mO[t * K, col]
+            for k in cutlass.range_constexpr(1, K):
+                s = s + mW[t, k] * mO[t * K + k, col]
+            mC[t, col] = s.to(cutlass.BFloat16)
+
+    @cute.jit
+    def _out_item(self, item, tidx, smem, mX, mOut):
+        """out: out[:, item] = bf16(x + bf16(W_up row . n) + bf16(W_sd row . a_s)); the up section
+        (the first sp_up.threads threads) reads the slot's W_up row, the down section the W_sd
+        row after it."""
+        op = self.stages.out
+        Pu, Pd, T, L = op.sp_up, op.sp_down, self.batch, self.cfg.latent
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        sPu = _alternate(smem["partials"], smem["p"], T)
+        sPd = _alternate(smem["partials2"], smem["p"], T)
+        if tidx < Pu.threads:
+            _dot_section(Pu, smem["w"], smem["n"], T, sPu, tidx)
+        else:
+            _dot_section(Pd, _offset(smem["w"], self.stages.ring.slot_bytes // 16, L // BF16_PER_VECTOR), smem["a"], T, sPd, tidx - Pu.threads)
+        cute.arch.sync_threads()
+        if tidx < T:
+            up = stream.row_total(Pu, sPu, 0, tidx).to(bf16).to(f32)
+            sh = stream.row_total(Pd, sPd, 0, tidx).to(bf16).to(f32)
+            mOut[tidx, item] = (mX[tidx, item].to(f32) + up + sh).to(bf16)
 
     @cute.jit
     def _select(self, smem, routing, mBias, tidx):
@@ -451,6 +785,18 @@ class MegakernelOp(OpBase):
                       (mBias.iterator, v["bias"].iterator, E // 4, None)), tidx)
         r._select_and_group(v["logits"], v["bias"], routing, v["mask"], v["start"], v["ids"], v["sel"], tidx,
                             v["thresh"])
+
+    # -- the protocol -----------------------------------------------------------------------
+    def _deps(self, stage: str) -> tuple[str, ...]:
+        """The stages whose counters `stage` waits for (MEGA_DEPS), before its items."""
+        return MEGA_DEPS[stage]
+
+    @cute.jit
+    def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
+        """Trace-time: the waits of `stage`, one per stage it depends on."""
+        for dep in self._deps(stage):
+            d = STAGE_INDEX[dep]
+            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
 
     @cute.jit
     def _wait(self, mCounters, c, target, tidx, stage_index):
@@ -509,6 +855,20 @@ def _named(bufs) -> dict:
     b = dict(zip(BUFFERS, bufs))
     b.update(zip(ROUTING, b.pop("routing")))
     return b
+
+
+def _alternate(pair, p, batch: int):
+    """Trace-time: partials buffer p (0 or 1, run time) of a `_Region.partials` pair, fp32
+    [batch, warps]: a ring item's reduction writes the buffer the previous item's epilogue does
+    not read."""
+    n = batch * (THREADS // WARP)
+    return cute.make_tensor(pair.iterator + p * n, cute.make_layout((batch, THREADS // WARP), stride=(THREADS // WARP, 1)))
+
+
+def _offset(vectors, total: int, n: int):
+    """Trace-time: the ((8), total) vectors view `vectors` from its vector n on."""
+    flat = cute.make_tensor(vectors.iterator + n * BF16_PER_VECTOR, cute.make_layout(((total - n) * BF16_PER_VECTOR,)))
+    return cute.zipped_divide(flat, (BF16_PER_VECTOR,))
 
 
 def _globaltimer():
