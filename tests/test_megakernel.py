@@ -28,8 +28,8 @@ TINY = get_config("tiny")
 # coarse items, so that the k3 graph stays small at batch 64
 K3_COARSE = {"router_rows": 128, "down": 512, "shared_gu": 1024, "w13": 512, "w2": 512, "out": 1024}
 # the tiny preset (hidden 64, latent 32, 16 experts, top 4, 24 / 48 intermediate)
-TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "out": 16}
-TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "out": 64}  # one item per column stage
+TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "combine": 8, "out": 16}
+TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "combine": 32, "out": 64}  # one item per column stage
 
 
 def _items(g: TaskGraph) -> dict[str, int]:

@@ -56,8 +56,8 @@ SANITIZE_BUDGET_S = 300.0
 # batch, workers, columns per item, mode). Small widths, so that every interleaving of the sync
 # points is explored (mode "exhaustive") or many random ones are ("random"); the graph code is
 # the shipped one (kernels/taskgraph.py megakernel_graph).
-TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "out": 16}
-TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "out": 64}
+TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "combine": 8, "out": 16}
+TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "combine": 32, "out": 64}
 MODEL_CHECKS = (
     ("tiny b1 3 workers", "tiny", 1, 3, TINY_COLS, "random"),
     ("tiny b2 4 workers", "tiny", 2, 4, TINY_COLS, "random"),

@@ -149,10 +149,15 @@ class MegaStages:
         self.w2 = ExpertsDownOp(experts, **stream_t, **EXPERTS)
         self.norm_latent = RMSNormOp({"batch": T, "width": L}, threads=THREADS)
         self.out = LatentOutOp({"batch": T, "hidden": H, "latent": L, "shared_inter": S}, **LATENT_OUT)
-        for name in ("norm_pre", "router", "shared_gu", "w13", "w2", "norm_latent", "out"):
+        for name in ("norm_pre", "router", "w13", "w2", "norm_latent"):
             op = getattr(self, name)
             if op.threads != THREADS:
                 raise ValueError(f"megakernel: the {name} stage's op plans {op.threads} threads, not {THREADS}")
+        for name in ("shared_gu", "out"):  # two sections of whole warps; at small widths fewer threads
+            op = getattr(self, name)
+            if op.threads > THREADS:
+                raise ValueError(f"megakernel: the {name} stage's sections need {op.threads} threads, more "
+                                 f"than {THREADS}")
         if L % COMBINE_COLS or T * COMBINE_COLS > THREADS:
             raise ValueError(f"megakernel: combine items of {COMBINE_COLS} columns need latent {L} a multiple "
                              f"of them and batch * {COMBINE_COLS} <= {THREADS} threads")
@@ -654,7 +659,7 @@ class MegakernelOp(OpBase):
         sPu = _alternate(smem["partials2"], smem["p"], T)
         if tidx < P.threads:
             _dot_section(P, smem["w"], smem["x"], T, sPg, tidx)
-        else:
+        elif tidx < 2 * P.threads:
             _dot_section(P, _offset(smem["w"], self.stages.ring.slot_bytes // 16, P.kv), smem["x"], T, sPu, tidx - P.threads)
         cute.arch.sync_threads()
         if tidx < T:
@@ -765,7 +770,7 @@ class MegakernelOp(OpBase):
         sPd = _alternate(smem["partials2"], smem["p"], T)
         if tidx < Pu.threads:
             _dot_section(Pu, smem["w"], smem["n"], T, sPu, tidx)
-        else:
+        elif tidx < Pu.threads + Pd.threads:
             _dot_section(Pd, _offset(smem["w"], self.stages.ring.slot_bytes // 16, L // BF16_PER_VECTOR), smem["a"], T, sPd, tidx - Pu.threads)
         cute.arch.sync_threads()
         if tidx < T:
