@@ -5,9 +5,8 @@ GPU host only and DSL-free, like kernels/block.py: the cubin is found with
 and launched cooperatively through `kernels.launch.CubinKernel`. The task table is made on the
 host from the variant the metadata records (`MegakernelOp(variant, **tunables).table`, the
 graph's `task_table`), checked against the table parameter's recorded shape, and uploaded once.
-The completion counters and moe_w2's row-block counters are zeroed once; every launch leaves
-them zero (the kernel's last worker resets the stage counters, the last arrival of a row block
-its counter). Scratch and intermediate buffers are allocated once per object, from the
+The counters (every sync-role parameter) are zeroed once; every launch leaves them zero (the
+kernel's last worker resets them). Scratch and intermediate buffers are allocated once per object, from the
 parameter specs in the metadata.
 """
 
@@ -98,7 +97,8 @@ class MegaBlock:
     def intermediates(self) -> dict:
         """The stage outputs of the last launch (h, logits, the routing, z, a_shared, act, o, c,
         n), for per-stage numerics against the chain's ops."""
-        return {k: v for k, v in self.buf.items() if k not in ("tasks", "counters", "w2_counters", "stamps")}
+        sync = self._sync_names()
+        return {k: v for k, v in self.buf.items() if k not in ("tasks", "stamps") and k not in sync}
 
     def stamps(self):
         """The in-kernel timeline of the last launch (int64 [workers][stages][2], ns), or None
@@ -108,4 +108,8 @@ class MegaBlock:
     def counters_clean(self) -> bool:
         """Whether every counter is back at zero (after a synchronize): the launch's own
         bookkeeping, checked by stress runs."""
-        return not bool(self.buf["counters"].any()) and not bool(self.buf["w2_counters"].any())
+        return not any(bool(self.buf[n].any()) for n in self._sync_names())
+
+    def _sync_names(self) -> list[str]:
+        """The build's sync-role parameters (its counters), as its metadata declares them."""
+        return [p["name"] for p in self.k.meta["params"] if p.get("role") == "sync"]
