@@ -13,6 +13,7 @@ from kernels.config import get_config
 from kernels.manifest import load_manifest
 from kernels.taskgraph import (
     MEGA_DEPS,
+    MEGA_ROUTING_AT,
     MEGA_STAGES,
     TASK_FIELDS,
     TaskGraph,
@@ -26,7 +27,7 @@ from validation.modelcheck import check_graph, static_problems
 K3 = get_config("k3")
 TINY = get_config("tiny")
 # coarse items, so that the k3 graph stays small at batch 64
-K3_COARSE = {"router_rows": 128, "down": 512, "shared_gu": 1024, "w13": 512, "w2": 512, "out": 1024}
+K3_COARSE = {"router_rows": 128, "down": 512, "shared_gu": 1024, "w13": 512, "w2": 512, "combine": 512, "out": 1024}
 # the tiny preset (hidden 64, latent 32, 16 experts, top 4, 24 / 48 intermediate)
 TINY_COLS = {"router_rows": 4, "down": 8, "shared_gu": 12, "w13": 6, "w2": 8, "combine": 8, "out": 16}
 TINY_ONE = {"router_rows": 16, "down": 32, "shared_gu": 48, "w13": 24, "w2": 32, "combine": 32, "out": 64}  # one item per column stage
@@ -44,19 +45,26 @@ def test_graph_shape_at_every_decode_batch(batch):
     assert g.stages == list(MEGA_STAGES) and g.workers == 132
     assert items == {"norm_pre": T, "router_rows": K3.n_experts // 128, "select": 1, "down": K3.latent // 512,
                          "shared_gu": K3.shared_inter // 1024, "w13": G * (K3.expert_inter // 512),
-                         "w2": G * (K3.latent // 512), "norm_latent": T, "out": K3.hidden // 1024}
+                         "w2": G * (K3.latent // 512), "combine": K3.latent // 512, "norm_latent": T,
+                         "out": K3.hidden // 1024}
     assert g.buffers["act"] == T * K3.top_k * K3.expert_inter and g.buffers["group_start"] == G + 1
     for s in MEGA_STAGES:  # one counter per stage, signalled once per item
         assert g.counters[mega_counter(s)].expected == items[s]
     order = {s: i for i, s in enumerate(MEGA_STAGES)}
+    at = order[MEGA_ROUTING_AT]
+    routing_waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[MEGA_ROUTING_AT]]
     for lst in g.schedule:  # each worker runs its items stage after stage
         stages = [order[g.tasks[i].stage] for i in lst]
         assert stages == sorted(stages)
+        after = [s for s in stages if s >= at]  # the worker's first stage at the routing point or after
         for s in {g.tasks[i].stage for i in lst}:
             # its first item of a stage waits for every item of each stage it depends on, before
-            # anything else, and its last signals once per item, after everything else
+            # anything else (its first since the routing point also for the routing's), and its
+            # last signals once per item, after everything else
             run = [g.tasks[i] for i in lst if g.tasks[i].stage == s]
             waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
+            if after and order[s] == after[0] and order[s] != at:
+                waits = routing_waits + waits
             assert list(run[0].ops[:len(waits)]) == waits
             assert list(run[-1].ops[len(run[-1].ops) - len(run):]) == [("signal", mega_counter(s))] * len(run)
             ops = [op for t in run for op in t.ops]
@@ -154,8 +162,7 @@ def test_kernel_refuses_batches_its_stages_cannot_plan():
 
 
 def test_manifest_stages_declare_the_graphs_buffers():
-    """Each manifest stage reads and writes exactly the activations its graph items do (reads of
-    the stage's own output aside: w2's combine reads o within the stage)."""
+    """Each manifest stage reads and writes exactly the activations its graph items do."""
     spec = load_manifest().kernel("megakernel")
     g = megakernel_graph(K3, 1, 132, cols=K3_COARSE)
     assert [s.name for s in spec.stages] == list(MEGA_STAGES)

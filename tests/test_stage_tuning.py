@@ -1,6 +1,6 @@
 """Tuning one stage of a persistent kernel: the manifest's stage tunables, the tuner's `--stage`
-grid and CLI, the tune measurements' host-planned and shared inputs, and the megakernel's
-prefetch tunables (kernels/ops/megakernel.py PREFETCH_STAGES)."""
+grid and CLI, the tune measurements' host-planned and shared inputs, and the megakernel's routed
+stages' item tunables (kernels/ops/megakernel.py `w13_cols`, `w2_rows`)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ sources = ["kernels/ops/toy.py"]
 [kernels.toy.shapes]''', 1)
 
 
-def test_megakernel_stages_own_their_prefetch_tunables():
+def test_megakernel_stages_own_their_item_tunables():
     spec = load_manifest().kernel("megakernel")
-    assert spec.stage("w13").tunables == ("w13_prefetch_max_batch",)
-    assert spec.stage("w2").tunables == ()
+    assert spec.stage("w13").tunables == ("w13_cols",)
+    assert spec.stage("w2").tunables == ("w2_rows",)
+    assert spec.stage("out").tunables == ()
     assert spec.stage_of_tunable("watchdog") is None and spec.stage_of_tunable("stream_cta_kib") is None
+    assert spec.stage_of_tunable("ring_slots") is None
     with pytest.raises(ManifestError, match="no stage 'nosuch'"):
         spec.stage("nosuch")
 
@@ -59,8 +61,8 @@ def test_a_stage_grid_varies_only_that_stages_tunables():
         tunable_grid(spec, "fetch")
     mega = load_manifest().kernel("megakernel")
     w13 = tunable_grid(mega, "w13")
-    name = "w13_prefetch_max_batch"
-    assert sorted(c[name] for c in w13) == [0, 1, 2, 4] and w13[0] == mega.tunable_defaults()  # defaults first
+    name = "w13_cols"
+    assert sorted(c[name] for c in w13) == [1, 2] and w13[0] == mega.tunable_defaults()  # defaults first
     others = {k: v for k, v in mega.tunable_defaults().items() if k != name}
     assert all({k: v for k, v in c.items() if k != name} == others for c in w13)
 
@@ -134,33 +136,31 @@ def test_measure_inputs_fill_host_planned_params_and_share_the_random_ones():
         tm._make_inputs(params, seed=5, host={"tasks": [[1, 2, 3]]}, device="cpu")
 
 
-def test_megakernel_plans_its_task_table_for_the_host_and_doubles_a_prefetching_stages_memory():
+def test_megakernel_plans_its_task_table_for_the_host_and_sizes_the_routed_items_by_their_tunables():
     from kernels.megablock import megakernel_shape
-    from kernels.ops.megakernel import PREFETCH_STAGES, MegakernelOp, MegaStages, prefetched
+    from kernels.ops.megakernel import MegakernelOp, MegaStages
 
-    shape = megakernel_shape(get_config("k3"), 1)
-    plain = MegakernelOp(shape, **{f"{s}_prefetch_max_batch": 0 for s in PREFETCH_STAGES})
-    assert plain.host_params() == {"tasks": plain.table} and plain.stages.prefetch == ()
-    both = MegakernelOp(shape, **{f"{s}_prefetch_max_batch": 1 for s in PREFETCH_STAGES})
-    assert both.stages.prefetch == PREFETCH_STAGES == ("w13",)
-    for s in PREFETCH_STAGES:
-        assert both.stages.smem[s] == 2 * plain.stages.smem[s]
-    assert both.table == plain.table  # the schedule does not change, only how a stage runs its items
-    at2 = MegakernelOp(megakernel_shape(get_config("k3"), 2), **{f"{s}_prefetch_max_batch": 1 for s in PREFETCH_STAGES})
-    assert at2.stages.prefetch == ()  # past the stage's max batch it runs one item at a time
-    assert prefetched({"w13_prefetch_max_batch": 2}, 1) == ("w13",) and prefetched({"w13_prefetch_max_batch": 2}, 4) == ()
-    with pytest.raises(ValueError, match="cannot prefetch"):
-        MegaStages(get_config("k3"), 1, 64, prefetch=("out",))
+    k3 = get_config("k3")
+    shape = megakernel_shape(k3, 1)
+    op = MegakernelOp(shape)
+    assert op.host_params() == {"tasks": op.table}
+    small = MegakernelOp(shape, w13_cols=1, w2_rows=2)
+    assert small.stages.cols["w13"] == 1 and small.stages.cols["w2"] == 2
+    for stage in ("w13", "w2"):  # half the rows per item: twice the items, half the bytes each
+        assert len(small.graph.stage_tasks(stage)) == 2 * len(op.graph.stage_tasks(stage))
+        assert 2 * small.stages.item_bytes[stage] == op.stages.item_bytes[stage]
+    assert small.table != op.table  # the schedule follows the items
+    with pytest.raises(ValueError, match="w13_cols 3"):
+        MegaStages(k3, 1, 32, w13_cols=3)
 
 
 @pytest.mark.slow
-def test_the_prefetching_stage_audits_clean():
-    """The static audit of the megakernel with w13 prefetched at batch 2 (a group's token count
-    is read, not fixed) is clean: every item's loads, the prefetched ones too, follow the
-    stage's wait."""
+def test_the_routed_stages_smaller_items_audit_clean():
+    """The static audit of the megakernel with the routed stages' non-default items at batch 2
+    (a group's token count is read, not fixed) is clean."""
     from validation.race.artifacts import audit_kernel
 
     spec = load_manifest().kernel("megakernel")
     shape = next(s for s in spec.shapes if s["batch"] == 2)
-    rep = audit_kernel("megakernel", shape=shape, tunables={"w13_prefetch_max_batch": 2})
+    rep = audit_kernel("megakernel", shape=shape, tunables={"w13_cols": 1, "w2_rows": 2})
     assert rep.clean and not [f for f in rep.findings if f.severity == "error"], [str(f) for f in rep.findings]

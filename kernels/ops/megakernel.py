@@ -121,6 +121,13 @@ def shape_config(shape: dict) -> ModelConfig:
         raise ValueError(f"megakernel: shape needs batch and {', '.join(keys)}; missing {e}") from None
 
 
+def _kib(nbytes: int, name: str) -> int:
+    """`nbytes` in KiB, exactly (a stream plan's bytes per item)."""
+    if nbytes % 1024:
+        raise ValueError(f"megakernel: {name}'s item of {nbytes} bytes is not a whole number of KiB")
+    return nbytes // 1024
+
+
 def _words(n: int) -> int:
     """int32 words of an array of n, 16-byte aligned."""
     return ceil_div(n, 4) * 4
@@ -132,7 +139,8 @@ class MegaStages:
     copy and every stage's shared region. `cols` gives the output columns per item of
     MEGA_COL_STAGES, for `megakernel_graph`."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, slot_kib: int, slots: int = 0):
+    def __init__(self, cfg: ModelConfig, batch: int, slot_kib: int, slots: int = 0, w13_cols: int = 2,
+                 w2_rows: int = 4):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"megakernel: batch {batch} outside 1..{MAX_BATCH} (past it the router's stages "
                              "need the gemv tiles, not yet a stage)")
@@ -145,18 +153,27 @@ class MegaStages:
         self.router = RouterOp({"batch": T, "n_experts": E, "hidden": H, "top_k": K, "latent": L},
                                **stream_t, poll_sleep=0)
         self.shared_gu = SharedGateUpOp({"batch": T, "hidden": H, "shared_inter": S}, **SHARED_GU)
-        self.w13 = ExpertsUpOp(experts, **stream_t, **EXPERTS)
-        self.w2 = ExpertsDownOp(experts, **stream_t, **EXPERTS)
+        # the routed stages' items: w13_cols gate rows and as many up rows, w2_rows rows (the
+        # ops' stream plans of exactly those rows)
+        self.w13 = ExpertsUpOp(experts, **{**stream_t, "stream_cta_kib": _kib(2 * w13_cols * L * 2, "w13_cols")},
+                               **EXPERTS)
+        self.w2 = ExpertsDownOp(experts, **{**stream_t, "stream_cta_kib": _kib(w2_rows * I * 2, "w2_rows")},
+                                **EXPERTS)
+        if self.w13.stream_cols != w13_cols or self.w2.rows_per_cta != w2_rows:
+            raise ValueError(f"megakernel: w13_cols {w13_cols} / w2_rows {w2_rows} cannot be planned at these widths "
+                             f"(the stream plans give {self.w13.stream_cols} / {self.w2.rows_per_cta})")
         self.norm_latent = RMSNormOp({"batch": T, "width": L}, threads=THREADS)
         self.out = LatentOutOp({"batch": T, "hidden": H, "latent": L, "shared_inter": S}, **LATENT_OUT)
-        for name in ("norm_pre", "router", "w13", "w2", "norm_latent"):
+        for name in ("norm_pre", "norm_latent", "router"):
             op = getattr(self, name)
             if op.threads != THREADS:
                 raise ValueError(f"megakernel: the {name} stage's op plans {op.threads} threads, not {THREADS}")
-        for name in ("shared_gu", "out"):  # two sections of whole warps; at small widths fewer threads
+        # the ring stages' items: whole warps per row (fewer threads than the CTA's where a row's
+        # vectors do not split evenly; the rest wait at the item's barrier)
+        for name in ("w13", "w2", "shared_gu", "out"):
             op = getattr(self, name)
             if op.threads > THREADS:
-                raise ValueError(f"megakernel: the {name} stage's sections need {op.threads} threads, more "
+                raise ValueError(f"megakernel: the {name} stage's items need {op.threads} threads, more "
                                  f"than {THREADS}")
         if L % COMBINE_COLS or T * COMBINE_COLS > THREADS:
             raise ValueError(f"megakernel: combine items of {COMBINE_COLS} columns need latent {L} a multiple "
@@ -202,12 +219,12 @@ class MegaStages:
         self.smem_total = self.region_offset + self.region_bytes
 
 
-def stage_cols(cfg: ModelConfig, batch: int, slot_kib: int | None = None) -> dict[str, int]:
+def stage_cols(cfg: ModelConfig, batch: int, tunables: dict | None = None) -> dict[str, int]:
     """Output columns per item of the column-split stages, as the megakernel plans them at
-    `batch` (`slot_kib` default: the manifest's `stream_cta_kib`)."""
-    if slot_kib is None:
-        slot_kib = int(op_tunables("megakernel", MegakernelOp.TUNABLES, {})["stream_cta_kib"])
-    return MegaStages(cfg, batch, slot_kib).cols
+    `batch` with `tunables` (the manifest's defaults where not given)."""
+    t = op_tunables("megakernel", MegakernelOp.TUNABLES, tunables or {})
+    return MegaStages(cfg, batch, int(t["stream_cta_kib"]), int(t["ring_slots"]), int(t["w13_cols"]),
+                      int(t["w2_rows"])).cols
 
 
 class _Region:
@@ -248,11 +265,12 @@ class _Region:
 
 class MegakernelOp(OpBase):
     """The megakernel at one batch (module docstring): shape {"batch", model widths} plus
-    tunables `stream_cta_kib` (the ring's slot, KiB), `ring_slots` (0: as many as fit) and
-    `watchdog`."""
+    tunables `stream_cta_kib` (the ring's slot, KiB), `ring_slots` (0: as many as fit),
+    `watchdog`, and the routed stages' own: `w13_cols` (act columns of a w13 item: as many gate
+    rows and up rows) and `w2_rows` (rows of a w2 item)."""
 
     kernel_name = "megakernel"
-    TUNABLES = ("stream_cta_kib", "ring_slots", "watchdog")
+    TUNABLES = ("stream_cta_kib", "ring_slots", "watchdog", "w13_cols", "w2_rows")
 
     def __init__(self, shape: dict, **tunables):
         super().__init__(shape, **op_tunables(self.kernel_name, self.TUNABLES, tunables))
@@ -265,8 +283,9 @@ class MegakernelOp(OpBase):
         self.watchdog = int(self.tunables["watchdog"])
         if self.watchdog not in (0, 1):
             raise ValueError("megakernel: watchdog must be 0 or 1")
-        self.stages = MegaStages(self.cfg, self.batch, int(self.tunables["stream_cta_kib"]),
-                                 int(self.tunables["ring_slots"]))
+        t = self.tunables
+        self.stages = MegaStages(self.cfg, self.batch, int(t["stream_cta_kib"]), int(t["ring_slots"]),
+                                 int(t["w13_cols"]), int(t["w2_rows"]))
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
         self.smem_bytes = self.stages.smem_total + SMEM_ALIGN  # the allocator's alignment slack
@@ -641,8 +660,9 @@ class MegakernelOp(OpBase):
         r = tidx // P.row_threads
         kv0 = tidx % P.row_threads
         sP = _alternate(smem["partials"], smem["p"], T)
-        acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [b * P.kv for b in range(T)], kv0)
-        stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+        if tidx < P.threads:
+            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [b * P.kv for b in range(T)], kv0)
+            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
         if tidx < P.rows * T:
             rr = tidx // T
@@ -686,7 +706,7 @@ class MegakernelOp(OpBase):
             xb = [0]  # one token: z row 0
         else:
             xb = [rt["sorted_slots"][pos0 + cutlass.min(s, cnt - 1)] // K * P.kv for s in range(T)]
-        if valid:
+        if valid & (tidx < P.threads):
             acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], xb, kv0)
             stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
@@ -732,8 +752,9 @@ class MegakernelOp(OpBase):
                 cute.arch.sync_threads()  # every thread has read the group word; the rows are everyone's
                 if tidx == 0:
                     smem["group"][0] = u
-            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [s * P.kv for s in range(T)], kv0)
-            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
+            if tidx < P.threads:
+                acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [s * P.kv for s in range(T)], kv0)
+                stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
         cute.arch.sync_threads()
         if valid:
             if tidx < R * T:
