@@ -227,6 +227,10 @@ MEGA_DEPS = {
     "out": ("norm_latent", "shared_gu"),
 }
 MEGA_ROUTING_AT = "shared_gu"
+# Stages whose items skip the worker of a one-item stage (stage -> that stage): select's worker
+# runs the selection while the others stream down and shared_gu, so it takes none of theirs and
+# reaches w13 with the rest (each worker's share of w13 is fixed, and w2 waits for all of it).
+MEGA_SPARE = {"down": "select", "shared_gu": "select"}
 # Output columns per item of the stages split by columns (the rest: one item per token row, or
 # one item): the ops' plans give them (kernels.ops.megakernel.stage_cols).
 MEGA_COL_STAGES = ("router_rows", "down", "shared_gu", "w13", "w2", "combine", "out")
@@ -355,10 +359,18 @@ def mega_offsets(counts: dict[str, int], workers: int) -> dict[str, int]:
 
 def mega_range(counts: dict[str, int], stage: str, worker: int, workers: int) -> tuple[int, int, int]:
     """(lo, hi, step): the items of `stage` that `worker` runs, range(lo, hi, step); item i goes
-    to worker (offset + i) % workers (`mega_offsets`)."""
+    to worker (offset + i) % workers (`mega_offsets`), except in the stages MEGA_SPARE spares a
+    one-item stage's worker: their items go round-robin over the other workers."""
     n = counts[stage]
-    lo = (worker - mega_offsets(counts, workers)[stage]) % workers
-    return (min(lo, n), n, workers)
+    offsets = mega_offsets(counts, workers)
+    spared = MEGA_SPARE.get(stage)
+    if spared is None or workers < 2 or counts[spared] != 1:
+        return (min((worker - offsets[stage]) % workers, n), n, workers)
+    x = offsets[spared]  # the worker of the spared stage's one item
+    if worker == x:
+        return (n, n, workers - 1)
+    rank = worker if worker < x else worker - 1
+    return (min((rank - offsets[stage]) % (workers - 1), n), n, workers - 1)
 
 
 def task_table(graph: TaskGraph) -> list[list[list[int]]]:

@@ -72,13 +72,18 @@ from __future__ import annotations
 
 from kernels.config import ModelConfig
 from kernels.ops.base import LaunchConfig, OpBase, TensorSpec, op_tunables
-from kernels.ops.latent_out import LatentOutOp, SharedGateUpOp, _dot_section
+from kernels.ops.latent_out import LatentOutOp, SharedGateUpOp
 from kernels.ops.moe_experts import ExpertsDownOp, ExpertsUpOp
-from kernels.ops.parts import ring, stream
-from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, ceil_div, cute, cutlass
-from kernels.ops.parts.decode_mma import expert_view, situ, vector_view
+from kernels.ops.parts import ring
+from kernels.ops.parts.common import BF16_PER_VECTOR, ceil_div, cute, cutlass
 from kernels.ops.rmsnorm import RMSNormOp
 from kernels.ops.router import ROUTER_MAX_BATCH, RouterOp
+from kernels.ops.stages.combine import CombineStage
+from kernels.ops.stages.out import OutStage
+from kernels.ops.stages.rows import RowsStage
+from kernels.ops.stages.shared_gu import SharedGuStage
+from kernels.ops.stages.w13 import W13Stage
+from kernels.ops.stages.w2 import W2Stage
 from kernels.taskgraph import MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
 
 THREADS = 256
@@ -87,9 +92,9 @@ WATCHDOG_POLLS = 1 << 24
 SMEM_ALIGN = 1024
 SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory (the launcher opts in past 48 KB)
 MAX_RING_SLOTS = 8
-GATE_LIMIT, UP_LIMIT = 4.0, 25.0  # ModelConfig.situ_gate_limit / situ_up_limit
-# The stages whose items stream their weights through the ring, in stage order; ROUTED: those
-# whose items' weights are the routing's experts (issued only after the routing is waited for).
+# The stages whose items stream their weights through the ring (kernels/ops/stages/), in stage
+# order; ROUTED: those whose items' weights are the routing's experts (issued only after the
+# routing is waited for).
 RING_STAGES = tuple(s for s in MEGA_STAGES if s in ("router_rows", "down", "shared_gu", "w13", "w2", "out"))
 ROUTED = ("w13", "w2")
 COMBINE_COLS = 32  # latent columns of one combine item
@@ -175,31 +180,29 @@ class MegaStages:
             if op.threads > THREADS:
                 raise ValueError(f"megakernel: the {name} stage's items need {op.threads} threads, more "
                                  f"than {THREADS}")
-        if L % COMBINE_COLS or T * COMBINE_COLS > THREADS:
-            raise ValueError(f"megakernel: combine items of {COMBINE_COLS} columns need latent {L} a multiple "
-                             f"of them and batch * {COMBINE_COLS} <= {THREADS} threads")
-        self.cols = {"router_rows": self.router.rows_per_cta, "down": self.router.down_rows_per_cta,
-                     "shared_gu": self.shared_gu.half_rows, "w13": self.w13.stream_cols,
-                     "w2": self.w2.rows_per_cta, "combine": COMBINE_COLS, "out": self.out.rows_per_cta}
-        # the weight bytes of one item of each ring stage (what its slot must hold)
-        self.item_bytes = {"router_rows": self.router.rows_per_cta * H * 2,
-                           "down": self.router.down_rows_per_cta * H * 2,
-                           "shared_gu": 2 * self.shared_gu.half_rows * H * 2,
-                           "w13": 2 * self.w13.stream_cols * L * 2,
-                           "w2": self.w2.rows_per_cta * I * 2,
-                           "out": self.out.rows_per_cta * (L + S) * 2}
         slot_bytes = slot_kib * 1024
+        slot_vectors = slot_bytes // 16
+        r = self.router
+        self.ring_stages = {
+            "router_rows": RowsStage("router_rows", r.plan, "w_gate", "logits", T, THREADS),
+            "down": RowsStage("down", r.down_plan, "w_down", "z", T, THREADS),
+            "shared_gu": SharedGuStage(self.shared_gu, T, THREADS, slot_vectors),
+            "w13": W13Stage(self.w13, THREADS),
+            "w2": W2Stage(self.w2, THREADS),
+            "out": OutStage(self.out, T, THREADS, slot_vectors),
+        }
+        self.combine = CombineStage(T, K, L, COMBINE_COLS, THREADS)
+        self.cols = {s: st.cols for s, st in self.ring_stages.items()}
+        self.cols["combine"] = COMBINE_COLS
+        # the weight bytes of one item of each ring stage (what its slot must hold)
+        self.item_bytes = {s: st.item_bytes for s, st in self.ring_stages.items()}
         over = {s: b for s, b in self.item_bytes.items() if b > slot_bytes}
         if over:
             raise ValueError(f"megakernel: items of {over} bytes do not fit a {slot_kib} KiB slot")
-        f32p = 4 * T * (THREADS // WARP) + 16  # one partials buffer: fp32 [batch, warps]
-        # every stage's shared region, as its tensors are laid out (16-byte alignment slack each)
-        self.smem = {"norm_pre": self.norm_pre.launch_config().smem_bytes,
-                     "router_rows": T * H * 2 + 2 * f32p + 64, "select": self.router.smem_bytes,
-                     "down": T * H * 2 + 2 * f32p + 64, "shared_gu": T * H * 2 + 4 * f32p + 80,
-                     "w13": T * L * 2 + 2 * f32p + 64, "w2": T * I * 2 + 2 * f32p + 16 + 80, "combine": 0,
-                     "norm_latent": self.norm_latent.launch_config().smem_bytes,
-                     "out": T * (L + S) * 2 + 4 * f32p + 96}
+        # every stage's shared region, as its tensors are laid out
+        self.smem = {"norm_pre": self.norm_pre.launch_config().smem_bytes, "select": self.router.smem_bytes,
+                     "combine": 0, "norm_latent": self.norm_latent.launch_config().smem_bytes,
+                     **{s: st.region_bytes for s, st in self.ring_stages.items()}}
         G = self.w13.groups
         # the routing's shared copy, int32 words: n_groups, group_expert, group_start, sorted_slots
         self.routing_words = {"n_groups": _words(1), "group_expert": _words(G), "group_start": _words(G + 1),
@@ -250,17 +253,6 @@ class _Region:
         self.used = off + nbytes
         ptr = cute.recast_ptr(self.base + off, dtype=element_type)
         return cute.make_tensor(ptr, layout)
-
-    def vectors(self, rows: int, k: int):
-        """`rows` rows of k bf16 as 16-byte vectors (((8), rows * k / 8))."""
-        t = self.allocate_tensor(cutlass.BFloat16, cute.make_layout((rows * k,)), byte_alignment=16)
-        return cute.zipped_divide(t, (BF16_PER_VECTOR,))
-
-    def partials(self, batch: int):
-        """Two fp32 [batch, warps] partials buffers, one after the other (a ring item's
-        reduction alternates them: `_alternate`)."""
-        return self.allocate_tensor(cutlass.Float32, cute.make_layout((2 * batch * (THREADS // WARP),)),
-                                    byte_alignment=16)
 
 
 class MegakernelOp(OpBase):
@@ -495,48 +487,9 @@ class MegakernelOp(OpBase):
 
     @cute.jit
     def _issue_item(self, stage, item, slot, slots, bars, rt, bufs):
-        """Thread 0: arm slot `slot` with item `item` of ring stage `stage`'s weight bytes and
-        issue its bulk copies (an item of a group past n_groups: no bytes)."""
-        b = _named(bufs)
-        st = self.stages
-        c = self.cfg
-        H, L, I, S = c.hidden, c.latent, c.expert_inter, c.shared_inter
-        dst = ring.slot_ptr(slots, st.ring, slot)
-        nbytes = st.item_bytes[stage]
-        if cutlass.const_expr(stage in ("router_rows", "down")):
-            rows = st.cols[stage]
-            w = b["w_gate"] if stage == "router_rows" else b["w_down"]
-            ring.arm(bars, slot, nbytes)
-            ring.copy(dst, w.iterator + cute.assume(item * (rows * H), divby=BF16_PER_VECTOR), nbytes, bars, slot)
-        elif cutlass.const_expr(stage == "shared_gu"):  # gate row `item`, then up row S + item
-            w = b["w_shared_gate_up"]
-            ring.arm(bars, slot, nbytes)
-            ring.copy(dst, w.iterator + cute.assume(item * H, divby=BF16_PER_VECTOR), H * 2, bars, slot)
-            ring.copy(dst + H, w.iterator + cute.assume((S + item) * H, divby=BF16_PER_VECTOR), H * 2, bars, slot)
-        elif cutlass.const_expr(stage == "out"):  # W_up row `item` (latent), then W_sd row `item` (shared_inter)
-            ring.arm(bars, slot, nbytes)
-            ring.copy(dst, b["w_up"].iterator + cute.assume(item * L, divby=BF16_PER_VECTOR), L * 2, bars, slot)
-            ring.copy(dst + L, b["w_shared_down"].iterator + cute.assume(item * S, divby=BF16_PER_VECTOR), S * 2,
-                      bars, slot)
-        else:  # a routed expert's rows: w13 (gate rows, then the matching up rows), w2
-            blocks = st.w13.col_blocks if stage == "w13" else st.w2.row_blocks
-            u = item // blocks
-            rb = item % blocks
-            if u < rt["n_groups"][0]:
-                e = rt["group_expert"][u]
-                ring.arm(bars, slot, nbytes)
-                if cutlass.const_expr(stage == "w13"):
-                    R = st.w13.stream_cols
-                    ew = expert_view(b["w13"], e, 2 * I, L).iterator
-                    ring.copy(dst, ew + cute.assume(rb * (R * L), divby=BF16_PER_VECTOR), R * L * 2, bars, slot)
-                    ring.copy(dst + R * L, ew + cute.assume((I + rb * R) * L, divby=BF16_PER_VECTOR), R * L * 2,
-                              bars, slot)
-                else:
-                    R = st.w2.rows_per_cta
-                    ew = expert_view(b["w2"], e, L, I).iterator
-                    ring.copy(dst, ew + cute.assume(rb * (R * I), divby=BF16_PER_VECTOR), nbytes, bars, slot)
-            else:
-                ring.arm(bars, slot, 0)
+        """Thread 0: item `item` of ring stage `stage` into slot `slot` (the stage's `issue`)."""
+        self.stages.ring_stages[stage].issue(item, ring.slot_ptr(slots, self.stages.ring, slot), bars, slot, rt,
+                                             _named(bufs))
 
     @cute.jit
     def _copy_routing(self, rt, bufs, tidx):
@@ -565,239 +518,37 @@ class MegakernelOp(OpBase):
         return getattr(st, stage).allocate_smem(region)
 
     def _ring_smem(self, stage, region, rt) -> dict:
-        """Trace-time: a ring stage's region: its activations ("x": h, z or w2's act rows as
-        16-byte vectors; out: "n" and "a"), w2's "group" word (whose act rows "x" holds), its
-        partials pairs ("partials", and "partials2" for a second section), and "rt" the
-        routing's shared copy."""
-        T, c = self.batch, self.cfg
-        H, L, I, S = c.hidden, c.latent, c.expert_inter, c.shared_inter
-        out = {"rt": rt}
-        if stage in ("router_rows", "down", "shared_gu"):
-            out["x"] = region.vectors(T, H)
-        elif stage == "w13":
-            out["x"] = region.vectors(T, L)
-        elif stage == "w2":
-            out["x"] = region.vectors(T, I)
-            out["group"] = region.allocate_tensor(cutlass.Int32, cute.make_layout((4,)), byte_alignment=16)
-        else:  # out
-            out["n"] = region.vectors(T, L)
-            out["a"] = region.vectors(T, S)
-        out["partials"] = region.partials(T)
-        if stage in ("shared_gu", "out"):
-            out["partials2"] = region.partials(T)
-        return out
+        """Trace-time: a ring stage's tensors over the region (the stage's `region`), and "rt"
+        the routing's shared copy."""
+        return {**self.stages.ring_stages[stage].region(region), "rt": rt}
 
     @cute.jit
     def _load_acts(self, stage, smem, bufs, tidx):
-        """Every thread, after the stage's waits: the stage's activations into its region (h, z,
-        or n and a_s; w2 copies its act rows per group and here marks none loaded), then a CTA
-        barrier."""
-        b = _named(bufs)
-        T, c = self.batch, self.cfg
-        H, L, S = c.hidden, c.latent, c.shared_inter
-        if cutlass.const_expr(stage in ("router_rows", "down", "shared_gu")):
-            self._copy_acts(((b["h"], smem["x"], T * H // BF16_PER_VECTOR),), tidx)
-        elif cutlass.const_expr(stage == "w13"):
-            self._copy_acts(((b["z"], smem["x"], T * L // BF16_PER_VECTOR),), tidx)
-        elif cutlass.const_expr(stage == "w2"):
-            if tidx == 0:
-                smem["group"][0] = cutlass.Int32(-1)  # no group's act rows loaded yet
-        else:  # out
-            self._copy_acts(((b["n"], smem["n"], T * L // BF16_PER_VECTOR),
-                             (b["a_shared"], smem["a"], T * S // BF16_PER_VECTOR)), tidx)
+        """Every thread, after the stage's waits: the stage's activations into its region (its
+        `load`), then a CTA barrier."""
+        self.stages.ring_stages[stage].load(smem, _named(bufs), tidx)
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _copy_acts(self, srcs, tidx):
-        """Every thread: for each (bf16 tensor, shared vectors, n) of `srcs`, the tensor's first n
-        16-byte vectors into the shared ones by coherent cp.async (kept in L1), one commit, one
-        wait (the caller's barrier makes them every thread's)."""
-        flat = cute.make_layout((BF16_PER_VECTOR,))
-        atom = stream.activation_copy_atom(cutlass.BFloat16)
-        for src, dst, n in srcs:  # trace-time
-            gv = cute.zipped_divide(cute.make_tensor(src.iterator, cute.make_layout((n * BF16_PER_VECTOR,))),
-                                    (BF16_PER_VECTOR,))
-            for q in cutlass.range_constexpr(ceil_div(n, THREADS)):
-                v = tidx + q * THREADS
-                if v < n:
-                    cute.copy(atom, cute.make_tensor(gv[(None, v)].iterator, flat), dst[(None, v)])
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
 
     # -- the items --------------------------------------------------------------------------
     @cute.jit
     def _item(self, stage, item, tidx, smem, bufs):
         """Trace-time: work item `item` of `stage`: a ring stage's over its slot `smem["w"]`
-        (16-byte vectors of the item's weight rows) and its region, else the op's tile over
-        this stage's `smem`; `bufs` the kernel's buffers in BUFFERS order."""
+        (16-byte vectors of the item's weight rows) and its region (the stage's `item`,
+        kernels/ops/stages/), else the op's tile over this stage's `smem`; `bufs` the kernel's
+        buffers in BUFFERS order."""
         (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mH, routing, mZ, mAs,
          mAct, mO, mC, mN, mOut) = bufs
         st = self.stages
         if cutlass.const_expr(stage == "norm_pre"):
             st.norm_pre.tile(item, tidx, smem, mX, mGammaPre, mH)
-        elif cutlass.const_expr(stage in ("router_rows", "down")):
-            self._rows_item(st.router.plan if stage == "router_rows" else st.router.down_plan, item, tidx, smem,
-                            routing[0] if stage == "router_rows" else mZ)
         elif cutlass.const_expr(stage == "select"):
             self._select(smem, routing, mBias, tidx)
-        elif cutlass.const_expr(stage == "shared_gu"):
-            self._shared_gu_item(item, tidx, smem, mAs)
-        elif cutlass.const_expr(stage == "w13"):
-            self._w13_item(item, tidx, smem, mAct)
-        elif cutlass.const_expr(stage == "w2"):
-            self._w2_item(item, tidx, smem, mAct, mO)
         elif cutlass.const_expr(stage == "combine"):
-            self._combine_item(item, tidx, mO, mC, bufs)
+            st.combine.item(item, tidx, smem, _named(bufs))
         elif cutlass.const_expr(stage == "norm_latent"):
             st.norm_latent.tile(item, tidx, smem, mC, mGammaLat, mN)
         else:
-            self._out_item(item, tidx, smem, mX, mOut)
-
-    @cute.jit
-    def _rows_item(self, P, item, tidx, smem, mY):
-        """router_rows / down: rows item * P.rows .. of y = h @ W.T (the router's stream rows)."""
-        T = self.batch
-        r = tidx // P.row_threads
-        kv0 = tidx % P.row_threads
-        sP = _alternate(smem["partials"], smem["p"], T)
-        if tidx < P.threads:
-            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [b * P.kv for b in range(T)], kv0)
-            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-        cute.arch.sync_threads()
-        if tidx < P.rows * T:
-            rr = tidx // T
-            bb = tidx % T
-            mY[bb, item * P.rows + rr] = stream.row_total(P, sP, rr, bb).to(mY.element_type)
-
-    @cute.jit
-    def _shared_gu_item(self, item, tidx, smem, mA):
-        """shared_gu: a_s[:, item] = bf16(SiTU(gate row . h, up row . h)); the gate section (the
-        first half of the threads) reads the slot's first row, the up section its second."""
-        P = self.stages.shared_gu.sp
-        T = self.batch
-        sPg = _alternate(smem["partials"], smem["p"], T)
-        sPu = _alternate(smem["partials2"], smem["p"], T)
-        if tidx < P.threads:
-            _dot_section(P, smem["w"], smem["x"], T, sPg, tidx)
-        elif tidx < 2 * P.threads:
-            _dot_section(P, _offset(smem["w"], self.stages.ring.slot_bytes // 16, P.kv), smem["x"], T, sPu, tidx - P.threads)
-        cute.arch.sync_threads()
-        if tidx < T:
-            a = situ(stream.row_total(P, sPg, 0, tidx), stream.row_total(P, sPu, 0, tidx), GATE_LIMIT, UP_LIMIT)
-            mA[tidx, item] = a.to(cutlass.BFloat16)
-
-    @cute.jit
-    def _w13_item(self, item, tidx, smem, mAct):
-        """w13: item (group u, column block cb): act[pos, cb*R + c] = bf16(SiTU(gate . z[token],
-        up . z[token])) for each of the group's sorted positions (slot rows 0..R-1 the gate
-        rows, R..2R-1 the up rows); nothing for a group past n_groups."""
-        op = self.stages.w13
-        P, R, T, K = op.stream_plan, op.stream_cols, self.batch, self.cfg.top_k
-        rt = smem["rt"]
-        u = item // op.col_blocks
-        cb = item % op.col_blocks
-        r = tidx // P.row_threads
-        kv0 = tidx % P.row_threads
-        sP = _alternate(smem["partials"], smem["p"], T)
-        valid = u < rt["n_groups"][0]  # CTA-uniform
-        pos0 = rt["group_start"][u]
-        cnt = rt["group_start"][u + 1] - pos0
-        if cutlass.const_expr(T == 1):
-            xb = [0]  # one token: z row 0
-        else:
-            xb = [rt["sorted_slots"][pos0 + cutlass.min(s, cnt - 1)] // K * P.kv for s in range(T)]
-        if valid & (tidx < P.threads):
-            acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], xb, kv0)
-            stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-        cute.arch.sync_threads()
-        if valid:
-            if tidx < R * T:
-                s = tidx // R
-                c = tidx % R
-                if s < cnt:
-                    a = situ(stream.row_total(P, sP, c, s), stream.row_total(P, sP, R + c, s), GATE_LIMIT, UP_LIMIT)
-                    mAct[pos0 + s, cb * R + c] = a.to(cutlass.BFloat16)
-
-    @cute.jit
-    def _w2_item(self, item, tidx, smem, mAct, mO):
-        """w2: item (group u, row block rb): o[slot, rb*R + c] = W2_e row . act[pos] in fp32 for
-        each of the group's sorted positions; the group's act rows are copied into the region
-        when the item's group is not the last one's (a worker's items run through a group's row
-        blocks in order); nothing for a group past n_groups."""
-        op = self.stages.w2
-        P, R, T = op.stream_plan, op.rows_per_cta, self.batch
-        rt = smem["rt"]
-        u = item // op.row_blocks
-        rb = item % op.row_blocks
-        r = tidx // P.row_threads
-        kv0 = tidx % P.row_threads
-        sP = _alternate(smem["partials"], smem["p"], T)
-        valid = u < rt["n_groups"][0]  # CTA-uniform
-        pos0 = rt["group_start"][u]
-        cnt = rt["group_start"][u + 1] - pos0
-        if valid:
-            if smem["group"][0] != u:  # CTA-uniform: another group's rows are loaded
-                gA = vector_view(mAct)
-                atom = stream.activation_copy_atom(cutlass.BFloat16)
-                for s in cutlass.range_constexpr(T):
-                    row = pos0 + cutlass.min(s, cnt - 1)
-                    for q in cutlass.range_constexpr(ceil_div(P.kv, THREADS)):
-                        v = tidx + q * THREADS
-                        if v < P.kv:
-                            cute.copy(atom, cute.make_tensor(gA[(None, (row, v))].iterator,
-                                                             cute.make_layout((BF16_PER_VECTOR,))),
-                                      smem["x"][(None, s * P.kv + v)])
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # every thread has read the group word; the rows are everyone's
-                if tidx == 0:
-                    smem["group"][0] = u
-            if tidx < P.threads:
-                acc = stream.dot(P, smem["w"], r * P.kv, smem["x"], [s * P.kv for s in range(T)], kv0)
-                stream.publish_partials(acc, sP, tidx // WARP, tidx % WARP)
-        cute.arch.sync_threads()
-        if valid:
-            if tidx < R * T:
-                s = tidx // R
-                c = tidx % R
-                if s < cnt:
-                    mO[rt["sorted_slots"][pos0 + s], rb * R + c] = stream.row_total(P, sP, c, s)
-
-    @cute.jit
-    def _combine_item(self, item, tidx, mO, mC, bufs):
-        """combine: c[t, cols] = bf16(sum_k w[t, k] * o[t*K + k, cols]), k in order 0..K-1 (the
-        chain's moe_w2 combine, bitwise), for the item's COMBINE_COLS latent columns."""
-        b = _named(bufs)
-        T, K, C = self.batch, self.cfg.top_k, COMBINE_COLS
-        mW = b["weights"]
-        if tidx < T * C:
-            t = tidx // C
-            col = item * C + tidx % C
-            s = mW[t, 0] * mO[t * K, col]
-            for k in cutlass.range_constexpr(1, K):
-                s = s + mW[t, k] * mO[t * K + k, col]
-            mC[t, col] = s.to(cutlass.BFloat16)
-
-    @cute.jit
-    def _out_item(self, item, tidx, smem, mX, mOut):
-        """out: out[:, item] = bf16(x + bf16(W_up row . n) + bf16(W_sd row . a_s)); the up section
-        (the first sp_up.threads threads) reads the slot's W_up row, the down section the W_sd
-        row after it."""
-        op = self.stages.out
-        Pu, Pd, T, L = op.sp_up, op.sp_down, self.batch, self.cfg.latent
-        bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
-        sPu = _alternate(smem["partials"], smem["p"], T)
-        sPd = _alternate(smem["partials2"], smem["p"], T)
-        if tidx < Pu.threads:
-            _dot_section(Pu, smem["w"], smem["n"], T, sPu, tidx)
-        elif tidx < Pu.threads + Pd.threads:
-            _dot_section(Pd, _offset(smem["w"], self.stages.ring.slot_bytes // 16, L // BF16_PER_VECTOR), smem["a"], T, sPd, tidx - Pu.threads)
-        cute.arch.sync_threads()
-        if tidx < T:
-            up = stream.row_total(Pu, sPu, 0, tidx).to(bf16).to(f32)
-            sh = stream.row_total(Pd, sPd, 0, tidx).to(bf16).to(f32)
-            mOut[tidx, item] = (mX[tidx, item].to(f32) + up + sh).to(bf16)
+            st.ring_stages[stage].item(item, tidx, smem, _named(bufs))
 
     @cute.jit
     def _select(self, smem, routing, mBias, tidx):
@@ -881,20 +632,6 @@ def _named(bufs) -> dict:
     b = dict(zip(BUFFERS, bufs))
     b.update(zip(ROUTING, b.pop("routing")))
     return b
-
-
-def _alternate(pair, p, batch: int):
-    """Trace-time: partials buffer p (0 or 1, run time) of a `_Region.partials` pair, fp32
-    [batch, warps]: a ring item's reduction writes the buffer the previous item's epilogue does
-    not read."""
-    n = batch * (THREADS // WARP)
-    return cute.make_tensor(pair.iterator + p * n, cute.make_layout((batch, THREADS // WARP), stride=(THREADS // WARP, 1)))
-
-
-def _offset(vectors, total: int, n: int):
-    """Trace-time: the ((8), total) vectors view `vectors` from its vector n on."""
-    flat = cute.make_tensor(vectors.iterator + n * BF16_PER_VECTOR, cute.make_layout(((total - n) * BF16_PER_VECTOR,)))
-    return cute.zipped_divide(flat, (BF16_PER_VECTOR,))
 
 
 def _globaltimer():

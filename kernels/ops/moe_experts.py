@@ -816,9 +816,13 @@ def _arrive_and_combine(op, sLast, rb, n_groups, tidx, mWeights, mO, mCounters, 
         for j in cutlass.range_constexpr(ceil_div(R * T, op.threads)):
             idx = tidx + j * op.threads
             if idx < R * T:
-                t = idx // R
-                col = rb * R + idx % R
-                s = mWeights[t, 0] * mO[t * K, col]
-                for k in cutlass.range_constexpr(1, K):
-                    s = s + mWeights[t, k] * mO[t * K + k, col]
-                mC[t, col] = s.to(cutlass.BFloat16)
+                combine_one(mWeights, mO, mC, K, idx // R, rb * R + idx % R)
+
+
+def combine_one(mWeights, mO, mC, K: int, t, col):
+    """Trace-time: c[t, col] = bf16(sum_k w[t, k] * o[t*K + k, col]), k in order 0..K-1 (bitwise
+    deterministic): moe_w2's combine, and the megakernel's combine stage."""
+    s = mWeights[t, 0] * mO[t * K, col]
+    for k in range(1, K):  # trace-time
+        s = s + mWeights[t, k] * mO[t * K + k, col]
+    mC[t, col] = s.to(cutlass.BFloat16)

@@ -1,0 +1,18 @@
+"""The megakernel's stages that have code of their own, one module each (kernels/ops/megakernel.py
+runs them; kernels/manifest.toml names each module among its stage's sources, so a change
+confined to one module is a change of one stage).
+
+A ring stage (rows: router_rows and down; shared_gu, w13, w2, out) streams its items' weights
+through the megakernel's ring (kernels/ops/parts/ring.py) and computes each item with its op's
+stream design (kernels/ops/parts/stream.py). Its class says, for the op it is planned from:
+  * `item_bytes`, `cols`: one item's weight bytes (whole rows, at most a slot) and output columns;
+  * `region_bytes` and `region(alloc)`: its shared tensors over the stage region (activations,
+    the reduction's partials, in kernels/ops/stages/common.py's layout);
+  * `load(smem, b, tidx)`: its activations into the region after the stage's waits (coherent
+    copies; the caller's barrier follows);
+  * `issue(item, dst, bars, slot, rt, b)`: thread 0 arms the slot and issues the item's weight
+    copies (`rt`: the routing's shared copy, read by the routed stages only);
+  * `item(item, tidx, smem, b)`: every thread computes the item from its slot `smem["w"]`, with
+    one CTA barrier, and writes its outputs.
+`b` is the kernel's buffers by name. combine has no ring: its `item` reads o after its wait.
+"""
