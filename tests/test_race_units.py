@@ -48,6 +48,33 @@ def test_params_offsets_and_provenance():
     assert prov.params_of_addr(st.index) == {1}
 
 
+# An inline-asm wait as the DSL pastes it (cute.arch.mbarrier_wait): the same labels each time.
+_MBAR_WAIT = """
+	{
+	.reg .pred       P1;
+	LAB_WAIT:
+	mbarrier.try_wait.parity.shared.b64 P1, [%r3], 0, 10000000;
+	@P1 bra.uni DONE;
+	bra.uni     LAB_WAIT;
+	DONE:
+	}
+"""
+
+
+def test_labels_of_pasted_inline_asm_blocks_are_their_own():
+    """Two copies of one inline-asm wait loop: each `bra DONE` leaves its own loop (PTX scopes
+    labels to their block), so the code after the first copy is reachable and judged: an
+    unordered load of another CTA's data there is still caught."""
+    body = _MBAR_WAIT + "\tld.acquire.gpu.global.b32 %r4, [%rd1];\n\tld.global.b32 %r5, [%rd2];\n" + _MBAR_WAIT
+    fn = parse_ptx(_ptx(body))[0]
+    cfg = CFG(fn)
+    assert all(cfg.block_of[i.index] in cfg.reachable for i in fn.instrs)
+    waits = [i for i in fn.instrs if i.kind == ir.BRANCH and i.targets[0].startswith("DONE")]
+    assert len({i.targets[0] for i in waits}) == 2  # one DONE per block
+    unordered = _MBAR_WAIT + "\tld.relaxed.gpu.global.b32 %r4, [%rd1];\n\tld.global.b32 %r5, [%rd2];\n" + _MBAR_WAIT
+    assert "relaxed-spin-no-fence" in audit_ptx(_ptx(unordered), ["sync", "activation", "scalar"]).rules_hit()
+
+
 def test_bulk_store_must_drain_before_release():
     body = """
 	cp.async.bulk.global.shared::cta.bulk_group [%rd2], [%r2], 256;
@@ -119,6 +146,37 @@ def test_tagged_words_need_strong_gpu_scope_accesses_and_no_fence():
         rep = audit_ptx(_ptx(bad), roles, param_names=["tags", "out", "n"])
         f = [x for x in rep.findings if x.rule == "tagged-weak-access"]
         assert f and all(x.params == ["tags"] for x in f) and why in f[0].message, (why, [str(x) for x in rep.findings])
+
+
+# Work counters (role "claims": a sync buffer whose every word hands out item indices by atomic
+# adds). CLAIM: thread 0 claims an index from word 0 of param 0 and uses it to index the data
+# (param 1), after an acquire on nothing: the claim orders nothing and needs none.
+_CLAIM = """
+	{atom}.global.add.u32 %r2, [%rd1], 1;
+	mul.wide.u32 %rd3, %r2, 4;
+	add.s64 %rd4, %rd2, %rd3;
+	ld.global.b32 %r3, [%rd4];
+	st.global.b32 [%rd4], %r3;"""
+
+
+def test_work_counter_claims_are_atomic_adds_and_order_nothing():
+    """A relaxed gpu-scope atomic add on a work counter, its value an index into data read and
+    written after it, is clean: no acquire, no publish, no spin. As a plain `sync` buffer the
+    same claim is a relaxed publish and a spin without an acquire; a load of the counter, a
+    cta-scope add or another atomic on it is claims-access."""
+    roles = ["claims", "activation", "scalar"]
+    rep = audit_ptx(_ptx(_CLAIM.format(atom="atom.relaxed.gpu")), roles, param_names=["claims", "data", "n"])
+    assert rep.clean and not rep.findings, [str(f) for f in rep.findings]
+    reset = _CLAIM.format(atom="atom.relaxed.gpu") + "\n\tst.relaxed.gpu.global.b32 [%rd1], 0;"
+    assert audit_ptx(_ptx(reset), roles).clean
+    assert not audit_ptx(_ptx(_CLAIM.format(atom="atom.relaxed.gpu")), ["sync", "activation", "scalar"]).clean
+    for bad, why in ((_CLAIM.format(atom="atom.relaxed.cta"), "cta-scope"),
+                     (_CLAIM.format(atom="atom.relaxed.gpu").replace("add.u32", "exch.b32"), "other than an add"),
+                     ("\tld.relaxed.gpu.global.b32 %r2, [%rd1];", "a load"),
+                     ("\tst.global.b32 [%rd1], 0;", "weak")):
+        rep = audit_ptx(_ptx(bad), roles, param_names=["claims", "data", "n"])
+        f = [x for x in rep.findings if x.rule == "claims-access"]
+        assert f and all(x.params == ["claims"] for x in f) and why in f[0].message, (why, [str(x) for x in rep.findings])
 
 
 def test_a_tagged_word_orders_no_other_data():

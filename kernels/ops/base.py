@@ -31,7 +31,9 @@ class TensorSpec:
     dtype: str  # one of DTYPES (torch attribute name)
     # How a `sync` buffer is used, where not as counters and flags guarding other data:
     # "tagged", every word its own flag (0 until written; the static audit's role "tagged",
-    # validation/race/rules.py). Recorded in meta.json only when set.
+    # validation/race/rules.py); "claims", every word a work counter that hands out item indices
+    # by atomic adds and orders nothing (the audit's role "claims"). Recorded in meta.json only
+    # when set.
     protocol: str | None = field(default=None, kw_only=True)
 
     def to_dict(self) -> dict:

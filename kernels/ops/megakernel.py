@@ -102,8 +102,6 @@ COMBINE_COLS = 32  # latent columns of one combine item
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
 EXIT_COUNTER = len(MEGA_STAGES)  # counters[EXIT_COUNTER]: workers that have finished
-CLAIM0 = EXIT_COUNTER + 1  # counters[CLAIM0 + s]: stage s's work counter (its claimed stages' items)
-COUNTERS = CLAIM0 + len(MEGA_STAGES)
 # the buffers a stage's item is given, in order ("routing": the router's seven outputs)
 BUFFERS = ("x", "gamma_pre", "w_gate", "bias", "w_down", "w_shared_gate_up", "w13", "w2", "gamma_latent", "w_up",
            "w_shared_down", "h", "routing", "z", "a_shared", "act", "o", "c", "n", "out")
@@ -304,7 +302,9 @@ class MegakernelOp(OpBase):
             "w_up": TensorSpec((H, L), bf16),
             "w_shared_down": TensorSpec((H, S), bf16),
             "tasks": TensorSpec((self.workers, len(MEGA_STAGES), len(TASK_FIELDS)), i32),
-            "counters": TensorSpec((COUNTERS,), i32),
+            "counters": TensorSpec((len(MEGA_STAGES) + 1,), i32),
+            # claims[s]: stage s's work counter (a claimed stage's items), never a flag
+            "claims": TensorSpec((len(MEGA_STAGES),), i32, protocol="claims"),
             "h": TensorSpec((T, H), bf16),
             "logits": TensorSpec((T, E), f32),
             "ids": TensorSpec((T, K), i32),
@@ -349,20 +349,20 @@ class MegakernelOp(OpBase):
     def __call__(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                  mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                  mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-                 mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                  mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                  mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                  mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
-                    mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
+                    mClaims, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
                     mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-               mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+               mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
@@ -381,18 +381,18 @@ class MegakernelOp(OpBase):
         for s in RING_STAGES:  # trace-time
             si = STAGE_INDEX[s]
             tab.append((mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]))
-        rs = (base, tab)  # the ring's shared tensors are made from base where used
+        rs = (base, tab, mClaims)  # the ring's shared tensors are made from base where used
         # the ring's state, thread 0's: entries issued, the stage it claims from, its next claim
         issued = cutlass.Int32(0)
         cs = cutlass.Int32(0)
         nxt = cutlass.Int32(0)
         if tidx == 0:
-            nxt = self._claim(mCounters, 0)
+            nxt = self._claim(mClaims, 0)
         consumed = cutlass.Int32(0)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
             issued, cs, nxt, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks,
                                                     mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed)
-        self._exit(mCounters, tidx)
+        self._exit(mCounters, mClaims, tidx)
 
     def _routing_smem(self, base) -> dict:
         """Trace-time: the routing's shared copy (`base`: the kernel's shared memory, a byte
@@ -413,7 +413,7 @@ class MegakernelOp(OpBase):
         not. `rs` is the ring (its shared memory and the worker's ring-stage entries); issued,
         cs, nxt its state (thread 0's), consumed its entries computed. Returns the state."""
         if cutlass.const_expr(stage == MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, False, mCounters, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, False, bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters, None)
             self._copy_routing(self._routing_smem(rs[0]), bufs, tidx)
         if cutlass.const_expr(stage in RING_STAGES):
@@ -437,23 +437,26 @@ class MegakernelOp(OpBase):
         routed = STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
         rt = self._routing_smem(rs[0])
         if cutlass.const_expr(stage != MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, mCounters, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters, rt if routed else None)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
         smem = self._ring_smem(stage, _Region(region_base, self.stages.region_bytes), rt)
         self._load_acts(stage, smem, bufs, tidx)
-        slots, bars, items = ring.smem_tensors(rs[0], self.stages.ring)
+        slots, bars, claims = ring.smem_tensors(rs[0], self.stages.ring)
+        lo, _, step = rs[1][RING_STAGES.index(stage)]
         j = consumed
-        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, mCounters, bufs)
+        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
         ring.wait(bars, self.stages.ring, j)
-        item = items[j % self.stages.ring.slots]
-        while item >= 0:  # CTA-uniform: every thread reads the slot's word
-            self._item(stage, item, tidx, self._slot_smem(smem, slots, j), bufs)
+        c = claims[j % self.stages.ring.slots]
+        while c >= 0:  # CTA-uniform: every thread reads the slot's word
+            # the item from the claim and this thread's own copy of the stage's task-table
+            # entry (so its accesses are the stage's, validation/race/stages.py)
+            self._item(stage, lo + c * step, tidx, self._slot_smem(smem, slots, j), bufs)
             j = j + 1
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, mCounters, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
             ring.wait(bars, self.stages.ring, j)
-            item = items[j % self.stages.ring.slots]
+            c = claims[j % self.stages.ring.slots]
         self._signal(mCounters, si, tidx, j - consumed)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
@@ -466,13 +469,13 @@ class MegakernelOp(OpBase):
         op's shared memory, each after a fill of the ring and followed by a CTA barrier, then
         one signal of them all. Returns the ring's state."""
         routed = STAGE_INDEX[stage] > STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
-        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, mCounters, bufs)
+        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
         self._waits(stage, si, worker, tidx, mTasks, mCounters, self._routing_smem(rs[0]) if routed else None)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
         smem = self._plain_smem(stage, _Region(region_base, self.stages.region_bytes))
         for item in cutlass.range(lo, hi, step, unroll=1):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, mCounters, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
             self._item(stage, item, tidx, smem, bufs)
             cute.arch.sync_threads()  # the next item reuses this one's shared memory
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
@@ -489,7 +492,7 @@ class MegakernelOp(OpBase):
 
     # -- the ring ---------------------------------------------------------------------------
     @cute.jit
-    def _fill(self, rs, tidx, issued, cs, nxt, consumed, routed, mCounters, bufs):
+    def _fill(self, rs, tidx, issued, cs, nxt, consumed, routed, bufs):
         """Thread 0 fills the ring: entries after `issued` up to `slots` past `consumed` (every
         entry before `consumed` has been computed and a CTA barrier has followed it), claiming
         from the ring stages in order, the routed ones only where `routed` (trace-time: the
@@ -497,24 +500,25 @@ class MegakernelOp(OpBase):
         limit = len(RING_STAGES) if routed else RING_STAGES.index(ROUTED[0])
         if tidx == 0:
             while (issued < consumed + self.stages.ring.slots) & (cs < limit):
-                cs, nxt = self._issue(issued, cs, nxt, rs, routed, mCounters, bufs)
+                cs, nxt = self._issue(issued, cs, nxt, rs, routed, bufs)
                 issued = issued + 1
         return issued, cs, nxt
 
     @cute.jit
-    def _claim(self, mCounters, k):
+    def _claim(self, mClaims, k):
         """Thread 0: the next claim of ring stage k from its work counter (relaxed: the claim
         orders nothing; the stage's own waits and signals do)."""
-        return cute.arch.atomic_add(mCounters.iterator + CLAIM0 + STAGE_INDEX[RING_STAGES[k]], cutlass.Int32(1),
+        return cute.arch.atomic_add(mClaims.iterator + STAGE_INDEX[RING_STAGES[k]], cutlass.Int32(1),
                                     sem="relaxed", scope="gpu")
 
     @cute.jit
-    def _issue(self, j, cs, nxt, rs, routed, mCounters, bufs):
-        """Thread 0: ring entry j into slot j % slots: claim `nxt` of ring stage `cs` as its
-        item (lo + nxt * step of its entry) while below its end, then the next claim; past the
-        end a marker (-1, no bytes) and the next stage's first claim. Returns (cs, nxt)."""
-        base, tab = rs
-        slots, bars, items = ring.smem_tensors(base, self.stages.ring)
+    def _issue(self, j, cs, nxt, rs, routed, bufs):
+        """Thread 0: ring entry j into slot j % slots: claim `nxt` of ring stage `cs` (its item
+        lo + nxt * step of its entry) while below its end, then the next claim; past the end a
+        marker (-1, no bytes) and the next stage's first claim. The slot's word holds the claim,
+        from which each computing thread makes the item itself. Returns (cs, nxt)."""
+        base, tab, mClaims = rs
+        slots, bars, claims = ring.smem_tensors(base, self.stages.ring)
         rt = self._routing_smem(base)
         slot = j % self.stages.ring.slots
         new_cs = cs
@@ -528,16 +532,16 @@ class MegakernelOp(OpBase):
                     if cutlass.const_expr(s in ROUTED):  # the launch's groups' items only
                         end = cutlass.min(hi, rt["n_groups"][0] * self.stages.ring_stages[s].blocks)
                     if item < end:
-                        items[slot] = item
+                        claims[slot] = nxt
                         self.stages.ring_stages[s].issue(item, ring.slot_ptr(slots, self.stages.ring, slot), bars,
                                                          slot, rt, _named(bufs))
-                        new_nxt = self._claim(mCounters, k)
+                        new_nxt = self._claim(mClaims, k)
                     else:
-                        items[slot] = cutlass.Int32(-1)
+                        claims[slot] = cutlass.Int32(-1)
                         ring.arm(bars, slot, 0)
                         new_cs = cutlass.Int32(k + 1)
                         if cutlass.const_expr(k + 1 < len(RING_STAGES)):
-                            new_nxt = self._claim(mCounters, k + 1)
+                            new_nxt = self._claim(mClaims, k + 1)
         return new_cs, new_nxt
 
     @cute.jit
@@ -669,16 +673,19 @@ class MegakernelOp(OpBase):
                           scope="gpu")
 
     @cute.jit
-    def _exit(self, mCounters, tidx):
+    def _exit(self, mCounters, mClaims, tidx):
         """The worker is done: thread 0 adds 1 to the exit count (acq_rel); the last worker,
-        after which no wait reads a counter this launch, resets every counter to 0."""
+        after which no wait reads a counter and no claim is made this launch, resets every
+        counter and work counter to 0."""
         i32 = cutlass.Int32
         cute.arch.sync_threads()
         if tidx == 0:
             old = cute.arch.atomic_add(mCounters.iterator + EXIT_COUNTER, i32(1), sem="acq_rel", scope="gpu")
             if old == i32(self.workers - 1):
-                for c in cutlass.range_constexpr(COUNTERS):
+                for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
                     cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
+                for c in cutlass.range_constexpr(len(MEGA_STAGES)):
+                    cute.arch.store(mClaims.iterator + c, i32(0), sem="relaxed", scope="gpu")
 
 
 def _named(bufs) -> dict:

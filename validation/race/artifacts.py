@@ -17,6 +17,10 @@ from kernels.manifest import REPO_ROOT, KernelSpec, Manifest, load_manifest
 
 from .audit import AuditReport, audit_ptx
 
+# The protocols a `sync` parameter's tensor spec may name, each the audit role it becomes
+# (kernels/ops/base.py TensorSpec.protocol): tagged words, work counters.
+PROTOCOLS = ("tagged", "claims")
+
 
 def _build_module():
     from kernels import build  # imported lazily: it is heavy and the GPU host never needs it
@@ -76,10 +80,11 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     sass = Path(art.paths["sass"]).read_text() if Path(art.paths["sass"]).is_file() else None
     roles = [p.role for p in spec.params]
     names = [p.name for p in spec.params]
-    # a sync buffer this variant uses as tagged words (its tensor spec's protocol, in meta.json)
+    # a sync buffer this variant uses as tagged words or work counters (its tensor spec's
+    # protocol, in meta.json)
     built = {q["name"]: q.get("spec", {}) for q in _meta(art).get("params", [])}
-    roles = ["tagged" if r == "sync" and built.get(n, {}).get("protocol") == "tagged" else r
-             for r, n in zip(roles, names)]
+    roles = [built.get(n, {}).get("protocol") if r == "sync" and built.get(n, {}).get("protocol") in PROTOCOLS
+             else r for r, n in zip(roles, names)]
     directions = [getattr(p, "direction", None) or "in" for p in spec.params]
     # a task table's declaration of what each slot points to (the manifest's `points_to`, when
     # the kernel has one: {param: {"stride": BYTES, "slots": {OFFSET: ROLE}}})

@@ -25,7 +25,9 @@ BUFFER_ROLES = ("static", "activation", "sync", "scratch")
 # "tagged": a sync buffer of tagged words (a manifest `sync` parameter whose tensor spec says
 # protocol "tagged"): every word is its own flag (0: not written yet), nothing else is ordered
 # by it (validation/race/rules.py, rule tagged-weak-access)
-ALL_ROLES = BUFFER_ROLES + ("scalar", "tagged")
+# "claims": a sync buffer of work counters (protocol "claims"): every word hands out item indices
+# by atomic adds and orders nothing, so no ordering rule takes it for a flag (rule claims-access)
+ALL_ROLES = BUFFER_ROLES + ("scalar", "tagged", "claims")
 
 
 class AuditInputError(ValueError):

@@ -216,10 +216,22 @@ def _parse_params(header: str, entry: str) -> list[ir.ParamDecl]:
 
 
 def _parse_body(name, params, body, files) -> ir.Function:
+    """The entry's instructions and labels. Labels are scoped: a `{ ... }` block (the body of an
+    inline-asm statement, which the compiler pastes once per use, labels and all) has labels of
+    its own, and a branch goes to the label of that name in its innermost enclosing block that
+    defines one (PTX's rule). Inside a block a label is stored as `name@block`, so two pasted
+    copies of `LAB_WAIT: ... bra LAB_WAIT` stay two loops."""
     by_name = {p.name: p.index for p in params}
     instrs: list[ir.Instr] = []
     labels: dict[str, int] = {}
     loc: ir.SourceLoc | None = None
+    scopes: list[int] = []  # open blocks, outermost first (the body's own is the first)
+    branch_scopes: list[tuple[ir.Instr, tuple[int, ...]]] = []
+    blocks = 0
+
+    def key(label: str, scope: int | None) -> str:
+        return label if scope is None or scope == 0 else f"{label}@{scope}"  # block 0: the body
+
     for lineno, raw in body:
         s = raw.strip()
         if not s:
@@ -229,27 +241,42 @@ def _parse_body(name, params, body, files) -> ir.Function:
             f = files.get(int(m.group(1)), f"file{m.group(1)}")
             loc = ir.SourceLoc(f, int(m.group(2))) if int(m.group(2)) > 0 else loc
             continue
-        # Braces of inline-asm scopes carry no instruction.
-        s = s.replace("{", " ").replace("}", " ").strip() if s in ("{", "}") else s
+        opens = s.startswith("{") and not s.startswith("{%")
+        closes = s.endswith("}") and (opens or s == "}" or not s.rstrip("}").rstrip().endswith(("%", ",")))
+        if opens:
+            scopes.append(blocks)
+            blocks += 1
+            s = s[1:].strip()
+        if closes and s.endswith("}") and "{" not in s:
+            s = s[:-1].strip()
+        else:
+            closes = closes and s == "}"
+            if s == "}":
+                s = ""
         for stmt in s.split(";"):
             stmt = stmt.strip()
             if not stmt:
                 continue
             lm = _LABEL.match(stmt)
             if lm:
-                labels[lm.group(1)] = len(instrs)
+                labels[key(lm.group(1), scopes[-1] if scopes else None)] = len(instrs)
                 stmt = stmt[lm.end():].strip()
                 if not stmt:
                     continue
             if stmt.startswith(".") or stmt in ("{", "}"):
                 continue  # .reg, .shared, .pragma, ... declarations
-            if stmt.startswith("{") and not stmt.startswith("{%"):
-                stmt = stmt.lstrip("{").strip()
-                if not stmt:
-                    continue
             ins = _parse_instr(stmt, len(instrs), lineno, loc, by_name)
             if ins is not None:
                 instrs.append(ins)
+                if ins.kind == ir.BRANCH:
+                    branch_scopes.append((ins, tuple(scopes)))
+        if closes and scopes:
+            scopes.pop()
+    for ins, stack in branch_scopes:  # each target: the innermost enclosing block's label of that name
+        if ins.targets:
+            t = ins.targets[0]
+            found = next((key(t, sc) for sc in reversed(stack) if key(t, sc) in labels), t)
+            ins.targets = (found,)
     return ir.Function(name=name, instrs=instrs, labels=labels, params=params, dialect="ptx")
 
 

@@ -78,6 +78,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "after a write to another CTA's shared memory, a read of shared memory or the kernel's "
          "exit with no barrier.cluster.arrive (not .relaxed) and wait between: the owner may read "
          "before the write lands, or the write may land in a CTA that has exited"),
+    Rule("claims-access", ERROR,
+         "access to a work counter (a `claims` sync buffer, whose words hand out item indices) "
+         "other than a gpu- or sys-scope atomic add or a strong store: a plain load, a flag use"),
     Rule("tagged-weak-access", ERROR,
          "access to a tagged sync buffer (each word its own flag) that is not a strong, gpu- or "
          "sys-scope load or store of whole words: weak, cp.async, cta/cluster-scope or atomic"),
@@ -144,6 +147,14 @@ class Roles:
     def sync(self) -> set[int]:
         """Sync buffers, tagged ones included."""
         return self.of("sync") | self.of("tagged")
+
+    @property
+    def claims(self) -> set[int]:
+        """Sync buffers of work counters: every word hands out item indices by atomic adds and
+        orders nothing, so no rule takes an access to one for a flag (no acquire, no publish,
+        no spin), and `claims-access` checks that each access is such an add (or the reset's
+        strong store)."""
+        return self.of("claims")
 
     @property
     def tagged(self) -> set[int]:
@@ -370,6 +381,32 @@ def _is_publish(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
             and bool(prov.params_of_addr(ins.index) & (roles.sync - roles.tagged)))
 
 
+def _claims_access(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | None:
+    """A finding when `ins` touches a work counter other than by a gpu- or sys-scope atomic
+    add (the claim: its value is the claimer's item, nothing else is read through it) or a
+    strong store (the last worker's reset)."""
+    if ins.kind not in ir.MEMORY_KINDS:
+        return None
+    hit = sorted(prov.params_of_addr(ins.index) & roles.claims)
+    if not hit:
+        return None
+    names = ", ".join(repr(roles.names[p]) for p in hit)
+    if ins.kind in (ir.ATOM, ir.RED):
+        if ".add" in ins.opcode.lower() or "add" in ins.opcode.lower().split(".")[1:]:
+            if ins.cross_cta_scope:
+                return None
+            why = f"a {ins.scope}-scope atomic: other CTAs' claims are not ordered with it"
+        else:
+            why = f"an atomic other than an add ({ins.opcode})"
+    elif ins.kind == ir.STORE:
+        if ins.sem != ir.WEAK and ins.cross_cta_scope:
+            return None
+        why = "a weak or narrow-scope store (only the reset's strong store may write a work counter)"
+    else:
+        why = "a load (a work counter is read only by the atomic that claims from it, never polled)"
+    return RawFinding("claims-access", ins, f"access to work counter {names} is {why}", tuple(hit))
+
+
 def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | None:
     """A finding when `ins` touches a tagged buffer other than by a strong (relaxed or stronger;
     SASS .STRONG), gpu- or sys-scope plain load or store: a weak or cp.async access may tear
@@ -522,6 +559,10 @@ def check_function(cfg: CFG, prov: Provenance, roles: Roles, *, syncs: bool,
                             "launch (a buffer used as scratch and restored still races every reader)", (p,)))
             if roles.tagged:  # a tagged buffer: only strong, cross-CTA-scope loads and stores
                 f = _tagged_weak(ins, prov, roles)
+                if f is not None:
+                    findings.append(f)
+            if roles.claims:  # a work counter: only cross-CTA atomic adds and the reset's stores
+                f = _claims_access(ins, prov, roles)
                 if f is not None:
                     findings.append(f)
             if ins.kind == ir.LOAD and ins.nc:

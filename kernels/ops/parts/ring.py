@@ -37,8 +37,8 @@ EVICT_FIRST = 0x12F0000000000000
 
 class RingPlan:
     """`slots` slots of `slot_bytes` each (16-byte multiples), then one mbarrier per slot, then
-    one int32 per slot (what the slot holds: the item's index, or -1): `smem_bytes` in all,
-    from a 128-byte aligned base."""
+    one int32 per slot (what the slot holds: an index of the caller's, or -1): `smem_bytes` in
+    all, from a 128-byte aligned base."""
 
     def __init__(self, *, slots: int, slot_bytes: int):
         if slots < 2:
