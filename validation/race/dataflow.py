@@ -81,19 +81,35 @@ def _is_load_like(ins: ir.Instr) -> bool:
     return ins.kind in (ir.LOAD, ir.ATOM) or op in ("ld", "ldu", "LDS", "LDG", "LD", "LDL", "LDSM", "ATOMS", "ldmatrix")
 
 
-def _offsets(tags) -> set:
-    return {t for t in tags if isinstance(t, tuple) and t[0] == "off"}
+_OFFSETS: dict = {}
+_ABSORBED: dict = {}
 
 
-def _absorb(tags) -> set:
+def _offsets(tags) -> frozenset:
+    """The offset tags of `tags` (memoized: the analysis asks for the same sets millions of
+    times on a large kernel)."""
+    key = tags if isinstance(tags, frozenset) else frozenset(tags)
+    got = _OFFSETS.get(key)
+    if got is None:
+        got = _OFFSETS[key] = frozenset(t for t in key if isinstance(t, tuple) and t[0] == "off")
+    return got
+
+
+def _absorb(tags) -> frozenset:
     """Keep the offset tags a lattice of finite height: ("off", None), any offset, absorbs the
     others, and more than a few offsets, or a large one, is ("off", None) (a counter, not a slot
     offset). Without the absorption a widened register joined with a narrow one would shrink
-    back on the next pass and the fixpoint would cycle."""
-    offs = _offsets(tags)
-    if ("off", None) in offs or len(offs) > 4 or any(abs(t[1]) > 1 << 20 for t in offs):
-        return (set(tags) - offs) | {("off", None)}
-    return set(tags)
+    back on the next pass and the fixpoint would cycle. Memoized, a pure function of `tags`."""
+    key = tags if isinstance(tags, frozenset) else frozenset(tags)
+    got = _ABSORBED.get(key)
+    if got is None:
+        offs = _offsets(key)
+        if ("off", None) in offs or len(offs) > 4 or any(abs(t[1]) > 1 << 20 for t in offs):
+            got = (key - offs) | {("off", None)}
+        else:
+            got = key
+        _ABSORBED[key] = got
+    return got
 
 
 # A register whose offsets at a block's entry differ from the previous pass's this many times
@@ -128,7 +144,7 @@ def _transfer(ins: ir.Instr, state: dict, record: Provenance | None, tables: dic
         elif "scales" in ins.extra:  # a product: only the addend's offset survives
             keep = set().union(*(state.get(r, frozenset()) for r in ins.extra["scales"]))
             src = {t for t in src if not (isinstance(t, tuple) and t[0] == "off") or t in keep}
-        src = _absorb(src)
+        src = set(_absorb(src))
     if record is not None:
         if ins.addr_regs or ins.kind in ir.MEMORY_KINDS or ins.kind == ir.BULK_STORE:
             a = set()
@@ -177,11 +193,15 @@ def _widen(b: int, state: dict, entry: dict, moved: dict) -> dict:
     for r, tags in state.items():
         tags = _absorb(tags)
         offs = _offsets(tags)
+        if not offs and not last.get(r, offs):  # no offsets now or before: nothing to widen or count
+            last[r] = offs
+            out[r] = tags
+            continue
         if r in last and last[r] != offs:
             moved[(b, r)] = moved.get((b, r), 0) + 1
         if moved.get((b, r), 0) >= WIDEN_AFTER and offs:
             tags = (tags - offs) | {("off", None)}
-            offs = {("off", None)}
+            offs = frozenset({("off", None)})
         last[r] = offs
         out[r] = frozenset(tags)
     return out
@@ -199,25 +219,38 @@ def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
     out: dict[int, dict] = {}
     entry: dict[int, dict] = {}  # block -> register -> offset tags at its entry, last pass
     moved: dict[tuple[int, str], int] = {}  # (block, register) -> passes its offsets changed
-    changed = True
+    # Passes in reverse post-order over the blocks whose predecessors' states changed since they
+    # were last visited (every block on the first pass): the fixed point of the round-robin
+    # iteration, without revisiting blocks whose entry cannot have moved.
+    dirty = set(cfg.rpo)
+    succs: dict[int, list[int]] = {b: [] for b in cfg.rpo}
+    for b in cfg.rpo:
+        for p in cfg.blocks[b].preds:
+            succs.setdefault(p, []).append(b)
     rounds = 0
-    while changed:
-        changed = False
+    while dirty:
         rounds += 1
         for b in cfg.rpo:
+            if b not in dirty:
+                continue
+            dirty.discard(b)
             blk = cfg.blocks[b]
             state: dict = {}
             for p in blk.preds:
                 if p in out:
+                    if not state:
+                        state = dict(out[p])
+                        continue
                     for r, t in out[p].items():
-                        state[r] = state.get(r, frozenset()) | t
+                        old = state.get(r)
+                        state[r] = t if old is None or old is t else old | t
             if tables:
                 state = _widen(b, state, entry, moved)
             for k in range(blk.start, blk.end):
                 _transfer(fn.instrs[k], state, None, tables)
             if out.get(b) != state:
                 out[b] = state
-                changed = True
+                dirty.update(succs.get(b, ()))
         if rounds > 200:  # the lattice is finite; this only guards against a bug
             raise RuntimeError("provenance analysis did not converge")
     rec = Provenance({}, {}, {})
