@@ -381,18 +381,24 @@ def _is_publish(ins: ir.Instr, prov: Provenance, roles: Roles) -> bool:
             and bool(prov.params_of_addr(ins.index) & (roles.sync - roles.tagged)))
 
 
+def _hit_of(ins: ir.Instr, prov: Provenance, roles: Roles, params: set[int]) -> tuple[tuple, str] | None:
+    """(the buffers of `params` that memory access `ins` touches, their names quoted), or None."""
+    if ins.kind not in ir.MEMORY_KINDS:
+        return None
+    hit = tuple(sorted(prov.params_of_addr(ins.index) & params))
+    return (hit, ", ".join(repr(roles.names[p]) for p in hit)) if hit else None
+
+
 def _claims_access(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | None:
     """A finding when `ins` touches a work counter other than by a gpu- or sys-scope atomic
     add (the claim: its value is the claimer's item, nothing else is read through it) or a
     strong store (the last worker's reset)."""
-    if ins.kind not in ir.MEMORY_KINDS:
+    touched = _hit_of(ins, prov, roles, roles.claims)
+    if touched is None:
         return None
-    hit = sorted(prov.params_of_addr(ins.index) & roles.claims)
-    if not hit:
-        return None
-    names = ", ".join(repr(roles.names[p]) for p in hit)
+    hit, names = touched
     if ins.kind in (ir.ATOM, ir.RED):
-        if ".add" in ins.opcode.lower() or "add" in ins.opcode.lower().split(".")[1:]:
+        if "add" in ins.opcode.lower().split("."):
             if ins.cross_cta_scope:
                 return None
             why = f"a {ins.scope}-scope atomic: other CTAs' claims are not ordered with it"
@@ -404,7 +410,7 @@ def _claims_access(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding 
         why = "a weak or narrow-scope store (only the reset's strong store may write a work counter)"
     else:
         why = "a load (a work counter is read only by the atomic that claims from it, never polled)"
-    return RawFinding("claims-access", ins, f"access to work counter {names} is {why}", tuple(hit))
+    return RawFinding("claims-access", ins, f"access to work counter {names} is {why}", hit)
 
 
 def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | None:
@@ -412,12 +418,10 @@ def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | 
     SASS .STRONG), gpu- or sys-scope plain load or store: a weak or cp.async access may tear
     or read a stale line, a cta/cluster scope does not reach the other CTAs, and an atomic
     means the buffer is used as a counter, which the tagged protocol does not check."""
-    if ins.kind not in ir.MEMORY_KINDS:
+    touched = _hit_of(ins, prov, roles, roles.tagged)
+    if touched is None:
         return None
-    hit = sorted(prov.params_of_addr(ins.index) & roles.tagged)
-    if not hit:
-        return None
-    names = ", ".join(repr(roles.names[p]) for p in hit)
+    hit, names = touched
     if ins.kind in (ir.ATOM, ir.RED):
         why = "an atomic on it (a tagged buffer is polled and written word by word, never counted)"
     elif ins.nc:
@@ -428,7 +432,7 @@ def _tagged_weak(ins: ir.Instr, prov: Provenance, roles: Roles) -> RawFinding | 
         why = f"a {ins.scope}-scope access: other CTAs' words are not ordered with it"
     else:
         return None
-    return RawFinding("tagged-weak-access", ins, f"access to tagged buffer {names} is {why}", tuple(hit))
+    return RawFinding("tagged-weak-access", ins, f"access to tagged buffer {names} is {why}", hit)
 
 
 def _meet(sides: list[frozenset]) -> frozenset:
