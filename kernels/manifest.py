@@ -88,6 +88,10 @@ class KernelSpec:
     # `points_to`, validation/race/MODEL.md); None when the kernel reads no task table
     points_to: dict | None = None
     stages: tuple[Stage, ...] = ()
+    # the `sync` parameter whose int32 word s is stage s's completion counter (stages in
+    # order): the audit then checks that every load of a stage's output follows an acquire of
+    # that stage's counter, or of one whose stage waits for it (validation/race/stages.py)
+    stage_counters: str | None = None
 
     def stage(self, name: str) -> Stage:
         for st in self.stages:
@@ -234,6 +238,12 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
 
     points_to = _parse_points_to(name, raw.get("points_to"), {p.name: p for p in params})
     stages = _parse_stages(name, raw.get("stages"), sources, tuple(t.name for t in tunables))
+    stage_counters = raw.get("stage_counters")
+    if stage_counters is not None:
+        roles = {p.name: p.role for p in params}
+        if not isinstance(stage_counters, str) or roles.get(stage_counters) != "sync" or not stages:
+            raise ManifestError(f"kernel {name!r}: stage_counters must name a `sync` parameter of a kernel with "
+                                f"stages, got {stage_counters!r}")
 
     return KernelSpec(
         name=name,
@@ -247,9 +257,10 @@ def _parse_kernel(name: str, raw: dict) -> KernelSpec:
         syncs_across_ctas=bool(raw.get("syncs_across_ctas", False)),
         extra={k: v for k, v in raw.items() if k not in {
             "description", "op", "reference", "sources", "params", "tunables", "shapes",
-            "syncs_across_ctas", "points_to", "stages"}},
+            "syncs_across_ctas", "points_to", "stages", "stage_counters"}},
         points_to=points_to,
         stages=stages,
+        stage_counters=stage_counters,
     )
 
 

@@ -208,7 +208,7 @@ def test_the_model_checker_sees_the_graph_forms_of_the_mutants(defect, kind):
 
 
 # -- the built kernel (compiles through kernels/build.py: slow) ------------------------------------
-MEGA_MUTANTS = {"nc_activation": "nc-load-mutable", "missing_wait": "load-before-wait",
+MEGA_MUTANTS = {"nc_activation": "nc-load-mutable", "missing_wait": "load-before-producer-wait",
                 "early_release": "publish-before-writes", "undeclared_read": "stage-undeclared-access"}
 
 

@@ -179,6 +179,35 @@ def test_work_counter_claims_are_atomic_adds_and_order_nothing():
         assert f and all(x.params == ["claims"] for x in f) and why in f[0].message, (why, [str(x) for x in rep.findings])
 
 
+# Three stages: "a" writes param 1, "c" reads it, "b" neither; word s of param 0 is stage s's
+# counter (a 0, b 1, c 2).
+_STAGE_WAIT = """
+	{acq}.global.b32 %r4, [%rd1+{off}];
+	ld.global.b32 %r5, [%rd2];"""
+
+
+def test_a_load_of_a_stages_output_needs_the_wait_on_that_stages_counter():
+    """With declared stage counters, a load of stage a's output after an acquire of a's counter
+    (word 0), or of c's (c reads y: it waited for a), is clean; after an acquire of b's counter
+    only, it is load-before-producer-wait (the ordering rules alone see an acquire either way)."""
+    roles = ["sync", "activation", "scalar"]
+    kw = dict(param_names=["counters", "y", "n"], stages=[("a", (), ("y",)), ("b", (), ()), ("c", ("y",), ())],
+              stage_counters="counters")
+    ok = _STAGE_WAIT.format(acq="ld.acquire.gpu", off=0)
+    assert audit_ptx(_ptx(ok), roles, **kw).clean
+    assert audit_ptx(_ptx(_STAGE_WAIT.format(acq="ld.acquire.gpu", off=8)), roles, **kw).clean
+    wrong = _STAGE_WAIT.format(acq="ld.acquire.gpu", off=4)
+    rep = audit_ptx(_ptx(wrong), roles, **kw)
+    assert "load-before-producer-wait" in rep.rules_hit(), [str(f) for f in rep.findings]
+    assert audit_ptx(_ptx(wrong), roles, param_names=["counters", "y", "n"]).clean  # undeclared: not judged
+    # thread 0's acquire orders the others' loads only after a CTA barrier
+    guarded = ("\tsetp.ne.s32 %p1, %r1, 0;\n\t@%p1 bra $L_skip;\n\tld.acquire.gpu.global.b32 %r4, [%rd1];\n"
+               "$L_skip:\n{bar}\tld.global.b32 %r5, [%rd2];")
+    assert "load-before-producer-wait" in audit_ptx(_ptx(guarded.format(bar="")), roles, **kw).rules_hit()
+    assert "load-before-producer-wait" not in audit_ptx(_ptx(guarded.format(bar="\tbar.sync 0;\n")), roles,
+                                                         **kw).rules_hit()
+
+
 def test_a_tagged_word_orders_no_other_data():
     """Data written before a tagged word and read by another CTA after polling it is not
     published by it: the writer side is publish-before-writes (no release follows the data

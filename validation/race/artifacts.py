@@ -92,7 +92,8 @@ def audit_artifact(art, spec: KernelSpec, *, kernel: str | None = None) -> Audit
     return audit_ptx(ptx, roles, sass_text=sass, param_names=names, kernel=kernel or spec.name,
                      syncs=spec.syncs_across_ctas or None, source_root=REPO_ROOT,  # None: from the roles
                      directions=directions, points_to=points_to,
-                     stages=[(st.name, st.reads, st.writes) for st in getattr(spec, "stages", ())] or None)
+                     stages=[(st.name, st.reads, st.writes) for st in getattr(spec, "stages", ())] or None,
+                     stage_counters=getattr(spec, "stage_counters", None))
 
 
 def audit_kernel(name: str, *, shape: dict | None = None, tunables: dict | None = None,

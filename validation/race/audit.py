@@ -17,7 +17,7 @@ from . import ir
 from .cfg import CFG
 from .dataflow import LOADED_PTR, UNKNOWN_SLOT, analyze, slot_index
 from .ptx import parse_ptx
-from .stages import stage_access_findings
+from .stages import stage_access_findings, stage_wait_findings
 from .rules import ERROR, RULES, RawFinding, Roles, check_function
 from .sass import parse_sass
 
@@ -187,7 +187,8 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
               param_names: list[str] | None = None, kernel: str | None = None,
               entry: str | None = None, syncs: bool | None = None,
               source_root: Path | None = None, directions: dict | list | None = None,
-              points_to: dict | None = None, stages: list | None = None) -> AuditReport:
+              points_to: dict | None = None, stages: list | None = None,
+              stage_counters: str | None = None) -> AuditReport:
     """Audit one PTX entry (and its SASS when `sass_text` is given) against parameter roles.
 
     `roles`: a list in parameter order, or a dict keyed by name/index (unnamed: activation).
@@ -200,6 +201,8 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     `stages`: a staged kernel's (name, reads, writes) in the order of its one declared task
     table's entries: an access derived from a stage's entry is checked against what the stage
     declares (validation/race/stages.py).
+    `stage_counters`: the name of the `sync` parameter whose word s is stage s's completion
+    counter: every load of a stage's output is checked against the acquires of those words.
     Raises AuditInputError when the PTX has no entry (or not `entry`), or roles do not fit.
     """
     t0 = time.perf_counter()
@@ -241,6 +244,13 @@ def audit_ptx(ptx_text: str, roles: dict | list | None = None, *, sass_text: str
     if stages and len(tables) == 1:
         (table, stride), = tables.items()
         raw += [(fn, f) for f in stage_access_findings(fn, prov, r, table, stride, list(stages))]
+    if stages and stage_counters is not None:
+        idx = next((i for i, n in disp.items() if n == stage_counters), None)
+        if idx is None:
+            raise AuditInputError(f"stage_counters {stage_counters!r} is no parameter of the kernel")
+        t = time.perf_counter()
+        raw += [(fn, f) for f in stage_wait_findings(cfg, prov, r, idx, list(stages))]
+        lap("producer-waits", t)
     checked = ["ptx"]
     counts = {"ptx": len(fn.instrs)}
     if sass_text is not None:

@@ -93,6 +93,9 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("load-before-step-wait", ERROR,
          "load of a pipeline step's cross-CTA data in a synchronizing loop ordered only by the wait "
          "for another step (or slot): each flag's acquire orders its own step's data"),
+    Rule("load-before-producer-wait", ERROR,
+         "in a staged kernel with declared stage counters, a load of a stage's output that follows "
+         "no acquire of that stage's counter or of a stage's that waits for it (validation/race/stages.py)"),
     Rule("stage-undeclared-access", ERROR,
          "in a staged kernel, an access at an address derived from a stage's task-table entry to a "
          "buffer that stage does not declare (validation/race/stages.py)"),

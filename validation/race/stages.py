@@ -53,3 +53,121 @@ def stage_access_findings(fn: ir.Function, prov: Provenance, roles: Roles, table
                                       f"stage {name!r} reads {buf!r}, which its declaration does not list "
                                       f"(reads: {', '.join(reads) or 'none'})", (p,)))
     return out
+
+
+# -- waits against the declared producers ---------------------------------------------------
+# A staged kernel that declares its stage counters (the manifest's `stage_counters`: word s of
+# that `sync` parameter is stage s's completion counter) has its loads of every stage's output
+# checked against the acquires of those words: the ordering rules prove that a load follows
+# some acquire; this proves it follows the one that covers its producer, a wait on the
+# producer's counter or on the counter of a stage that (through its declared reads) waits for
+# the producer (release/acquire is cumulative). A wait missing behind another stage's wait is
+# caught here; the ordering rules alone cannot tell the two waits apart.
+
+
+def covering_stages(stages: list[tuple[str, tuple[str, ...], tuple[str, ...]]]) -> dict[int, set[int]]:
+    """Stage index P -> the stages whose completion orders P's writes: P itself and every stage
+    that reads, directly or through the stages it reads from, a buffer P writes."""
+    writer = {b: i for i, (_, _, writes) in enumerate(stages) for b in writes}
+    deps = {i: {writer[b] for b in reads if b in writer and writer[b] != i} for i, (_, reads, _) in enumerate(stages)}
+    closure: dict[int, set[int]] = {}
+
+    def of(i: int, seen=()) -> set[int]:
+        if i not in closure:
+            out = set()
+            for d in deps[i]:
+                if d not in seen:
+                    out |= {d} | of(d, seen + (i,))
+            closure[i] = out
+        return closure[i]
+
+    return {p: {p} | {q for q in range(len(stages)) if p in of(q)} for p in range(len(stages))}
+
+
+def _counter_word(ins: ir.Instr, prov: Provenance, counters: int) -> int | None:
+    """The int32 word of parameter `counters` the access `ins` reads, where its address is that
+    parameter plus one constant offset; else None."""
+    tags = prov.addr.get(ins.index, ())
+    if ("param", counters) not in tags:
+        return None
+    offs = {t[1] for t in tags if isinstance(t, tuple) and t[0] == "off"}
+    if len(offs) > 1 or None in offs:
+        return None
+    off = (offs.pop() if offs else 0) + ins.extra.get("addr_imm", 0)
+    return off // 4 if off % 4 == 0 else None
+
+
+def stage_wait_findings(cfg, prov: Provenance, roles: Roles, counters: int,
+                        stages: list[tuple[str, tuple[str, ...], tuple[str, ...]]]) -> list[RawFinding]:
+    """PTX: every load of a buffer a stage writes (activation or scratch) that does not follow,
+    on every path, an acquire of a covering stage's counter word by this thread, or by some
+    thread followed by a CTA barrier: `load-before-producer-wait`."""
+    from .rules import thread_dependent_blocks
+
+    fn = cfg.fn
+    td = thread_dependent_blocks(cfg, prov)
+    by_name = {n: i for i, n in roles.names.items()}
+    writer = {by_name[b]: i for i, (_, _, writes) in enumerate(stages) for b in writes if b in by_name}
+    cover = covering_stages(stages)
+
+    def step(ins: ir.Instr, st: tuple[frozenset, frozenset], emit) -> tuple[frozenset, frozenset]:
+        mine, some = st
+        if ins.kind in (ir.LOAD, ir.ATOM) and ins.sem in (ir.ACQUIRE, ir.ACQ_REL) and ins.cross_cta_scope:
+            w = _counter_word(ins, prov, counters)
+            if w is not None:
+                thread_varying = cfg.block_of[ins.index] in td or (ins.guard and prov.guard_is_thread_varying(ins.index))
+                if thread_varying:
+                    some = some | {w}
+                else:
+                    mine = mine | {w}
+                return mine, some
+        if ins.kind == ir.BARRIER:
+            return mine | some, some
+        if emit is not None and ins.kind == ir.LOAD:
+            for p in sorted(prov.params_of_addr(ins.index)):
+                if p not in writer or roles.by_index.get(p) not in JUDGED_ROLES:
+                    continue
+                need = cover[writer[p]]
+                if not need & mine:
+                    names = ", ".join(stages[q][0] for q in sorted(need))
+                    emit(RawFinding("load-before-producer-wait", ins,
+                                    f"load of {roles.names.get(p, p)!r} (written by stage {stages[writer[p]][0]!r}) "
+                                    f"follows no acquire of the counter of {names}: no wait of this thread, or a "
+                                    "barrier after another's, covers its producer", (p,)))
+        return mine, some
+
+    ins_state: dict[int, tuple] = {}
+    out: dict[int, tuple] = {}
+    changed = True
+    while changed:  # must-sets: intersected where paths meet
+        changed = False
+        for b in cfg.rpo:
+            if b == cfg.rpo[0]:
+                st = (frozenset(), frozenset())
+            else:
+                preds = [p for p in cfg.blocks[b].preds if p in out]
+                if not preds:
+                    continue
+                # this thread's acquires: on every path; some thread's: on every path the whole
+                # CTA takes, joined with those of blocks only some threads run (a thread-varying
+                # branch's arm: its acquire was some thread's on the other arm too)
+                uniform = [out[p][1] for p in preds if p not in td]
+                some = frozenset.intersection(*uniform) if uniform else frozenset()
+                some = some.union(*[out[p][1] for p in preds if p in td])
+                st = (frozenset.intersection(*[out[p][0] for p in preds]), some)
+            ins_state[b] = st
+            blk = cfg.blocks[b]
+            for k in range(blk.start, blk.end):
+                st = step(fn.instrs[k], st, None)
+            if out.get(b) != st:
+                out[b] = st
+                changed = True
+    found: list[RawFinding] = []
+    for b in cfg.rpo:
+        if b not in ins_state:
+            continue
+        st = ins_state[b]
+        blk = cfg.blocks[b]
+        for k in range(blk.start, blk.end):
+            st = step(fn.instrs[k], st, found.append)
+    return found
