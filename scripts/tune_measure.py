@@ -255,7 +255,11 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
         return time_graph(launch, launches=launches, replays=replays)
 
     op_class = resolve(spec.op)  # the op class (its host plan imports without the DSL)
-    for si, (skey, entries) in enumerate(sorted(by_shape.items())):
+
+    def measure_shape(si: int, entries: list[dict]) -> list[dict]:
+        """One shape's settings, timed interleaved. A function of its own so that nothing of
+        the shape (its inputs: a model's weights) outlives it: the next shape allocates its own,
+        and the GPU holds one shape's at a time."""
         entries.sort(key=lambda e: e["tunables"] != default)  # the defaults first: the others agree with them
         ref_out = None
         shared: dict = {}  # the shape's random inputs, one copy for all its settings
@@ -304,8 +308,11 @@ def measure(plan: dict, *, replays: int, rounds: int, root: Path | None) -> dict
                 rows[i]["error"] = f"timing failed: {type(samples).__name__}: {samples}"[:500]
             else:
                 rows[i].update(Timing(tuple(samples)).summary())
-        del held, launchers, shared
-        torch.cuda.empty_cache()
+        return rows
+
+    for si, (_, entries) in enumerate(sorted(by_shape.items())):
+        rows = measure_shape(si, entries)
+        torch.cuda.empty_cache()  # the shape's inputs went with measure_shape's frame
         for row in rows:
             results.append(row)
             print(f"{kernel} {row['variant']} {row['tunables']}: "
