@@ -203,19 +203,17 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
 
 # -- the megakernel's graph ---------------------------------------------------------------------
 # The persistent megakernel (kernels/ops/megakernel.py) runs these stages in this order on every
-# worker. Items of the claimed stages (MEGA_CLAIMED, the weight-streaming ones) are taken from a
-# work counter per stage, each worker claiming the next item whenever its ring has room, so a
-# worker on a faster SM takes more; a worker waits for the completion counters of the stages in
-# MEGA_DEPS (each for every item of that stage) before its first item of a stage, and after its
-# last item of the stage signals its own counter once for each of its items (one red.add of
-# their count, after a CTA barrier that follows their writes). The other stages' items are
-# static per worker (the task table's ranges). At MEGA_ROUTING_AT every worker makes that
-# stage's waits and copies the routing into shared memory: from there on its ring may issue the
-# routed experts' weights, whose addresses are the routing's. Dependencies point only to earlier
-# stages, and a worker claims in stage order, so nothing waits on an item that no running worker
-# holds: no deadlock with every worker resident (a cooperative launch).
+# worker. Each stage's items are one op's tile-function work items; a worker waits for the
+# completion counters of the stages in MEGA_DEPS (each for every item of that stage) before its
+# first item of a stage, and after its last item of the stage signals its own counter once for
+# each of its items (one red.add of their count, after a CTA barrier that follows their writes).
+# At MEGA_ROUTING_AT every worker makes that stage's waits whether or not it has items there, and
+# copies the routing into shared memory: from there on its ring may issue the routed experts'
+# weights, whose addresses are the routing's (the graph puts those waits on the worker's first
+# task at or after that stage). Dependencies point only to earlier stages, so the static
+# per-worker lists in stage order cannot deadlock with every worker resident (a cooperative
+# launch).
 MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "combine", "norm_latent", "out")
-MEGA_CLAIMED = ("router_rows", "down", "shared_gu", "w13", "w2", "out")
 MEGA_DEPS = {
     "norm_pre": (),
     "router_rows": ("norm_pre",),
@@ -229,6 +227,10 @@ MEGA_DEPS = {
     "out": ("norm_latent", "shared_gu"),
 }
 MEGA_ROUTING_AT = "shared_gu"
+# Stages whose items skip the worker of a one-item stage (stage -> that stage): select's worker
+# runs the selection while the others stream down and shared_gu, so it takes none of theirs and
+# reaches w13 with the rest (each worker's share of w13 is fixed, and w2 waits for all of it).
+MEGA_SPARE = {"down": "select", "shared_gu": "select"}
 # Output columns per item of the stages split by columns (the rest: one item per token row, or
 # one item): the ops' plans give them (kernels.ops.megakernel.stage_cols).
 MEGA_COL_STAGES = ("router_rows", "down", "shared_gu", "w13", "w2", "combine", "out")
@@ -325,24 +327,19 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
     for s in MEGA_STAGES:
         first[s] = len(tasks)
         waits = [("wait", mega_counter(d), counts[d]) for d in MEGA_DEPS[s]]
-        if MEGA_STAGES.index(s) > at:  # every worker waited for the routing before this stage
-            waits = routing_waits + waits
-        if s in MEGA_CLAIMED:  # whichever worker claims an item has waited, and signals after it
-            tasks += [Task(s, i, tuple(waits + items[s][i] + [("signal", mega_counter(s))]))
-                      for i in range(counts[s])]
-            continue
-        # a static stage: item i's worker, and whether i is its first or last item of the stage
-        # (the waits go before the first, the worker's signals, one per item, after the last)
+        # item i's worker, and whether i is its first or last item of the stage (the waits go
+        # before the first, the worker's signals, one per item, after the last)
         staged: list[Task | None] = [None] * counts[s]
         for w in range(workers):
             run = range(*mega_range(counts, s, w, workers))
             for i in run:
                 head = waits if i == run[0] else []
+                if i == run[0] and MEGA_STAGES.index(s) > at and not any(
+                        mega_range(counts, p, w, workers)[0] < counts[p] for p in MEGA_STAGES[at:MEGA_STAGES.index(s)]):
+                    head = routing_waits + head  # the worker's first task since the routing point
                 tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
                 staged[i] = Task(s, i, tuple(head + items[s][i] + tail))
         tasks += staged
-    # the static stages' per-worker lists; a claimed stage's items in one assignment of the many a
-    # launch may make (round-robin), each task carrying its own waits and signal
     schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]
                 for w in range(workers)]
     return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers, schedule=schedule,
@@ -362,18 +359,24 @@ def mega_offsets(counts: dict[str, int], workers: int) -> dict[str, int]:
 
 def mega_range(counts: dict[str, int], stage: str, worker: int, workers: int) -> tuple[int, int, int]:
     """(lo, hi, step): the items of `stage` that `worker` runs, range(lo, hi, step); item i goes
-    to worker (offset + i) % workers (`mega_offsets`). For a claimed stage, one assignment of
-    its items (the graph's model check replays it; a launch claims them)."""
+    to worker (offset + i) % workers (`mega_offsets`), except in the stages MEGA_SPARE spares a
+    one-item stage's worker: their items go round-robin over the other workers."""
     n = counts[stage]
-    lo = (worker - mega_offsets(counts, workers)[stage]) % workers
-    return (min(lo, n), n, workers)
+    offsets = mega_offsets(counts, workers)
+    spared = MEGA_SPARE.get(stage)
+    if spared is None or workers < 2 or counts[spared] != 1:
+        return (min((worker - offsets[stage]) % workers, n), n, workers)
+    x = offsets[spared]  # the worker of the spared stage's one item
+    if worker == x:
+        return (n, n, workers - 1)
+    rank = worker if worker < x else worker - 1
+    return (min((rank - offsets[stage]) % (workers - 1), n), n, workers - 1)
 
 
 def task_table(graph: TaskGraph) -> list[list[list[int]]]:
     """The int32 table the megakernel reads, [workers][len(stages)][len(TASK_FIELDS)]: per
-    worker and stage, (lo, hi, step, target): a static stage's `mega_range`, a claimed stage's
-    whole range (0, n, 1: the worker's claims are indices into it), with the stage's item count
-    as target. Made from `graph` (a `megakernel_graph`) and checked against its schedule: a
+    worker and stage, (lo, hi, step, target) of `mega_range` with the stage's item count as
+    target. Made from `graph` (a `megakernel_graph`) and checked against its schedule: a
     TaskGraphError says where they disagree."""
     if list(graph.stages) != list(MEGA_STAGES) or graph.schedule is None:
         raise TaskGraphError("task_table: not a megakernel graph (its stages or its static schedule differ)")
@@ -381,10 +384,9 @@ def task_table(graph: TaskGraph) -> list[list[list[int]]]:
     firsts = {s: graph.stage_tasks(s)[0] for s in MEGA_STAGES}
     table = []
     for w in range(graph.workers):
-        ranges = [mega_range(counts, s, w, graph.workers) for s in MEGA_STAGES]
-        listed = [firsts[s] + i for s, r in zip(MEGA_STAGES, ranges) for i in range(*r)]
+        rows = [[*mega_range(counts, s, w, graph.workers), counts[s]] for s in MEGA_STAGES]
+        listed = [firsts[s] + i for s, (lo, hi, step, _) in zip(MEGA_STAGES, rows) for i in range(lo, hi, step)]
         if listed != graph.schedule[w]:
             raise TaskGraphError(f"task_table: worker {w}'s entries do not give its scheduled tasks")
-        table.append([[0, counts[s], 1, counts[s]] if s in MEGA_CLAIMED else [*r, counts[s]]
-                      for s, r in zip(MEGA_STAGES, ranges)])
+        table.append(rows)
     return table

@@ -12,7 +12,6 @@ import pytest
 from kernels.config import get_config
 from kernels.manifest import load_manifest
 from kernels.taskgraph import (
-    MEGA_CLAIMED,
     MEGA_DEPS,
     MEGA_ROUTING_AT,
     MEGA_STAGES,
@@ -54,23 +53,18 @@ def test_graph_shape_at_every_decode_batch(batch):
     order = {s: i for i, s in enumerate(MEGA_STAGES)}
     at = order[MEGA_ROUTING_AT]
     routing_waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[MEGA_ROUTING_AT]]
-
-    def waits_of(s):  # a stage's waits, after the routing's where the stage comes after the routing point
-        return (routing_waits if order[s] > at else []) + [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
-
-    for t in g.tasks:  # a claimed stage's item waits for itself and signals once, whoever claims it
-        if t.stage in MEGA_CLAIMED:
-            w = waits_of(t.stage)
-            assert list(t.ops[:len(w)]) == w and t.ops[-1] == ("signal", mega_counter(t.stage))
-            assert [o for o in t.ops if o[0] in ("wait", "signal")] == w + [t.ops[-1]]
     for lst in g.schedule:  # each worker runs its items stage after stage
         stages = [order[g.tasks[i].stage] for i in lst]
         assert stages == sorted(stages)
-        for s in {g.tasks[i].stage for i in lst} - set(MEGA_CLAIMED):
-            # a static stage: its first item waits for every item of each stage it depends on,
-            # before anything else, and its last signals once per item, after everything else
+        after = [s for s in stages if s >= at]  # the worker's first stage at the routing point or after
+        for s in {g.tasks[i].stage for i in lst}:
+            # its first item of a stage waits for every item of each stage it depends on, before
+            # anything else (its first since the routing point also for the routing's), and its
+            # last signals once per item, after everything else
             run = [g.tasks[i] for i in lst if g.tasks[i].stage == s]
-            waits = waits_of(s)
+            waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
+            if after and order[s] == after[0] and order[s] != at:
+                waits = routing_waits + waits
             assert list(run[0].ops[:len(waits)]) == waits
             assert list(run[-1].ops[len(run[-1].ops) - len(run):]) == [("signal", mega_counter(s))] * len(run)
             ops = [op for t in run for op in t.ops]
@@ -118,9 +112,6 @@ def test_task_table_gives_each_worker_its_scheduled_items(batch, workers):
     assert len(table) == workers and all(len(r) == len(MEGA_STAGES) for r in table)
     assert all(len(e) == len(TASK_FIELDS) for r in table for e in r)
     for si, s in enumerate(MEGA_STAGES):
-        if s in MEGA_CLAIMED:  # every worker claims from the whole range
-            assert all(table[w][si] == [0, items[s], 1, items[s]] for w in range(workers)), s
-            continue
         runs = sorted(i for w in range(workers) for i in range(*table[w][si][:3]))
         assert runs == list(range(items[s])), s  # every item exactly once
         assert {table[w][si][3] for w in range(workers)} == {items[s]}  # the counter's target

@@ -84,8 +84,7 @@ from kernels.ops.stages.rows import RowsStage
 from kernels.ops.stages.shared_gu import SharedGuStage
 from kernels.ops.stages.w13 import W13Stage
 from kernels.ops.stages.w2 import W2Stage
-from kernels.taskgraph import (MEGA_CLAIMED, MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph,
-                               task_table)
+from kernels.taskgraph import MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
 
 THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
@@ -94,9 +93,9 @@ SMEM_ALIGN = 1024
 SMEM_LIMIT = 227 * 1024  # an sm_90 CTA's dynamic shared memory (the launcher opts in past 48 KB)
 MAX_RING_SLOTS = 8
 # The stages whose items stream their weights through the ring (kernels/ops/stages/), in stage
-# order: the graph's claimed stages; ROUTED: those whose items' weights are the routing's
-# experts (issued only after the routing is waited for; their items are the launch's groups').
-RING_STAGES = MEGA_CLAIMED
+# order; ROUTED: those whose items' weights are the routing's experts (issued only after the
+# routing is waited for).
+RING_STAGES = tuple(s for s in MEGA_STAGES if s in ("router_rows", "down", "shared_gu", "w13", "w2", "out"))
 ROUTED = ("w13", "w2")
 COMBINE_COLS = 32  # latent columns of one combine item
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
@@ -303,8 +302,6 @@ class MegakernelOp(OpBase):
             "w_shared_down": TensorSpec((H, S), bf16),
             "tasks": TensorSpec((self.workers, len(MEGA_STAGES), len(TASK_FIELDS)), i32),
             "counters": TensorSpec((len(MEGA_STAGES) + 1,), i32),
-            # claims[s]: stage s's work counter (a claimed stage's items), never a flag
-            "claims": TensorSpec((len(MEGA_STAGES),), i32, protocol="claims"),
             "h": TensorSpec((T, H), bf16),
             "logits": TensorSpec((T, E), f32),
             "ids": TensorSpec((T, K), i32),
@@ -349,20 +346,20 @@ class MegakernelOp(OpBase):
     def __call__(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                  mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                  mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-                 mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                  mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                  mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                  mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
-                    mClaims, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
+                    mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
                     mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-               mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+               mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
@@ -370,29 +367,26 @@ class MegakernelOp(OpBase):
         worker, _, _ = cute.arch.block_idx()
         st = self.stages
         base = cutlass.memory.SmemAllocator().allocate(st.smem_total, byte_alignment=SMEM_ALIGN)
-        _, bars, _ = ring.smem_tensors(base, st.ring)
+        _, bars = ring.smem_tensors(base, st.ring)
         bufs = (mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mH,
                 (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
                 mOut)
         ring.init(bars, st.ring, tidx)
-        # the worker's (lo, hi, step) of each ring stage's task-table entry: a claimed item c is
-        # item lo + c * step, below hi
-        tab = []
+        # the worker's ring items: its (lo, hi, step) of each ring stage, and where each stage's
+        # items start in the ring's count (items are numbered across the ring stages in order)
+        tab, starts = [], [cutlass.Int32(0)]
         for s in RING_STAGES:  # trace-time
             si = STAGE_INDEX[s]
-            tab.append((mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]))
-        rs = (base, tab, mClaims)  # the ring's shared tensors are made from base where used
-        # the ring's state, thread 0's: entries issued, the stage it claims from, its next claim
+            lo, hi, step = mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]
+            tab.append((lo, hi, step))
+            starts.append(starts[-1] + (hi - lo + step - 1) // step)
+        rs = (base, tab, starts)  # the ring's shared tensors are made from base where used
         issued = cutlass.Int32(0)
-        cs = cutlass.Int32(0)
-        nxt = cutlass.Int32(0)
-        if tidx == 0:
-            nxt = self._claim(mClaims, 0)
         consumed = cutlass.Int32(0)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            issued, cs, nxt, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks,
-                                                    mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed)
-        self._exit(mCounters, mClaims, tidx)
+            issued, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks, mCounters,
+                                           bufs, mStamps, rs, issued, consumed)
+        self._exit(mCounters, tidx)
 
     def _routing_smem(self, base) -> dict:
         """Trace-time: the routing's shared copy (`base`: the kernel's shared memory, a byte
@@ -405,83 +399,56 @@ class MegakernelOp(OpBase):
         return out
 
     @cute.jit
-    def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
-               consumed):
-        """Trace-time: this worker's items of `stage` (task-table entry si): a ring stage's
-        claimed ones (every worker runs the stage, its claims may be none), a static stage's if
-        it has any; at MEGA_ROUTING_AT, first the wait on the routing and its copy, items or
-        not. `rs` is the ring (its shared memory and the worker's ring-stage entries); issued,
-        cs, nxt its state (thread 0's), consumed its entries computed. Returns the state."""
+    def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, consumed):
+        """Trace-time: this worker's items of `stage` (task-table entry si), if it has any; at
+        MEGA_ROUTING_AT, first the wait on the routing and its copy, items or not. `rs` is the
+        ring (its tensors and the worker's tables), `issued` and `consumed` its counts of items;
+        returns the counts."""
+        lo = mTasks[worker, si, 0]
+        hi = mTasks[worker, si, 1]
+        step = mTasks[worker, si, 2]
         if cutlass.const_expr(stage == MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, False, bufs)
-            self._waits(stage, si, worker, tidx, mTasks, mCounters, None)
+            issued = self._fill(rs, tidx, issued, consumed, False, bufs)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
             self._copy_routing(self._routing_smem(rs[0]), bufs, tidx)
-        if cutlass.const_expr(stage in RING_STAGES):
-            issued, cs, nxt, consumed = self._run_ring_stage(si, stage, worker, tidx, region_base, mTasks, mCounters,
-                                                             bufs, mStamps, rs, issued, cs, nxt, consumed)
-        else:
-            lo = mTasks[worker, si, 0]
-            hi = mTasks[worker, si, 1]
-            step = mTasks[worker, si, 2]
-            if lo < hi:  # CTA-uniform
-                issued, cs, nxt = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters, bufs,
-                                                  mStamps, rs, issued, cs, nxt, consumed, lo, hi, step)
-        return issued, cs, nxt, consumed
+        if lo < hi:  # CTA-uniform
+            issued, consumed = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters, bufs,
+                                               mStamps, rs, issued, consumed, lo, hi, step)
+        return issued, consumed
 
     @cute.jit
-    def _run_ring_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued,
-                        cs, nxt, consumed):
-        """Trace-time: a ring stage's waits (done already at MEGA_ROUTING_AT), its activations,
-        then its ring entries one after the other until the marker of its last claim, each
-        after a fill of the ring; one signal of the items. Returns the ring's state."""
+    def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued,
+                   consumed, lo, hi, step):
+        """Trace-time: the waits of `stage` (done already at MEGA_ROUTING_AT), the worker's items
+        range(lo, hi, step), each after a fill of the ring, then one signal of them all; the
+        ring stages' items over their slots, the others over the op's shared memory with a CTA
+        barrier after each. Returns the ring's counts."""
         routed = STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
-        rt = self._routing_smem(rs[0])
         if cutlass.const_expr(stage != MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
-            self._waits(stage, si, worker, tidx, mTasks, mCounters, rt if routed else None)
+            issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+            self._waits(stage, si, worker, tidx, mTasks, mCounters)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
-        smem = self._ring_smem(stage, _Region(region_base, self.stages.region_bytes), rt)
-        self._load_acts(stage, smem, bufs, tidx)
-        slots, bars, claims = ring.smem_tensors(rs[0], self.stages.ring)
-        lo, _, step = rs[1][RING_STAGES.index(stage)]
-        j = consumed
-        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
-        ring.wait(bars, self.stages.ring, j)
-        c = claims[j % self.stages.ring.slots]
-        while c >= 0:  # CTA-uniform: every thread reads the slot's word
-            # the item from the claim and this thread's own copy of the stage's task-table
-            # entry (so its accesses are the stage's, validation/race/stages.py)
-            self._item(stage, lo + c * step, tidx, self._slot_smem(smem, slots, j), bufs)
-            j = j + 1
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
-            ring.wait(bars, self.stages.ring, j)
-            c = claims[j % self.stages.ring.slots]
-        self._signal(mCounters, si, tidx, j - consumed)
-        if tidx == 0:
-            mStamps[worker, si, 1] = _globaltimer()
-        return issued, cs, nxt, j + 1  # the marker's entry consumed too
-
-    @cute.jit
-    def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs,
-                   nxt, consumed, lo, hi, step):
-        """Trace-time: a static stage's waits, the worker's items range(lo, hi, step) over the
-        op's shared memory, each after a fill of the ring and followed by a CTA barrier, then
-        one signal of them all. Returns the ring's state."""
-        routed = STAGE_INDEX[stage] > STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
-        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
-        self._waits(stage, si, worker, tidx, mTasks, mCounters, self._routing_smem(rs[0]) if routed else None)
-        if tidx == 0:
-            mStamps[worker, si, 0] = _globaltimer()
-        smem = self._plain_smem(stage, _Region(region_base, self.stages.region_bytes))
-        for item in cutlass.range(lo, hi, step, unroll=1):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
-            self._item(stage, item, tidx, smem, bufs)
-            cute.arch.sync_threads()  # the next item reuses this one's shared memory
+        region = _Region(region_base, self.stages.region_bytes)
+        if cutlass.const_expr(stage in RING_STAGES):
+            smem = self._ring_smem(stage, region, self._routing_smem(rs[0]))
+            self._load_acts(stage, smem, bufs, tidx)
+            for item in cutlass.range(lo, hi, step, unroll=1):
+                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
+                ring.wait(bars, self.stages.ring, consumed)
+                self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
+                consumed = consumed + 1
+        else:
+            smem = self._plain_smem(stage, region)
+            for item in cutlass.range(lo, hi, step, unroll=1):
+                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                self._item(stage, item, tidx, smem, bufs)
+                cute.arch.sync_threads()  # the next item reuses this one's shared memory
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
-        return issued, cs, nxt
+        return issued, consumed
 
     def _slot_smem(self, smem, slots, j) -> dict:
         """Trace-time: a ring stage's shared memory for its ring item j: "w" the item's slot as
@@ -492,57 +459,37 @@ class MegakernelOp(OpBase):
 
     # -- the ring ---------------------------------------------------------------------------
     @cute.jit
-    def _fill(self, rs, tidx, issued, cs, nxt, consumed, routed, bufs):
-        """Thread 0 fills the ring: entries after `issued` up to `slots` past `consumed` (every
-        entry before `consumed` has been computed and a CTA barrier has followed it), claiming
-        from the ring stages in order, the routed ones only where `routed` (trace-time: the
-        routing was waited for). Returns the ring's state (thread 0's; the others' is unused)."""
-        limit = len(RING_STAGES) if routed else RING_STAGES.index(ROUTED[0])
+    def _fill(self, rs, tidx, issued, consumed, routed, bufs):
+        """Thread 0 issues the ring items after `issued` up to `slots` past `consumed` (every
+        item before `consumed` has been computed and a CTA barrier has followed it), the routed
+        stages' items only where `routed` (trace-time: the routing was waited for); returns the
+        new issued count (uniform: every thread computes it)."""
+        _, tab, starts = rs
+        limit = starts[len(RING_STAGES)] if routed else starts[RING_STAGES.index(ROUTED[0])]
+        end = cutlass.min(consumed + self.stages.ring.slots, limit)
         if tidx == 0:
-            while (issued < consumed + self.stages.ring.slots) & (cs < limit):
-                cs, nxt = self._issue(issued, cs, nxt, rs, routed, bufs)
-                issued = issued + 1
-        return issued, cs, nxt
+            for j in cutlass.range(issued, end, unroll=1):
+                self._issue(j, rs, routed, bufs)
+        return cutlass.max(issued, end)
 
     @cute.jit
-    def _claim(self, mClaims, k):
-        """Thread 0: the next claim of ring stage k from its work counter (relaxed: the claim
-        orders nothing; the stage's own waits and signals do)."""
-        return cute.arch.atomic_add(mClaims.iterator + STAGE_INDEX[RING_STAGES[k]], cutlass.Int32(1),
-                                    sem="relaxed", scope="gpu")
-
-    @cute.jit
-    def _issue(self, j, cs, nxt, rs, routed, bufs):
-        """Thread 0: ring entry j into slot j % slots: claim `nxt` of ring stage `cs` (its item
-        lo + nxt * step of its entry) while below its end, then the next claim; past the end a
-        marker (-1, no bytes) and the next stage's first claim. The slot's word holds the claim,
-        from which each computing thread makes the item itself. Returns (cs, nxt)."""
-        base, tab, mClaims = rs
-        slots, bars, claims = ring.smem_tensors(base, self.stages.ring)
+    def _issue(self, j, rs, routed, bufs):
+        """Thread 0: ring item j (of the worker's items across RING_STAGES) into slot j % slots."""
+        base, tab, starts = rs
+        slots, bars = ring.smem_tensors(base, self.stages.ring)
         rt = self._routing_smem(base)
-        slot = j % self.stages.ring.slots
-        new_cs = cs
-        new_nxt = nxt
         for k, s in enumerate(RING_STAGES):  # trace-time
             if cutlass.const_expr(routed or s not in ROUTED):
-                if cs == k:
-                    lo, hi, step = tab[k]
-                    item = lo + nxt * step
-                    end = hi
-                    if cutlass.const_expr(s in ROUTED):  # the launch's groups' items only
-                        end = cutlass.min(hi, rt["n_groups"][0] * self.stages.ring_stages[s].blocks)
-                    if item < end:
-                        claims[slot] = nxt
-                        self.stages.ring_stages[s].issue(item, ring.slot_ptr(slots, self.stages.ring, slot), bars,
-                                                         slot, rt, _named(bufs))
-                        new_nxt = self._claim(mClaims, k)
-                    else:
-                        claims[slot] = cutlass.Int32(-1)
-                        ring.arm(bars, slot, 0)
-                        new_cs = cutlass.Int32(k + 1)
-                        if cutlass.const_expr(k + 1 < len(RING_STAGES)):
-                            new_nxt = self._claim(mClaims, k + 1)
-        return new_cs, new_nxt
+                if (starts[k] <= j) & (j < starts[k + 1]):
+                    lo, _, step = tab[k]
+                    self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars, rt,
+                                     bufs)
+
+    @cute.jit
+    def _issue_item(self, stage, item, slot, slots, bars, rt, bufs):
+        """Thread 0: item `item` of ring stage `stage` into slot `slot` (the stage's `issue`)."""
+        self.stages.ring_stages[stage].issue(item, ring.slot_ptr(slots, self.stages.ring, slot), bars, slot, rt,
+                                             _named(bufs))
 
     @cute.jit
     def _copy_routing(self, rt, bufs, tidx):
@@ -622,16 +569,11 @@ class MegakernelOp(OpBase):
         return MEGA_DEPS[stage]
 
     @cute.jit
-    def _waits(self, stage, si, worker, tidx, mTasks, mCounters, rt):
-        """Trace-time: the waits of `stage`, one per stage it depends on, each for the
-        producer's item count: its task-table target, or for a routed stage the launch's groups'
-        items (from the routing's shared copy `rt`)."""
+    def _waits(self, stage, si, worker, tidx, mTasks, mCounters):
+        """Trace-time: the waits of `stage`, one per stage it depends on."""
         for dep in self._deps(stage):
             d = STAGE_INDEX[dep]
-            target = mTasks[worker, d, 3]
-            if cutlass.const_expr(dep in ROUTED):
-                target = rt["n_groups"][0] * self.stages.ring_stages[dep].blocks
-            self._wait(mCounters, d, target, tidx, si)
+            self._wait(mCounters, d, mTasks[worker, d, 3], tidx, si)
 
     @cute.jit
     def _wait(self, mCounters, c, target, tidx, stage_index):
@@ -673,10 +615,9 @@ class MegakernelOp(OpBase):
                           scope="gpu")
 
     @cute.jit
-    def _exit(self, mCounters, mClaims, tidx):
+    def _exit(self, mCounters, tidx):
         """The worker is done: thread 0 adds 1 to the exit count (acq_rel); the last worker,
-        after which no wait reads a counter and no claim is made this launch, resets every
-        counter and work counter to 0."""
+        after which no wait reads a counter this launch, resets every counter to 0."""
         i32 = cutlass.Int32
         cute.arch.sync_threads()
         if tidx == 0:
@@ -684,8 +625,6 @@ class MegakernelOp(OpBase):
             if old == i32(self.workers - 1):
                 for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
                     cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
-                for c in cutlass.range_constexpr(len(MEGA_STAGES)):
-                    cute.arch.store(mClaims.iterator + c, i32(0), sem="relaxed", scope="gpu")
 
 
 def _named(bufs) -> dict:

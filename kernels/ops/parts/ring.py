@@ -13,14 +13,12 @@ copied by the ring: the caller loads them after its waits, by coherent loads).
 
 Protocol, for a ring of `slots` slots and items numbered j = 0, 1, ... in the order both sides
 walk them:
-  * issue (one thread): item j goes to slot j % slots; the thread writes what the slot holds
-    into the slot's item word, arms the slot's mbarrier with the item's bytes
-    (`mbarrier.arrive.expect_tx`) and issues its copies, which complete the phase; an entry
-    with no bytes (a marker: the end of a stage's items) arrives without bytes, so the phase
-    completes at once;
-  * consume (every thread): wait on slot j % slots for phase parity (j // slots) % 2 (the
-    phase's completion makes the issuing thread's item word visible), read the item word and
-    the item's weights from shared memory;
+  * issue (one thread): item j goes to slot j % slots; the thread arms the slot's mbarrier with
+    the item's bytes (`mbarrier.arrive.expect_tx`) and issues its copies, which complete the
+    phase; an item with no bytes (a routed expert's item past the launch's groups) arrives
+    without bytes, so the phase completes at once;
+  * consume (every thread): wait on slot j % slots for phase parity (j // slots) % 2, read the
+    item's weights from shared memory;
   * reuse: item j + slots overwrites slot j % slots; the caller issues it only after a CTA
     barrier that follows every thread's reads of item j (generic-proxy reads, then the copy
     engine's writes, ordered by that barrier as in every TMA pipeline).
@@ -36,9 +34,8 @@ EVICT_FIRST = 0x12F0000000000000
 
 
 class RingPlan:
-    """`slots` slots of `slot_bytes` each (16-byte multiples), then one mbarrier per slot, then
-    one int32 per slot (what the slot holds: an index of the caller's, or -1): `smem_bytes` in
-    all, from a 128-byte aligned base."""
+    """`slots` slots of `slot_bytes` each (16-byte multiples), then one mbarrier per slot:
+    `smem_bytes` in all, from a 128-byte aligned base."""
 
     def __init__(self, *, slots: int, slot_bytes: int):
         if slots < 2:
@@ -48,20 +45,16 @@ class RingPlan:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.bars_offset = slots * slot_bytes
-        self.items_offset = self.bars_offset + slots * MBARRIER_BYTES
-        self.smem_bytes = self.items_offset + slots * 4
+        self.smem_bytes = self.bars_offset + slots * MBARRIER_BYTES
 
 
 def smem_tensors(base, plan: RingPlan):
-    """Trace-time: the ring's slots as one bf16 tensor (slot s at element s * slot_bytes / 2),
-    its mbarriers (an Int64 pointer) and its slots' item words (int32 [slots]), over shared
-    memory from the byte pointer `base`."""
+    """Trace-time: the ring's slots as one bf16 tensor (slot s at element s * slot_bytes / 2)
+    and its mbarriers (an Int64 pointer), over shared memory from the byte pointer `base`."""
     slots = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16),
                              cute.make_layout((plan.slots * plan.slot_bytes // 2,)))
     bars = cute.recast_ptr(base + plan.bars_offset, dtype=cutlass.Int64)
-    items = cute.make_tensor(cute.recast_ptr(base + plan.items_offset, dtype=cutlass.Int32),
-                             cute.make_layout((plan.slots,)))
-    return slots, bars, items
+    return slots, bars
 
 
 @cute.jit

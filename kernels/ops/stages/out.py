@@ -54,9 +54,6 @@ class OutStage:
         f32 = cutlass.Float32
         sPu = common.alternate(smem["partials"], smem["p"], T, self.threads)
         sPd = common.alternate(smem["partials2"], smem["p"], T, self.threads)
-        # the residual, loaded first so that its latency passes under the dots (every thread
-        # loads a token's, the epilogue's threads their own)
-        xv = b["x"][cutlass.min(tidx, T - 1), item].to(f32)
         if tidx < Pu.threads:
             _dot_section(Pu, smem["w"], smem["n"], T, sPu, tidx)
         elif tidx < Pu.threads + Pd.threads:
@@ -66,4 +63,4 @@ class OutStage:
         if tidx < T:
             up = stream.row_total(Pu, sPu, 0, tidx).to(bf16).to(f32)
             sh = stream.row_total(Pd, sPd, 0, tidx).to(bf16).to(f32)
-            b["out"][tidx, item] = (xv + up + sh).to(bf16)
+            b["out"][tidx, item] = (b["x"][tidx, item].to(f32) + up + sh).to(bf16)
