@@ -130,9 +130,11 @@ class Sandbox:
                     a += ["--symlink", os.readlink(d), d]
                 else:
                     a += ["--ro-bind", d, d]
+        # The private /tmp first: a folder bound after it shows through it, so an interpreter
+        # (a venv of a checkout) or a folder that lives under /tmp stays visible.
+        a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         for d in [*_python_roots(), *self.extra_ro]:
             a += ["--ro-bind", d, d]
-        a += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         if self.gpu:
             for n in sorted(os.listdir("/dev")):
                 if n.startswith("nvidia"):

@@ -192,6 +192,22 @@ def test_sandbox_hides_a_key_store_inside_a_visible_folder(tmp_path):
 
 
 @needs_bwrap
+def test_sandbox_shows_a_read_only_folder_that_lives_under_tmp(tmp_path):
+    # An interpreter prefix or extra folder under /tmp (a checkout and its venv cloned there) is
+    # bound over the sandbox's private /tmp, not hidden by it; the rest of /tmp stays private.
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "other.txt").write_text("secret\n")
+    sb = Sandbox(extra_ro=(str(tmp_path / "lib"),))
+    probe = ("import os, sys; d = sys.argv[1]; print(open(os.path.join(d, 'lib', 'mod.py')).read().strip(), "
+             "os.path.exists(os.path.join(d, 'other.txt')))")
+    proc = subprocess.run(sb.command([sys.executable, "-I", "-c", probe, str(tmp_path)]),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["x", "=", "1", "False"]
+
+
+@needs_bwrap
 def test_real_build_runs_its_compile_children_in_the_sandbox(tmp_path, monkeypatch):
     # kernels/build.py with a sandbox: the compile child that imports a (proposed) op module sees a
     # clean environment and no key. The payload reports through the build error; nothing compiles.
