@@ -453,7 +453,8 @@ def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set
     """Generic forward analysis over boolean facts and sets. `must` facts join by AND (sets by
     `_meet`), the others by OR (union). `step(instr, state)` updates `state` in place. At a
     block of `reset_heads` the state is `reset`, or `head_state(block, [(pred, OUT state)])`
-    when given. Returns the IN state of every block."""
+    when given (None: no state reaches the block yet, which this pass skips). Returns the IN
+    state of every block reached."""
     ins_state: dict[int, dict] = {}
     out: dict[int, dict] = {}
     changed = True
@@ -465,6 +466,8 @@ def _forward(cfg: CFG, init: dict, reset_heads: set[int], reset: dict, must: set
             elif b in reset_heads:
                 st = (dict(reset) if head_state is None else
                       head_state(b, [(p, out[p]) for p in cfg.blocks[b].preds if p in out]))
+                if st is None:
+                    continue
             else:
                 preds = [out[p] for p in cfg.blocks[b].preds if p in out]
                 if not preds:

@@ -102,72 +102,51 @@ def stage_wait_findings(cfg, prov: Provenance, roles: Roles, counters: int,
     """PTX: every load of a buffer a stage writes (activation or scratch) that does not follow,
     on every path, an acquire of a covering stage's counter word by this thread, or by some
     thread followed by a CTA barrier: `load-before-producer-wait`."""
-    from .rules import thread_dependent_blocks
+    from .rules import _forward, _replay, thread_dependent_blocks
 
-    fn = cfg.fn
     td = thread_dependent_blocks(cfg, prov)
     by_name = {n: i for i, n in roles.names.items()}
     writer = {by_name[b]: i for i, (_, _, writes) in enumerate(stages) for b in writes if b in by_name}
     cover = covering_stages(stages)
 
-    def step(ins: ir.Instr, st: tuple[frozenset, frozenset], emit) -> tuple[frozenset, frozenset]:
-        mine, some = st
+    def step(ins: ir.Instr, st: dict, emit) -> None:
+        """`st`: "mine", the counter words this thread acquired on every path; "some", those
+        some thread acquired (a CTA barrier makes them every thread's)."""
         if ins.kind in (ir.LOAD, ir.ATOM) and ins.sem in (ir.ACQUIRE, ir.ACQ_REL) and ins.cross_cta_scope:
             w = _counter_word(ins, prov, counters)
             if w is not None:
                 thread_varying = cfg.block_of[ins.index] in td or (ins.guard and prov.guard_is_thread_varying(ins.index))
-                if thread_varying:
-                    some = some | {w}
-                else:
-                    mine = mine | {w}
-                return mine, some
+                key = "some" if thread_varying else "mine"
+                st[key] = st[key] | {w}
+                return
         if ins.kind == ir.BARRIER:
-            return mine | some, some
+            st["mine"] = st["mine"] | st["some"]
+            return
         if emit is not None and ins.kind == ir.LOAD:
             for p in sorted(prov.params_of_addr(ins.index)):
                 if p not in writer or roles.by_index.get(p) not in JUDGED_ROLES:
                     continue
                 need = cover[writer[p]]
-                if not need & mine:
+                if not need & st["mine"]:
                     names = ", ".join(stages[q][0] for q in sorted(need))
                     emit(RawFinding("load-before-producer-wait", ins,
                                     f"load of {roles.names.get(p, p)!r} (written by stage {stages[writer[p]][0]!r}) "
                                     f"follows no acquire of the counter of {names}: no wait of this thread, or a "
                                     "barrier after another's, covers its producer", (p,)))
-        return mine, some
 
-    ins_state: dict[int, tuple] = {}
-    out: dict[int, tuple] = {}
-    changed = True
-    while changed:  # must-sets: intersected where paths meet
-        changed = False
-        for b in cfg.rpo:
-            if b == cfg.rpo[0]:
-                st = (frozenset(), frozenset())
-            else:
-                preds = [p for p in cfg.blocks[b].preds if p in out]
-                if not preds:
-                    continue
-                # this thread's acquires: on every path; some thread's: on every path the whole
-                # CTA takes, joined with those of blocks only some threads run (a thread-varying
-                # branch's arm: its acquire was some thread's on the other arm too)
-                uniform = [out[p][1] for p in preds if p not in td]
-                some = frozenset.intersection(*uniform) if uniform else frozenset()
-                some = some.union(*[out[p][1] for p in preds if p in td])
-                st = (frozenset.intersection(*[out[p][0] for p in preds]), some)
-            ins_state[b] = st
-            blk = cfg.blocks[b]
-            for k in range(blk.start, blk.end):
-                st = step(fn.instrs[k], st, None)
-            if out.get(b) != st:
-                out[b] = st
-                changed = True
+    def join(b: int, preds: list[tuple[int, dict]]) -> dict | None:
+        """Must-sets: this thread's acquires on every path; some thread's on every path the
+        whole CTA takes, joined with those of blocks only some threads run (a thread-varying
+        branch's arm: its acquire was some thread's on the other arm too)."""
+        if not preds:
+            return None
+        uniform = [st["some"] for p, st in preds if p not in td]
+        some = frozenset.intersection(*uniform) if uniform else frozenset()
+        some = some.union(*[st["some"] for p, st in preds if p in td])
+        return {"mine": frozenset.intersection(*[st["mine"] for _, st in preds]), "some": some}
+
+    empty = {"mine": frozenset(), "some": frozenset()}
+    ins_state = _forward(cfg, empty, set(cfg.rpo), empty, set(), step, join)
     found: list[RawFinding] = []
-    for b in cfg.rpo:
-        if b not in ins_state:
-            continue
-        st = ins_state[b]
-        blk = cfg.blocks[b]
-        for k in range(blk.start, blk.end):
-            st = step(fn.instrs[k], st, found.append)
+    _replay(cfg, ins_state, step, found.append)
     return found
