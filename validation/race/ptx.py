@@ -232,6 +232,20 @@ def _parse_body(name, params, body, files) -> ir.Function:
     def key(label: str, scope: int | None) -> str:
         return label if scope is None or scope == 0 else f"{label}@{scope}"  # block 0: the body
 
+    def edges(stmt: str) -> str:
+        """`stmt` without the block braces at its start, each opening or closing a block: they
+        stand between statements ("{ .reg .pred p; ... }"), a vector operand ("{%r1, %r2}")
+        never starts one."""
+        nonlocal blocks
+        while stmt[:1] in ("{", "}") and not stmt.startswith("{%"):
+            if stmt[0] == "{":
+                scopes.append(blocks)
+                blocks += 1
+            elif scopes:
+                scopes.pop()
+            stmt = stmt[1:].strip()
+        return stmt
+
     for lineno, raw in body:
         s = raw.strip()
         if not s:
@@ -241,37 +255,23 @@ def _parse_body(name, params, body, files) -> ir.Function:
             f = files.get(int(m.group(1)), f"file{m.group(1)}")
             loc = ir.SourceLoc(f, int(m.group(2))) if int(m.group(2)) > 0 else loc
             continue
-        opens = s.startswith("{") and not s.startswith("{%")
-        closes = s.endswith("}") and (opens or s == "}" or not s.rstrip("}").rstrip().endswith(("%", ",")))
-        if opens:
-            scopes.append(blocks)
-            blocks += 1
-            s = s[1:].strip()
-        if closes and s.endswith("}") and "{" not in s:
-            s = s[:-1].strip()
-        else:
-            closes = closes and s == "}"
-            if s == "}":
-                s = ""
         for stmt in s.split(";"):
-            stmt = stmt.strip()
+            stmt = edges(stmt.strip())
             if not stmt:
                 continue
             lm = _LABEL.match(stmt)
             if lm:
                 labels[key(lm.group(1), scopes[-1] if scopes else None)] = len(instrs)
-                stmt = stmt[lm.end():].strip()
+                stmt = edges(stmt[lm.end():].strip())
                 if not stmt:
                     continue
-            if stmt.startswith(".") or stmt in ("{", "}"):
+            if stmt.startswith("."):
                 continue  # .reg, .shared, .pragma, ... declarations
             ins = _parse_instr(stmt, len(instrs), lineno, loc, by_name)
             if ins is not None:
                 instrs.append(ins)
                 if ins.kind == ir.BRANCH:
                     branch_scopes.append((ins, tuple(scopes)))
-        if closes and scopes:
-            scopes.pop()
     for ins, stack in branch_scopes:  # each target: the innermost enclosing block's label of that name
         if ins.targets:
             t = ins.targets[0]
