@@ -210,7 +210,17 @@ def _widen(b: int, state: dict, entry: dict, moved: dict) -> dict:
 def analyze(cfg: CFG, tables: dict[int, int] | None = None) -> Provenance:
     """Run the provenance analysis to a fixed point and record per-instruction tags.
     `tables`: declared task-table parameters -> their entry stride in bytes (0: one entry);
-    a value loaded from one is tagged with the slot it came from (see `slot_index`)."""
+    a value loaded from one is tagged with the slot it came from (see `slot_index`). The
+    memoized offset sets live for one analysis: a process that audits many kernels (the gate,
+    a test session) does not keep every kernel's."""
+    try:
+        return _analyze(cfg, tables)
+    finally:
+        _OFFSETS.clear()
+        _ABSORBED.clear()
+
+
+def _analyze(cfg: CFG, tables: dict[int, int] | None) -> Provenance:
     fn = cfg.fn
     if tables:
         tables = dict(tables)
