@@ -112,6 +112,26 @@ def test_the_cli_refuses_without_a_plan_and_with_an_unreadable_one(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_builds_head_with_the_tunables_it_is_given(tmp_path, monkeypatch, capsys):
+    """`validate megakernel --base REV --prepare --tunables N=V` builds head with them (a variant
+    against the base's defaults), as for any kernel; the megakernel's own stage used to drop them
+    and build the defaults on both sides."""
+    import validation.validate as V
+    from validation.cli import main
+
+    seen = {}
+
+    def stop(kernel, base, **kw):
+        seen.update(kernel=kernel, tunables=kw.get("tunables"))
+        raise V.ValidateError("stopped here")
+
+    monkeypatch.setattr(V, "prepare_base_plan", stop)
+    rc = main(["validate", "megakernel", "--base", "HEAD", "--prepare", "--tunables", "stream_cta_kib=28",
+               "--build-root", str(tmp_path)])
+    assert rc == 2 and "stopped here" in capsys.readouterr().err
+    assert seen == {"kernel": "megakernel", "tunables": {"stream_cta_kib": 28}}
+
+
 def test_the_model_check_the_plan_carries_passes_on_the_shipped_graph_code():
     r = M.model_check()
     assert r["passed"] and len(r["cases"]) == len(M.MODEL_CHECKS)

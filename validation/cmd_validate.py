@@ -86,7 +86,7 @@ def run(args) -> int:
 
     stage = own_stage(args.kernel)
     if stage is not None:
-        return _run_own_stage(args, build_root, stage)
+        return _run_own_stage(args, build_root, stage, tunables)
     if args.prepare:
         if not is_revision(args.base):
             raise UserError("--prepare needs --base REV (a git revision to build the baseline from)")
@@ -217,9 +217,9 @@ def _run_all(args, tunables: dict) -> int:
     return 1 if bad else 0
 
 
-def _run_own_stage(args, build_root, stage) -> int:
-    """A kernel with a stage of its own (validation/policy.py OWN_STAGES): --prepare here, --plan
-    on the GPU host."""
+def _run_own_stage(args, build_root, stage, tunables: dict) -> int:
+    """A kernel with a stage of its own (validation/policy.py OWN_STAGES): --prepare here (head
+    with `tunables` over its defaults), --plan on the GPU host."""
     from kernels.manifest import REPO_ROOT
 
     from validation.validate import ValidateError, default_plan_path, is_revision
@@ -233,7 +233,8 @@ def _run_own_stage(args, build_root, stage) -> int:
                 raise UserError("--prepare writes a plan; --plan runs one: give one of them")
             path = default_plan_path(k, build_root)
             path.parent.mkdir(parents=True, exist_ok=True)
-            plan = stage.prepare(args.base, build_root=build_root, plan_path=path, batches=args.batch)
+            plan = stage.prepare(args.base, build_root=build_root, plan_path=path, batches=args.batch,
+                                 tunables=tunables or None)
             rel = _repo_rel(path, REPO_ROOT)
             print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}")
             root = _repo_rel(build_root, REPO_ROOT)

@@ -137,10 +137,11 @@ def model_check() -> dict:
 
 
 def prepare_mega_plan(base: str, *, build_root: Path, plan_path: Path, repo_root: Path | None = None,
-                      batches=None, log=None, minis: bool = True) -> dict:
+                      batches=None, log=None, minis: bool = True, tunables: dict | None = None) -> dict:
     """Build head's and base's megakernel at every manifest batch (and, with `minis`, the mini
     variant the sanitizers run), audit head, model-check its graph, plan both sides' task tables,
-    build the chain at the same batches; write the plan."""
+    build the chain at the same batches; write the plan. `tunables` builds head with them over
+    its manifest defaults (a non-default variant against the base's defaults)."""
     from kernels.manifest import REPO_ROOT
 
     from .block_stage import BlockError, _build_block_in
@@ -150,7 +151,7 @@ def prepare_mega_plan(base: str, *, build_root: Path, plan_path: Path, repo_root
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         plan = prepare_base_plan(KERNEL, base, batches=batches, build_root=build_root, repo_root=repo_root,
-                                 plan_path=plan_path, log=log, minis=minis)
+                                 plan_path=plan_path, log=log, minis=minis, tunables=tunables)
     except ValidateError as e:
         raise MegaError(str(e)) from None
     plan["schema"] = MEGA_SCHEMA

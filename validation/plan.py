@@ -153,7 +153,7 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
         try:
             if stage is not None:  # its own plan; its minis go with the others' (plans/sanitize.json)
                 plans.append(stage.prepare(base, build_root=build_root, plan_path=path, repo_root=repo_root,
-                                           log=log, minis=False))
+                                           log=log, minis=False, tunables=tunables))
             else:
                 plans.append(prepare_kernel(k, path))
             done.append(k)
