@@ -224,6 +224,27 @@ def test_timeline_from_stamps_and_its_svg():
         timeline_from_stamps([[[1, 2]]], ["a", "b"], batch=1)
 
 
+def test_a_timeline_is_summed_up_per_stage_with_its_stragglers():
+    from validation.report import timeline_table
+    from validation.timeline import stage_summary, timeline_from_stamps
+
+    stamps = [[[1000, 3000], [4000, 9000]],
+              [[1500, 2500], [0, 0]],
+              [[1000, 2000], [5000, 11000]],
+              [[1000, 6000], [6000, 7000]]]
+    t = timeline_from_stamps(stamps, ["a", "b"], batch=2)
+    a, b = stage_summary(t)
+    assert (a["stage"], a["workers"], a["first_start_us"]) == ("a", 4, 0.0)
+    # ends 1, 1.5, 2, 5 us: median 1.75, the slowest worker 3.25 us behind it
+    assert (a["end_min_us"], a["end_median_us"], a["end_max_us"]) == (1.0, 1.75, 5.0)
+    assert a["straggle_us"] == 3.25 and (a["busy_median_us"], a["busy_max_us"]) == (1.5, 5.0)
+    assert (b["workers"], b["end_median_us"], b["straggle_us"]) == (3, 8.0, 2.0)
+    assert stage_summary({"stages": ["a"], "spans": []}) == []
+    html_ = timeline_table(t)
+    assert "1.0 / 1.8 / 5.0" in html_ and "<td>3.2</td>" in html_ and "batch 2" in html_
+    assert timeline_table({"stages": ["a"], "unit": "cycles", "spans": [[0, 0, 1, 2]]}) == ""
+
+
 def test_a_bundle_timeline_is_drawn_on_the_page():
     from validation.report import render_report
 

@@ -167,6 +167,28 @@ def timeline_svg(timeline: dict, *, width: int = 720) -> str:
     return "".join(out)
 
 
+def timeline_table(timeline: dict) -> str:
+    """The timeline's per-stage summary (validation/timeline.py stage_summary) as an HTML table:
+    where each stage's workers end, and how long its slowest ones keep the rest waiting."""
+    from validation.timeline import stage_summary
+
+    try:
+        rows = stage_summary(timeline)
+    except (ValueError, TypeError, IndexError):
+        return ""
+    if not rows:
+        return ""
+    head = ("<tr><th>stage</th><th>workers</th><th>first start</th><th>end min / median / max</th>"
+            "<th>straggle (max - median end)</th><th>busy median / max</th></tr>")
+    body = "".join(
+        f"<tr><td>{html.escape(r['stage'])}</td><td>{r['workers']}</td><td>{r['first_start_us']:.1f}</td>"
+        f"<td>{r['end_min_us']:.1f} / {r['end_median_us']:.1f} / {r['end_max_us']:.1f}</td>"
+        f"<td>{r['straggle_us']:.1f}</td><td>{r['busy_median_us']:.1f} / {r['busy_max_us']:.1f}</td></tr>"
+        for r in rows)
+    return (f'<table class="timeline"><caption>Stages at batch {html.escape(str(timeline.get("batch", "?")))}, '
+            f"us from the first timestamp</caption>{head}{body}</table>")
+
+
 def _problem_label(variant: dict) -> str:
     """A short legend label: the problem without the batch; the default bf16 output dtype omitted."""
     parts = []
@@ -346,7 +368,7 @@ def render_report(bundle: dict, trust: dict | None = None) -> str:
     timelines = bundle.get("timeline") or []
     for t in timelines if isinstance(timelines, list) else [timelines]:
         if isinstance(t, dict):
-            plots.append(timeline_svg(t))
+            plots.append(timeline_svg(t) + timeline_table(t))
     corr = bundle.get("correctness") or {}
     n_cases = len(corr.get("cases") or [])
     tmpl = env.get_template(TEMPLATE)

@@ -3,7 +3,8 @@
 The kernel's stamp buffer is int64 `[workers][stages][2]`: thread 0 of each worker writes
 `%globaltimer` (ns) when it starts a stage's first item and when it finishes its last; a stage a
 worker ran no item of stays 0. `timeline_from_stamps` turns it into the bundle's `timeline` entry
-(validation/BUNDLE.md), which the report draws (validation/report.py timeline_svg).
+(validation/BUNDLE.md), which the report draws (validation/report.py timeline_svg) and sums up per
+stage (`stage_summary`).
 """
 
 from __future__ import annotations
@@ -24,3 +25,39 @@ def timeline_from_stamps(stamps, stages: list[str], *, batch: int, unit: str = "
                 raise ValueError(f"worker {w} stage {stages[si]!r}: stamps {start}..{end} are not a span")
             spans.append([w, si, start, end])
     return {"batch": int(batch), "unit": unit, "stages": list(stages), "spans": spans}
+
+
+_SCALE = {"ns": 1e-3, "us": 1.0}
+
+
+def stage_summary(timeline: dict) -> list[dict]:
+    """Per stage of a `timeline` (in its stage order; stages no worker ran are left out): the
+    workers that ran it, its first start, and its workers' end times (min, median, max), in us
+    from the launch's first timestamp; `straggle_us` is max - median end, what the slowest
+    workers cost the others at a wait on the stage (with static shares, where the stage's
+    imbalance shows); `busy_median_us` / `busy_max_us` the workers' span lengths."""
+    stages = list(timeline.get("stages") or [])
+    spans = timeline.get("spans") or []
+    if not spans:
+        return []
+    scale = _SCALE.get(timeline.get("unit", "ns"))
+    if scale is None:
+        raise ValueError(f"timeline unit {timeline.get('unit')!r}: ns or us")
+    t0 = min(s[2] for s in spans)
+    out = []
+    for si, name in enumerate(stages):
+        mine = [s for s in spans if int(s[1]) == si]
+        if not mine:
+            continue
+        ends = sorted((s[3] - t0) * scale for s in mine)
+        busy = sorted((s[3] - s[2]) * scale for s in mine)
+        med = _median(ends)
+        out.append({"stage": name, "workers": len(mine), "first_start_us": (min(s[2] for s in mine) - t0) * scale,
+                    "end_min_us": ends[0], "end_median_us": med, "end_max_us": ends[-1],
+                    "straggle_us": ends[-1] - med, "busy_median_us": _median(busy), "busy_max_us": busy[-1]})
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
