@@ -97,11 +97,6 @@ MAX_RING_SLOTS = 8
 # routing is waited for).
 RING_STAGES = tuple(s for s in MEGA_STAGES if s in ("router_rows", "down", "shared_gu", "w13", "w2", "out"))
 ROUTED = ("w13", "w2")
-# Stages whose worker issues no ring copies before or during its items: the head of the graph,
-# which every worker waits for. Its loads would otherwise queue behind the worker's own ring of
-# bulk copies (some 170 KB at once) and delay every worker; the worker's first fill comes at
-# its next stage.
-RING_QUIET = ("norm_pre",)
 COMBINE_COLS = 32  # latent columns of one combine item
 MAX_BATCH = ROUTER_MAX_BATCH  # the router's one-selector phase 2; past it the router stages need gemv tiles
 STAGE_INDEX = {s: i for i, s in enumerate(MEGA_STAGES)}
@@ -425,14 +420,12 @@ class MegakernelOp(OpBase):
     def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued,
                    consumed, lo, hi, step):
         """Trace-time: the waits of `stage` (done already at MEGA_ROUTING_AT), the worker's items
-        range(lo, hi, step), each after a fill of the ring (none in RING_QUIET), then one signal
-        of them all; the ring stages' items over their slots, the others over the op's shared
-        memory with a CTA barrier after each. Returns the ring's counts."""
+        range(lo, hi, step), each after a fill of the ring, then one signal of them all; the
+        ring stages' items over their slots, the others over the op's shared memory with a CTA
+        barrier after each. Returns the ring's counts."""
         routed = STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
-        quiet = stage in RING_QUIET  # trace-time
         if cutlass.const_expr(stage != MEGA_ROUTING_AT):
-            if cutlass.const_expr(not quiet):
-                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+            issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
@@ -449,8 +442,7 @@ class MegakernelOp(OpBase):
         else:
             smem = self._plain_smem(stage, region)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                if cutlass.const_expr(not quiet):
-                    issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
                 self._item(stage, item, tidx, smem, bufs)
                 cute.arch.sync_threads()  # the next item reuses this one's shared memory
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)

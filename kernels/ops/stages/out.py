@@ -48,17 +48,12 @@ class OutStage:
     def item(self, item, tidx, smem, b):
         """The up section (the first Pu.threads threads) reads the slot's W_up row against n,
         the down section the W_sd row after it against a_s; then a thread per token rounds each
-        to bf16 and adds the residual (loaded first), as latent_out does."""
+        to bf16 and adds the residual, as latent_out does."""
         Pu, Pd, T = self.Pu, self.Pd, self.batch
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
         sPu = common.alternate(smem["partials"], smem["p"], T, self.threads)
         sPd = common.alternate(smem["partials2"], smem["p"], T, self.threads)
-        # the residual, loaded before the dots: its global-load latency then overlaps them
-        # instead of following the barrier (thread 0, one of these, issues the ring)
-        res = f32(0.0)
-        if tidx < T:
-            res = b["x"][tidx, item].to(f32)
         if tidx < Pu.threads:
             _dot_section(Pu, smem["w"], smem["n"], T, sPu, tidx)
         elif tidx < Pu.threads + Pd.threads:
@@ -68,4 +63,4 @@ class OutStage:
         if tidx < T:
             up = stream.row_total(Pu, sPu, 0, tidx).to(bf16).to(f32)
             sh = stream.row_total(Pd, sPd, 0, tidx).to(bf16).to(f32)
-            b["out"][tidx, item] = (res + up + sh).to(bf16)
+            b["out"][tidx, item] = (b["x"][tidx, item].to(f32) + up + sh).to(bf16)
