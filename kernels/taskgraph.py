@@ -244,13 +244,13 @@ def mega_counter(stage: str) -> str:
     return f"{stage}_done"
 
 
-def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dict[str, int] | None = None) -> TaskGraph:
+def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, *, cols: dict[str, int]) -> TaskGraph:
     """The task graph of exactly what the megakernel runs at `batch` on `workers` persistent
     CTAs: MEGA_STAGES with their items, the buffers each item reads and writes, one completion
     counter per stage (covering the stage's whole output), and the static per-worker schedule
-    (`mega_schedule`). `cols` gives MEGA_COL_STAGES' output columns per item (default: the
-    kernel's own plan, kernels.ops.megakernel.stage_cols, which raises where the kernel cannot
-    be built at that batch); smaller graphs for the model checker pass their own.
+    (`mega_range`). `cols` gives MEGA_COL_STAGES' output columns per item: the kernel's own plan
+    (kernels.ops.megakernel.stage_cols, what MegakernelOp passes), or a smaller graph's for the
+    model checker. The graph imports nothing of the kernel; the kernel imports the graph.
 
     The routed experts' items are (group u, column block) pairs for every possible group
     (G = min(batch * top_k, n_experts)); an item past the launch's n_groups does nothing. Their
@@ -258,10 +258,6 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, cols: dic
     every selected (token, k) pair is a group of its own (at batch 1 the only routing there is;
     past n_experts pairs, the positions split evenly). The combine's items, blocks of latent
     columns, read o for every (token, k) after the wait on w2."""
-    if cols is None:
-        from kernels.ops.megakernel import stage_cols
-
-        cols = stage_cols(cfg, batch)
     T, H, L, E, K = batch, cfg.hidden, cfg.latent, cfg.n_experts, cfg.top_k
     I, S = cfg.expert_inter, cfg.shared_inter
     TK = T * K
