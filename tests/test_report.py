@@ -243,6 +243,9 @@ def test_a_timeline_is_summed_up_per_stage_with_its_stragglers():
     html_ = timeline_table(t)
     assert "1.0 / 1.8 / 5.0" in html_ and "<td>3.2</td>" in html_ and "batch 2" in html_
     assert timeline_table({"stages": ["a"], "unit": "cycles", "spans": [[0, 0, 1, 2]]}) == ""
+    # cycles at the timeline's clock: 2000 cycles at 1000 MHz are 2 us
+    (c,) = stage_summary({"stages": ["a"], "unit": "cycles", "clock_mhz": 1000, "spans": [[0, 0, 0, 2000]]})
+    assert c["end_max_us"] == 2.0 and c["busy_max_us"] == 2.0
 
 
 def test_a_bundle_timeline_is_drawn_on_the_page():

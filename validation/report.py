@@ -21,6 +21,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from validation.timeline import stage_summary, us_per_unit
+
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "rfc_templates"
 TEMPLATE = "report.html.j2"
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf")
@@ -120,8 +122,10 @@ def timeline_svg(timeline: dict, *, width: int = 720) -> str:
     title = f"Per-stage timeline, batch {timeline.get('batch', '?')}"
     if not stages or not spans:
         return f'<p class="muted">{html.escape(title)}: no timestamps</p>'
-    scale = {"ns": 1e-3, "us": 1.0, "cycles": 1.0 / float(timeline.get("clock_mhz") or 1.0)}.get(
-        timeline.get("unit", "ns"), 1e-3)
+    try:
+        scale = us_per_unit(timeline)
+    except ValueError:  # drawn anyway: cycles without a clock as if at 1 MHz, an unknown unit as ns
+        scale = 1.0 if timeline.get("unit") == "cycles" else 1e-3
     t0 = min(s[2] for s in spans)
     t1 = max(s[3] for s in spans)
     span_us = max((t1 - t0) * scale, 1e-9)
@@ -170,8 +174,6 @@ def timeline_svg(timeline: dict, *, width: int = 720) -> str:
 def timeline_table(timeline: dict) -> str:
     """The timeline's per-stage summary (validation/timeline.py stage_summary) as an HTML table:
     where each stage's workers end, and how long its slowest ones keep the rest waiting."""
-    from validation.timeline import stage_summary
-
     try:
         rows = stage_summary(timeline)
     except (ValueError, TypeError, IndexError):

@@ -9,6 +9,8 @@ stage (`stage_summary`).
 
 from __future__ import annotations
 
+from statistics import median
+
 
 def timeline_from_stamps(stamps, stages: list[str], *, batch: int, unit: str = "ns") -> dict:
     """`stamps`: a nested sequence (or tensor/array with .tolist()) of shape [workers][stages][2]."""
@@ -27,7 +29,23 @@ def timeline_from_stamps(stamps, stages: list[str], *, batch: int, unit: str = "
     return {"batch": int(batch), "unit": unit, "stages": list(stages), "spans": spans}
 
 
-_SCALE = {"ns": 1e-3, "us": 1.0}
+def us_per_unit(timeline: dict) -> float:
+    """Microseconds per unit of a timeline's stamps: `ns` (%globaltimer), `us`, or `cycles` at
+    its `clock_mhz`. A ValueError names a unit it cannot convert."""
+    unit = timeline.get("unit", "ns")
+    if unit == "ns":
+        return 1e-3
+    if unit == "us":
+        return 1.0
+    if unit == "cycles":
+        try:
+            mhz = float(timeline.get("clock_mhz") or 0)
+        except (TypeError, ValueError):
+            mhz = 0.0
+        if mhz > 0:
+            return 1.0 / mhz
+        raise ValueError("timeline in cycles without its clock_mhz")
+    raise ValueError(f"timeline unit {unit!r}: ns, us, or cycles with clock_mhz")
 
 
 def stage_summary(timeline: dict) -> list[dict]:
@@ -40,9 +58,7 @@ def stage_summary(timeline: dict) -> list[dict]:
     spans = timeline.get("spans") or []
     if not spans:
         return []
-    scale = _SCALE.get(timeline.get("unit", "ns"))
-    if scale is None:
-        raise ValueError(f"timeline unit {timeline.get('unit')!r}: ns or us")
+    scale = us_per_unit(timeline)
     t0 = min(s[2] for s in spans)
     out = []
     for si, name in enumerate(stages):
@@ -50,14 +66,9 @@ def stage_summary(timeline: dict) -> list[dict]:
         if not mine:
             continue
         ends = sorted((s[3] - t0) * scale for s in mine)
-        busy = sorted((s[3] - s[2]) * scale for s in mine)
-        med = _median(ends)
+        busy = [(s[3] - s[2]) * scale for s in mine]
+        med = median(ends)
         out.append({"stage": name, "workers": len(mine), "first_start_us": (min(s[2] for s in mine) - t0) * scale,
                     "end_min_us": ends[0], "end_median_us": med, "end_max_us": ends[-1],
-                    "straggle_us": ends[-1] - med, "busy_median_us": _median(busy), "busy_max_us": busy[-1]})
+                    "straggle_us": ends[-1] - med, "busy_median_us": median(busy), "busy_max_us": max(busy)})
     return out
-
-
-def _median(xs: list[float]) -> float:
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
