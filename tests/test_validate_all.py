@@ -352,3 +352,71 @@ def test_validate_refuses_a_task_table_kernel_without_its_own_stage_with_one_cle
 
     with pytest.raises(ValidateError, match="megakernel reads a task table .*its own validation stage"):
         _kernel_variants("megakernel", None)
+
+
+def _mega_plan(build):
+    _folder(build, "megakernel/h1", b"H")
+    _folder(build, "megakernel/b1", b"B")
+    _folder(build, "megakernel/m1", b"M")
+    _folder(build, "rmsnorm/c1", b"C")
+    _folder(build, "gemv/unrelated", b"U")  # in the cache, not in the plan: not carried
+    return {"schema": "fasttrack.megakernel-plan/1", "kernel": "megakernel",
+            "variants": [{"variant": {"batch": 1}, "head": {"dir": "megakernel/h1"}, "base": {"dir": "megakernel/b1"}}],
+            "sanitize": {"entries": [{"dir": "megakernel/m1"}]},
+            "chain": [{"batch": 1, "cases": [{"dir": "rmsnorm/c1"}]}]}
+
+
+def test_one_plan_is_carried_beside_it_and_unpacked_afresh_from_there(tmp_path):
+    """`validate K --prepare` carries what its plan names (not the whole build cache, which
+    does not fit a device call); the GPU host unpacks it beside the plan, afresh each time."""
+    build = tmp_path / "build"
+    plan = _mega_plan(build)
+    path = build / "validate" / "megakernel" / "plan.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(plan))
+    carry = P.carry_plan(path, build, plan)
+    assert carry["folders"] == 4 and (path.parent / P.ARCHIVE).is_file()
+    assert not (path.parent / "builds").exists()  # only the archive is left to carry
+    assert P.plan_build_root(tmp_path / "other" / "plan.json") is None  # no carry beside that one
+    builds = P.plan_build_root(path)
+    assert builds == path.parent / "builds"
+    got = sorted(str(f.relative_to(builds)) for f in builds.rglob("*") if f.is_file())
+    assert got == sorted(f"{d}/{f}" for d in ("megakernel/h1", "megakernel/b1", "megakernel/m1", "rmsnorm/c1")
+                         for f in ("kernel.cubin", "meta.json"))
+    (builds / "megakernel" / "h1" / "kernel.cubin").write_bytes(b"STALE")  # a machine's older unpacking
+    assert (P.plan_build_root(path) / "megakernel" / "h1" / "kernel.cubin").read_bytes() == b"H"
+    assert "OVER" not in P.carry_note(carry) and "OVER" in P.carry_note({"archive_bytes": P.CARRY_LIMIT + 1})
+
+
+def test_the_cli_prepares_a_carry_and_the_gpu_command_runs_from_it(tmp_path, monkeypatch, capsys):
+    import validation.cmd_validate as C
+    import validation.mega_stage as M
+    from validation.cli import main
+
+    build = tmp_path / "build"
+    plan = _mega_plan(build)
+
+    def prepare(base, *, build_root, plan_path, **kw):
+        plan_path.write_text(json.dumps(plan))
+        return {**plan, "base": {"sha": "b" * 40}}
+
+    seen = {}
+
+    def validate(plan_path, *, build_root, out_dir, **kw):
+        seen.update(plan=plan_path, build_root=build_root)
+        return {"verdict": "pass", "reasons": []}
+
+    monkeypatch.setattr(M, "prepare", prepare)
+    monkeypatch.setattr(M, "validate", validate)
+    monkeypatch.setattr(C, "cuda_available", lambda: True)
+    assert main(["validate", "megakernel", "--base", "HEAD", "--prepare", "--build-root", str(build)]) == 0
+    out = capsys.readouterr().out
+    assert "4 build folders" in out and "--build-root" not in out
+    path = build / "validate" / "megakernel" / "plan.json"
+    assert main(["validate", "megakernel", "--plan", str(path), "--out", str(tmp_path / "out")]) == 0
+    assert seen["build_root"] == path.parent / "builds"
+    assert (seen["build_root"] / "rmsnorm" / "c1" / "kernel.cubin").read_bytes() == b"C"
+    # an explicit --build-root still wins
+    assert main(["validate", "megakernel", "--plan", str(path), "--build-root", str(build),
+                 "--out", str(tmp_path / "out2")]) == 0
+    assert seen["build_root"] == build

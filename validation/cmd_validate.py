@@ -72,7 +72,7 @@ def run(args) -> int:
     from validation.validate import (DEFAULT_BUILD_ROOT, ValidateError, default_plan_path, is_revision,
                                      prepare_base_plan, validate_kernel)
 
-    build_root = args.build_root or DEFAULT_BUILD_ROOT
+    build_root = args.build_root or _carried(args) or DEFAULT_BUILD_ROOT
     tunables = _parse_tunables(args.tunables)
     if tunables and not args.prepare:
         raise UserError("--tunables builds head with them: give it with --base REV --prepare (then run the plan)")
@@ -101,9 +101,7 @@ def run(args) -> int:
         rel = _repo_rel(plan_path, REPO_ROOT)
         print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}, "
               f"head {str(plan['head']['sha'])[:12]}")
-        print(f"next, on the GPU host (carry {_repo_rel(build_root, REPO_ROOT)}/{args.kernel} and {rel}):\n"
-              f"  PYTHONPATH=. python3 -m validation.cli validate {args.kernel} --plan {rel} --out OUT_DIR\n"
-              f"then here: fasttrack sign OUT_DIR/bundle.json")
+        _print_next(args.kernel, plan_path, build_root, plan, f"fasttrack sign OUT_DIR/bundle.json --plan {rel}")
         return 0
     out = args.out or (REPO_ROOT / "evidence_reports" / args.kernel)
     refuse_signed_bundle(out / "bundle.json")
@@ -160,6 +158,40 @@ def refuse_signed_bundle(path: Path) -> None:
     if isinstance(data, dict) and data.get("signature"):
         raise UserError(f"{path} is a signed evidence bundle; nothing overwrites a signed bundle: "
                         "choose another --out", 2)
+
+
+def _carried(args) -> Path | None:
+    """With --plan and no --build-root: the builds carried beside the plan (validation.plan
+    plan_build_root), unpacked; None without a carry there (the default build root then)."""
+    if args.plan is None or args.prepare or args.all:
+        return None
+    from validation.plan import PlanError, plan_build_root
+
+    try:
+        return plan_build_root(args.plan)
+    except PlanError as e:
+        raise UserError(str(e), 2) from None
+
+
+def _print_next(kernel: str, plan_path: Path, build_root: Path, plan: dict, then: str) -> None:
+    """After a prepare: the plan's carry beside it (validation.plan carry_plan) and the commands
+    for the GPU host and back here."""
+    from kernels.manifest import REPO_ROOT
+
+    from validation.plan import carry_note, carry_plan
+
+    from validation.plan import PlanError
+
+    try:
+        carry = carry_plan(plan_path, build_root, plan)
+    except PlanError as e:
+        raise UserError(f"the plan is written, but its carry is not: {e}", 2) from None
+    rel = _repo_rel(plan_path, REPO_ROOT)
+    folder = _repo_rel(Path(plan_path).parent, REPO_ROOT)
+    print(f"carry: {folder} ({carry['folders']} build folders, {carry_note(carry)})")
+    print(f"next, on the GPU host (carry {folder}):\n"
+          f"  PYTHONPATH=. python3 -m validation.cli validate {kernel} --plan {rel} --out OUT_DIR\n"
+          f"then here: {then}")
 
 
 def _repo_rel(path: Path, root: Path) -> str:
@@ -237,10 +269,7 @@ def _run_own_stage(args, build_root, stage, tunables: dict) -> int:
                                  tunables=tunables or None)
             rel = _repo_rel(path, REPO_ROOT)
             print(f"wrote {rel}: {len(plan['variants'])} variant(s), base {plan['base']['sha'][:12]}")
-            root = _repo_rel(build_root, REPO_ROOT)
-            print(f"next, on the GPU host (carry {root}):\n"
-                  f"  PYTHONPATH=. python3 -m validation.cli validate {k} --plan {rel} --build-root {root} --out OUT_DIR\n"
-                  f"then here: fasttrack sign OUT_DIR/bundle.json --plan {rel}")
+            _print_next(k, path, build_root, plan, f"fasttrack sign OUT_DIR/bundle.json --plan {rel}")
             return 0
         if args.plan is None:
             raise UserError(f"validate {k} runs from a plan: `fasttrack validate {k} --base REV --prepare` here, "
@@ -259,6 +288,8 @@ def _run_own_stage(args, build_root, stage, tunables: dict) -> int:
 
 
 def _run_block(args, build_root) -> int:
+    from kernels.manifest import REPO_ROOT
+
     from validation.block_stage import BlockError, prepare_block_plan, validate_block
     from validation.validate import ValidateError
 
@@ -267,13 +298,13 @@ def _run_block(args, build_root) -> int:
             if args.base is None or args.base == "torch":
                 raise UserError("validate block --prepare needs --base REV")
             path = build_root / "validate" / "block" / "plan.json"
-            prepare_block_plan(args.base, build_root=build_root, plan_path=path)
-            print(f"wrote {path}; on the GPU host: PYTHONPATH=. python3 -m validation.cli validate block "
-                  f"--plan {path} --out OUT_DIR")
+            plan = prepare_block_plan(args.base, build_root=build_root, plan_path=path)
+            print(f"wrote {_repo_rel(path, REPO_ROOT)}")
+            _print_next("block", path, build_root, plan, "fasttrack sign OUT_DIR/bundle.json")
             return 0
         if args.plan is None:
             raise UserError("validate block runs from a plan: --base REV --prepare here, then --plan P there")
-        out = args.out or (build_root / "validate" / "block" / "out")
+        out = args.out or (Path(args.plan).parent / "out")
         b = validate_block(args.plan, build_root=build_root, out_dir=out)
     except (BlockError, ValidateError) as e:
         raise UserError(str(e), 2) from None

@@ -195,7 +195,34 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
     return doc
 
 
+def carry_plan(plan_path: Path, build_root: Path, plan: dict) -> dict:
+    """CPU host: the carry of one plan (`fasttrack validate K --prepare`), beside it: its
+    folder's carry.tar.xz, the cubin and metadata of every build folder the plan names, what
+    `plan_build_root` unpacks on the GPU host. The whole build cache would not fit a device
+    call; this holds only what the plan runs."""
+    return make_carry(Path(plan_path).parent, build_root, [plan])
+
+
+def carry_note(carry: dict) -> str:
+    """The carry's size for a prepare's message, with a warning past what a device call carries."""
+    mib = carry["archive_bytes"] / (1 << 20)
+    over = carry["archive_bytes"] > CARRY_LIMIT
+    return f"{mib:.1f} MiB" + (" (OVER the 64 MiB a device call carries)" if over else "")
+
+
 # -- GPU host --------------------------------------------------------------------------------------
+
+def plan_build_root(plan_path: Path) -> Path | None:
+    """GPU host: the build folders carried beside a plan (its folder's carry.tar.xz, unpacked
+    afresh into builds/, so a machine that kept an older unpacking runs the carry it was
+    given), or None when the plan has no carry beside it."""
+    folder = Path(plan_path).parent
+    if (folder / ARCHIVE).is_file():
+        if (folder / "builds").exists():
+            shutil.rmtree(folder / "builds")
+        return unpack(folder)
+    return folder / "builds" if (folder / "builds").is_dir() else None
+
 
 def unpack(root: Path) -> Path:
     """DIR/builds, unpacked from DIR/carry.tar.xz when absent (members checked to stay inside)."""
