@@ -17,7 +17,11 @@ regions whose writes its signals publish. A counter is zeroed before the launch 
 
 Workers are the persistent CTAs. `schedule` is either one static task list per worker (each
 worker runs its list in order) or None: workers take tasks in graph order from a work counter
-(the next free task to whoever is free).
+(the next free task to whoever is free). With a static schedule, the stages in `claimed` are
+taken from a work counter of their own: a worker reaching such a stage in its list claims the
+stage's next task until none is left, then goes on with its list (the schedule lists one
+assignment of their tasks, which the model checker does not assume; each such task carries
+its own waits).
 
 Data-dependent work (the routed experts: which experts, how many tokens) is a fixed number of
 expert slots, each a stage item that reads its expert id and token count from the router's
@@ -63,6 +67,7 @@ class TaskGraph:
     workers: int
     schedule: list[list[int]] | None = None  # per worker: task indices; None: a work counter
     stages: list[str] = field(default_factory=list)
+    claimed: tuple[str, ...] = ()  # stages whose tasks are claimed from a work counter of their own
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +79,9 @@ class TaskGraph:
         self.counters = {n: Counter(c.name, c.covers, counts[n]) for n, c in self.counters.items()}
         if not self.stages:
             self.stages = list(dict.fromkeys(t.stage for t in self.tasks))
+        unknown = [s for s in self.claimed if s not in self.stages]
+        if unknown:
+            raise TaskGraphError(f"claimed stages {unknown} are not stages of the graph")
 
     def validate(self) -> None:
         """Raise TaskGraphError naming the first malformed task, counter or schedule entry."""

@@ -134,3 +134,37 @@ def test_a_wait_orders_the_later_tasks_of_its_worker_under_a_static_schedule():
     assert check_graph(graph([[0], [1, 2]]), runs=40).passed
     r = check_graph(graph(None), runs=40)
     assert any(f.kind == "uncovered-read" and "c[1] reads a" in f.message for f in r.findings), r.summary()
+
+
+def _claims_graph(claimed, wait_in_each=True):
+    """p (static: two tasks write a) -> q (four tasks read a, write b) -> r (static: reads b),
+    on two workers listed p0 q0 q1 r0 / p1 q2 q3. Without `wait_in_each`, only the first q task
+    of each worker's list waits for a, as a static stage's may (a worker waits once per stage)."""
+    from kernels.taskgraph import Counter
+
+    tasks = [Task("p", i, (("write", "a", 2 * i, 2 * i + 2), ("signal", "a_ready"))) for i in range(2)]
+    for i in range(4):
+        wait = (("wait", "a_ready", 2),) if wait_in_each or i in (0, 2) else ()
+        tasks.append(Task("q", i, wait + (("read", "a", 0, 4), ("write", "b", i, i + 1), ("signal", "b_ready"))))
+    tasks.append(Task("r", 0, (("wait", "b_ready", 4), ("read", "b", 0, 4), ("write", "c", 0, 1))))
+    counters = {"a_ready": Counter("a_ready", (("a", 0, 4),)), "b_ready": Counter("b_ready", (("b", 0, 4),))}
+    return TaskGraph(buffers={"a": 4, "b": 4, "c": 1}, counters=counters, tasks=tasks, workers=2,
+                     schedule=[[0, 2, 3, 6], [1, 4, 5]], stages=["p", "q", "r"], claimed=claimed)
+
+
+def test_a_claimed_stage_is_replayed_with_any_worker_claiming_its_tasks():
+    """A claimed stage's tasks go to whichever worker claims them, so each must carry its own
+    waits: a wait passed once per worker orders that worker's later tasks only if its list is
+    fixed. The same graph is clean as a static schedule and dirty once the stage is claimed."""
+    assert check_graph(_claims_graph(("q",)), exhaustive=True).passed
+    static = check_graph(_claims_graph((), wait_in_each=False), exhaustive=True)
+    assert static.passed and static.complete, static.summary()
+    r = check_graph(_claims_graph(("q",), wait_in_each=False), exhaustive=True)
+    assert r.complete
+    kinds = {f.kind for f in r.findings if "reads a" in f.message}
+    assert kinds == {"uncovered-read", "unordered-read"}, r.summary()
+
+
+def test_a_claimed_stage_must_be_a_stage():
+    with pytest.raises(TaskGraphError, match="claimed"):
+        _claims_graph(("nope",))

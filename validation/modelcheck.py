@@ -2,8 +2,13 @@
 workers under random and exhaustive interleavings, with counter increments delayed, and reports
 every read that no wait orders after its write, and every deadlock.
 
+Workers take their tasks as the graph's schedule says: a static list each, a work counter
+(schedule None), or, in a static schedule, a work counter per claimed stage (`claimed`): a
+worker reaching the stage claims its next task while one is left, so the replays try every
+assignment of those tasks that the interleavings allow, not the one the schedule lists.
+
 The memory model is release/acquire on counters, tracked with vector clocks:
-  * a worker's operations are ordered by program order (one task list after another);
+  * a worker's operations are ordered by program order (one task after another);
   * a `signal` is a release: its increment carries the signalling worker's clock and becomes
     visible later (the checker chooses when: that is the delay);
   * a `wait` passes once the visible value reaches its target, and acquires every visible
@@ -141,11 +146,15 @@ def _prior_waits(g: TaskGraph) -> dict[int, list[tuple[str, int]]]:
     """Per task of a static schedule, the waits its worker passed in the tasks before it: a
     wait orders everything after it in program order, so a worker that waits once before a run
     of tasks orders all of them (the megakernel waits once per stage). Empty for a graph with a
-    work counter, whose task order on a worker is not known."""
+    work counter, whose task order on a worker is not known; so, within a static schedule, are
+    the tasks of a claimed stage (`g.claimed`): whichever worker claims one has passed only the
+    task's own waits, and passing the schedule's listed ones orders nothing after them."""
     out: dict[int, list[tuple[str, int]]] = {}
     for lst in g.schedule or []:
         acc: list[tuple[str, int]] = []
         for ti in lst:
+            if g.tasks[ti].stage in g.claimed:
+                continue
             out[ti] = list(acc)
             acc += [(o[1], o[2]) for o in g.tasks[ti].ops if o[0] == "wait"]
     return out
@@ -203,7 +212,8 @@ def _cycles(g: TaskGraph, signals: dict[str, int]) -> list[Finding]:
                     return [Finding("cycle", f"{t.name} waits for all of {op[1]}, including its own later signal")]
     if g.schedule is not None:
         for lst in g.schedule:
-            for a, b in zip(lst, lst[1:]):
+            static = [t for t in lst if g.tasks[t].stage not in g.claimed]  # (claims: the replay's)
+            for a, b in zip(static, static[1:]):
                 edges[b].add(a)  # b cannot start before a ends
     colour = [0] * len(g.tasks)
     stack: list[int] = []
@@ -233,7 +243,7 @@ def _cycles(g: TaskGraph, signals: dict[str, int]) -> list[Finding]:
 
 @dataclass
 class _State:
-    pos: list[int]  # per worker: index into its list (static) or -1 idle (dynamic)
+    pos: list[int]  # per worker: index into its plan (static) or -1 idle (dynamic)
     op: list[int]  # per worker: next op of its current task
     task: list[int]  # per worker: current task (-1: none)
     next_task: int  # dynamic schedule: the work counter
@@ -243,9 +253,11 @@ class _State:
     vc: list[dict[int, int]]
     events: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)  # (task, op) -> clock
     done: int = 0
+    claims: dict[str, int] = field(default_factory=dict)  # claimed stage -> its next task's rank
 
     def key(self):
         return (tuple(self.pos), tuple(self.op), tuple(self.task), self.next_task,
+                tuple(sorted(self.claims.items())),
                 tuple(sorted(self.visible.items())),
                 tuple(sorted((c, tuple(sorted(v.items()))) for c, v in self.pending)),
                 tuple(tuple(sorted(v.items())) for v in self.vc),
@@ -254,7 +266,7 @@ class _State:
     def copy(self) -> "_State":
         return _State(list(self.pos), list(self.op), list(self.task), self.next_task, dict(self.visible),
                       {c: list(v) for c, v in self.delivered.items()}, list(self.pending),
-                      [dict(v) for v in self.vc], dict(self.events), self.done)
+                      [dict(v) for v in self.vc], dict(self.events), self.done, dict(self.claims))
 
 
 def _leq(a: dict[int, int], b: dict[int, int]) -> bool:
@@ -272,21 +284,44 @@ class _Replay:
         self.g, self.delay = g, delay
         self.deps = _Deps(g)
         self.findings: dict[tuple, Finding] = {}
+        # a static schedule as each worker's plan: its tasks, with each claimed stage's run of them
+        # replaced by one entry (the stage's name), at the stage's place in stage order whether
+        # or not the listed assignment gave the worker any of its tasks
+        self.plans: list[list[int | str]] = []
+        self.claimable = {c: g.stage_tasks(c) for c in g.claimed}
+        order = {st: i for i, st in enumerate(g.stages)}
+        for lst in g.schedule or []:
+            plan: list[int | str] = [t for t in lst if g.tasks[t].stage not in g.claimed]
+            for c in g.claimed:
+                at = next((i for i, t in enumerate(plan) if order[g.tasks[t].stage] > order[c]), len(plan))
+                plan.insert(at, c)
+            self.plans.append(plan)
 
     def initial(self) -> _State:
         W = self.g.workers
         s = _State(pos=[0] * W, op=[0] * W, task=[-1] * W, next_task=0,
                    visible={c: 0 for c in self.g.counters}, delivered={c: [] for c in self.g.counters},
-                   pending=[], vc=[{w: 0} for w in range(W)])
+                   pending=[], vc=[{w: 0} for w in range(W)], claims={c: 0 for c in self.g.claimed})
         for w in range(W):
             self._claim(s, w)
         return s
 
     def _claim(self, s: _State, w: int) -> None:
-        """Give worker `w` its next task (static list or the work counter), or none."""
+        """Give worker `w` its next task (its plan's next entry, a claimed stage's next task
+        while one is left, or the work counter's), or none."""
         if self.g.schedule is not None:
-            lst = self.g.schedule[w]
-            s.task[w] = lst[s.pos[w]] if s.pos[w] < len(lst) else -1
+            plan = self.plans[w]
+            s.task[w] = -1
+            while s.pos[w] < len(plan):
+                e = plan[s.pos[w]]
+                if not isinstance(e, str):
+                    s.task[w] = e
+                    break
+                if s.claims[e] < len(self.claimable[e]):
+                    s.task[w] = self.claimable[e][s.claims[e]]
+                    s.claims[e] += 1
+                    break
+                s.pos[w] += 1  # the stage has no task left: the worker's claims of it end
         elif s.next_task < len(self.g.tasks):
             s.task[w] = s.next_task
             s.next_task += 1
@@ -325,8 +360,8 @@ class _Replay:
             ops = self.g.tasks[t].ops
             if s.op[w] >= len(ops):
                 s.done += 1
-                if self.g.schedule is not None:
-                    s.pos[w] += 1
+                if self.g.schedule is not None and not isinstance(self.plans[w][s.pos[w]], str):
+                    s.pos[w] += 1  # (a claim entry stays: the worker claims again)
                 self._claim(s, w)
                 return  # a task boundary is a scheduling point: others may claim or run first
             op = ops[s.op[w]]
@@ -376,7 +411,8 @@ class _Replay:
                 continue
             op = g.tasks[t].ops[s.op[w]]
             lines.append(f"worker {w} in {g.tasks[t].name} waits for {op[1]} >= {op[2]} (visible {s.visible[op[1]]})")
-        unclaimed = (len(g.tasks) - s.next_task) if g.schedule is None else 0
+        unclaimed = ((len(g.tasks) - s.next_task) if g.schedule is None
+                     else sum(len(v) - s.claims[c] for c, v in self.claimable.items()))
         why = f"; {unclaimed} task(s) still queued with no worker free to run them (not resident)" if unclaimed else ""
         return Finding("deadlock", f"no worker can go on after {s.done} of {len(g.tasks)} tasks: "
                                    + "; ".join(lines) + why)
