@@ -168,3 +168,14 @@ def test_a_claimed_stage_is_replayed_with_any_worker_claiming_its_tasks():
 def test_a_claimed_stage_must_be_a_stage():
     with pytest.raises(TaskGraphError, match="claimed"):
         _claims_graph(("nope",))
+
+
+def test_two_claimed_stages_in_a_row_are_claimed_in_stage_order():
+    """p and q both claimed: every worker claims p's tasks, then q's (and the clean graph stays
+    clean, exhaustively)."""
+    g = _claims_graph(("p", "q"))
+    r = check_graph(g, exhaustive=True)
+    assert r.passed and r.complete, r.summary()
+    from validation.modelcheck import _Replay
+
+    assert _Replay(g, True).plans == [["p", "q", 6], ["p", "q"]]

@@ -293,7 +293,8 @@ class _Replay:
         for lst in g.schedule or []:
             plan: list[int | str] = [t for t in lst if g.tasks[t].stage not in g.claimed]
             for c in g.claimed:
-                at = next((i for i, t in enumerate(plan) if order[g.tasks[t].stage] > order[c]), len(plan))
+                at = next((i for i, e in enumerate(plan)
+                           if order[e if isinstance(e, str) else g.tasks[e].stage] > order[c]), len(plan))
                 plan.insert(at, c)
             self.plans.append(plan)
 
