@@ -420,3 +420,20 @@ def test_the_cli_prepares_a_carry_and_the_gpu_command_runs_from_it(tmp_path, mon
     assert main(["validate", "megakernel", "--plan", str(path), "--build-root", str(build),
                  "--out", str(tmp_path / "out2")]) == 0
     assert seen["build_root"] == build
+
+
+def test_the_gpu_hosts_form_of_the_cli_ends_a_users_error_in_one_line(tmp_path):
+    """`python -m validation.cli` runs the module as __main__, a second copy whose UserError is
+    not the subcommands'; a user's error must still be one line and exit 2, not a traceback."""
+    import subprocess
+    import sys
+
+    from kernels.manifest import REPO_ROOT
+
+    r = subprocess.run([sys.executable, "-m", "validation.cli", "validate", "megakernel"], cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "fasttrack validate: validate megakernel runs from a plan: `fasttrack validate megakernel --base REV "
+        "--prepare` here, then --plan P on the GPU host"]

@@ -57,4 +57,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m validation.cli` (the GPU host's form) runs this file as `__main__`, a second copy
+    # of the module whose UserError is not the one the subcommands raise (they import
+    # validation.cli): run that module's main, so a user's error ends in its one line
+    from validation.cli import main as _main
+
+    sys.exit(_main())
