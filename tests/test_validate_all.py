@@ -437,3 +437,13 @@ def test_the_gpu_hosts_form_of_the_cli_ends_a_users_error_in_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         "fasttrack validate: validate megakernel runs from a plan: `fasttrack validate megakernel --base REV "
         "--prepare` here, then --plan P on the GPU host"]
+
+
+def test_a_broken_carry_is_one_clear_error_and_leaves_no_half_unpacked_builds(tmp_path):
+    path = tmp_path / "validate" / "megakernel" / "plan.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{}")
+    (path.parent / P.ARCHIVE).write_bytes(b"not an xz archive")
+    with pytest.raises(P.PlanError, match="cannot be unpacked"):
+        P.plan_build_root(path)
+    assert not (path.parent / "builds").exists()

@@ -233,11 +233,15 @@ def unpack(root: Path) -> Path:
     arc = root / ARCHIVE
     if not arc.is_file():
         raise PlanError(f"{root} has neither builds/ nor {ARCHIVE}: carry the folder `prepare` wrote")
-    with tarfile.open(arc, "r:xz") as tf:
-        for m in tf.getmembers():
-            if m.name.startswith("/") or ".." in Path(m.name).parts or not m.name.startswith("builds"):
-                raise PlanError(f"{ARCHIVE}: member {m.name!r} would land outside {root}/builds")
-        tf.extractall(root)
+    try:
+        with tarfile.open(arc, "r:xz") as tf:
+            for m in tf.getmembers():
+                if m.name.startswith("/") or ".." in Path(m.name).parts or not m.name.startswith("builds"):
+                    raise PlanError(f"{ARCHIVE}: member {m.name!r} would land outside {root}/builds")
+            tf.extractall(root)
+    except (tarfile.TarError, EOFError, OSError) as e:
+        shutil.rmtree(builds, ignore_errors=True)  # no half-unpacked folder to be taken for a carry
+        raise PlanError(f"{arc} cannot be unpacked ({e}): carry it again") from None
     return builds
 
 
