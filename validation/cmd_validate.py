@@ -178,9 +178,7 @@ def _print_next(kernel: str, plan_path: Path, build_root: Path, plan: dict, then
     for the GPU host and back here."""
     from kernels.manifest import REPO_ROOT
 
-    from validation.plan import carry_note, carry_plan
-
-    from validation.plan import PlanError
+    from validation.plan import PlanError, carry_note, carry_plan
 
     try:
         carry = carry_plan(plan_path, build_root, plan)

@@ -188,10 +188,9 @@ def prepare_all(base: str, root: Path, *, kernels: list[str] | None = None, with
            "not_covered": not_covered, "carry": carry,
            "seconds": round(time.time() - t0, 1)}
     (root / "prepare.json").write_text(json.dumps(doc, indent=1) + "\n")
-    mib = carry["archive_bytes"] / (1 << 20)
     log(f"carry: {carry['folders']} folders, {carry['distinct_cubins']} distinct cubins, "
-        f"{carry['raw_bytes'] / (1 << 20):.1f} MiB raw, {ARCHIVE} {mib:.1f} MiB"
-        + (" (OVER the 64 MiB a device call carries: prepare fewer kernels per root)" if carry["archive_bytes"] > CARRY_LIMIT else ""))
+        f"{carry['raw_bytes'] / (1 << 20):.1f} MiB raw, {ARCHIVE} "
+        + carry_note(carry, "prepare fewer kernels per root"))
     return doc
 
 
@@ -203,11 +202,13 @@ def carry_plan(plan_path: Path, build_root: Path, plan: dict) -> dict:
     return make_carry(Path(plan_path).parent, build_root, [plan])
 
 
-def carry_note(carry: dict) -> str:
-    """The carry's size for a prepare's message, with a warning past what a device call carries."""
+def carry_note(carry: dict, advice: str = "") -> str:
+    """The carry's size for a prepare's message, with a warning (and `advice`) past what a
+    device call carries."""
     mib = carry["archive_bytes"] / (1 << 20)
-    over = carry["archive_bytes"] > CARRY_LIMIT
-    return f"{mib:.1f} MiB" + (" (OVER the 64 MiB a device call carries)" if over else "")
+    if carry["archive_bytes"] <= CARRY_LIMIT:
+        return f"{mib:.1f} MiB"
+    return f"{mib:.1f} MiB (OVER the 64 MiB a device call carries{': ' + advice if advice else ''})"
 
 
 # -- GPU host --------------------------------------------------------------------------------------
