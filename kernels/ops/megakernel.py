@@ -28,7 +28,8 @@ partials alternate between two buffers, and the barrier also frees the slot for 
 `slots` ahead.
 
 Activations are loaded by coherent copies after the stage's waits, into the stage's shared
-region: h (router_rows, down, shared_gu), z (w13), n and a_s (out), once per stage; w2 loads
+region: h (router_rows, down, shared_gu), z (w13), n and a_s (out, with the residuals x of the
+worker's items), once per stage; w2 loads
 the act rows of an item's group when the group changes. The routing (n_groups, the groups'
 experts, starts, sorted slots) is copied into shared memory once per worker, after
 a wait on select that every worker makes at the start of shared_gu (items or not, MEGA_DEPS and
@@ -142,10 +143,11 @@ class MegaStages:
     """The ops whose tiles the stages run at one batch, each planned for THREADS threads and
     without programmatic dependent launch (host side; no DSL needed); the ring, the routing
     copy and every stage's shared region. `cols` gives the output columns per item of
-    MEGA_COL_STAGES, for `megakernel_graph`."""
+    MEGA_COL_STAGES, for `megakernel_graph`; `workers` sizes the regions that hold a value per
+    item of the worker's (out's residuals)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, slot_kib: int, slots: int = 0, w13_cols: int = 2,
-                 w2_rows: int = 4):
+                 w2_rows: int = 4, workers: int = WORKERS):
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"megakernel: batch {batch} outside 1..{MAX_BATCH} (past it the router's stages "
                              "need the gemv tiles, not yet a stage)")
@@ -189,7 +191,7 @@ class MegaStages:
             "shared_gu": SharedGuStage(self.shared_gu, T, THREADS, slot_vectors),
             "w13": W13Stage(self.w13, THREADS),
             "w2": W2Stage(self.w2, THREADS),
-            "out": OutStage(self.out, T, THREADS, slot_vectors),
+            "out": OutStage(self.out, T, THREADS, slot_vectors, workers),
         }
         self.combine = CombineStage(T, K, L, COMBINE_COLS, THREADS)
         self.cols = {s: st.cols for s, st in self.ring_stages.items()}
@@ -277,7 +279,7 @@ class MegakernelOp(OpBase):
             raise ValueError("megakernel: watchdog must be 0 or 1")
         t = self.tunables
         self.stages = MegaStages(self.cfg, self.batch, int(t["stream_cta_kib"]), int(t["ring_slots"]),
-                                 int(t["w13_cols"]), int(t["w2_rows"]))
+                                 int(t["w13_cols"]), int(t["w2_rows"]), self.workers)
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
         self.smem_bytes = self.stages.smem_total + SMEM_ALIGN  # the allocator's alignment slack
@@ -431,7 +433,7 @@ class MegakernelOp(OpBase):
             mStamps[worker, si, 0] = _globaltimer()
         region = _Region(region_base, self.stages.region_bytes)
         if cutlass.const_expr(stage in RING_STAGES):
-            smem = self._ring_smem(stage, region, self._routing_smem(rs[0]))
+            smem = {**self._ring_smem(stage, region, self._routing_smem(rs[0])), "items": (lo, hi, step)}
             self._load_acts(stage, smem, bufs, tidx)
             for item in cutlass.range(lo, hi, step, unroll=1):
                 issued = self._fill(rs, tidx, issued, consumed, routed, bufs)

@@ -10,6 +10,7 @@ stream design (kernels/ops/parts/stream.py). Its class says, for the op it is pl
     the reduction's partials, in kernels/ops/stages/common.py's layout);
   * `load(smem, b, tidx)`: its activations into the region after the stage's waits (coherent
     copies; the caller's barrier follows);
+  * `smem["items"]`, in `load` and `item`: the worker's items of the stage, (lo, hi, step);
   * `issue(item, dst, bars, slot, rt, b)`: thread 0 arms the slot and issues the item's weight
     copies (`rt`: the routing's shared copy, read by the routed stages only);
   * `item(item, tidx, smem, b)`: every thread computes the item from its slot `smem["w"]`, with
