@@ -218,9 +218,12 @@ def latent_moe_graph(cfg: ModelConfig, batch: int, *, workers: int = 8, row_item
 # At MEGA_ROUTING_AT every worker makes that stage's waits whether or not it has items there, and
 # copies the routing into shared memory: from there on its ring may issue the routed experts'
 # weights, whose addresses are the routing's (the graph puts those waits on the worker's first
-# task at or after that stage). Dependencies point only to earlier stages, so the static
-# per-worker lists in stage order cannot deadlock with every worker resident (a cooperative
-# launch).
+# task at or after that stage). A static stage's items are fixed per worker (`mega_range`); a
+# claimed stage's (MEGA_CLAIMED) are taken from a work counter, each worker claiming the next
+# item whenever its ring has room, so a worker on a faster SM takes more (every worker runs the
+# stage, with its waits, whether it gets items or not). Dependencies point only to earlier
+# stages and a worker claims in stage order, so nothing waits on an item that no running
+# worker holds: no deadlock with every worker resident (a cooperative launch).
 MEGA_STAGES = ("norm_pre", "router_rows", "select", "down", "shared_gu", "w13", "w2", "combine", "norm_latent", "out")
 MEGA_DEPS = {
     "norm_pre": (),
@@ -235,6 +238,9 @@ MEGA_DEPS = {
     "out": ("norm_latent", "shared_gu"),
 }
 MEGA_ROUTING_AT = "shared_gu"
+# w13 is claimed: its static shares ended up to 20% apart (some SMs stream its 28 KiB items
+# faster, and which ones changes per launch), and w2 waits for all of it (docs/decisions.md).
+MEGA_CLAIMED = ("w13",)
 # Stages whose items skip the worker of a one-item stage (stage -> that stage): select's worker
 # runs the selection while the others stream down and shared_gu, so it takes none of theirs and
 # reaches w13 with the rest (each worker's share of w13 is fixed, and w2 waits for all of it).
@@ -331,6 +337,10 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, *, cols: 
     for s in MEGA_STAGES:
         first[s] = len(tasks)
         waits = [("wait", mega_counter(d), counts[d]) for d in MEGA_DEPS[s]]
+        if s in MEGA_CLAIMED:  # whichever worker claims an item has waited, and signals after it
+            head = routing_waits + waits if MEGA_STAGES.index(s) > at else waits
+            tasks += [Task(s, i, tuple(head + items[s][i] + [("signal", mega_counter(s))])) for i in range(counts[s])]
+            continue
         # item i's worker, and whether i is its first or last item of the stage (the waits go
         # before the first, the worker's signals, one per item, after the last)
         staged: list[Task | None] = [None] * counts[s]
@@ -344,6 +354,8 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, *, cols: 
                 tail = [("signal", mega_counter(s))] * len(run) if i == run[-1] else []
                 staged[i] = Task(s, i, tuple(head + items[s][i] + tail))
         tasks += staged
+    # the static stages' per-worker lists; a claimed stage's items in one assignment of the many
+    # a launch may make (`mega_range`'s round-robin), each task with its own waits and signal
     schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]
                 for w in range(workers)]
     return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers, schedule=schedule,
@@ -364,7 +376,9 @@ def mega_offsets(counts: dict[str, int], workers: int) -> dict[str, int]:
 def mega_range(counts: dict[str, int], stage: str, worker: int, workers: int) -> tuple[int, int, int]:
     """(lo, hi, step): the items of `stage` that `worker` runs, range(lo, hi, step); item i goes
     to worker (offset + i) % workers (`mega_offsets`), except in the stages MEGA_SPARE spares a
-    one-item stage's worker: their items go round-robin over the other workers."""
+    one-item stage's worker: their items go round-robin over the other workers. For a claimed
+    stage (MEGA_CLAIMED), one assignment of its items (the model check replays it; a launch
+    claims them)."""
     n = counts[stage]
     offsets = mega_offsets(counts, workers)
     spared = MEGA_SPARE.get(stage)
@@ -379,8 +393,9 @@ def mega_range(counts: dict[str, int], stage: str, worker: int, workers: int) ->
 
 def task_table(graph: TaskGraph) -> list[list[list[int]]]:
     """The int32 table the megakernel reads, [workers][len(stages)][len(TASK_FIELDS)]: per
-    worker and stage, (lo, hi, step, target) of `mega_range` with the stage's item count as
-    target. Made from `graph` (a `megakernel_graph`) and checked against its schedule: a
+    worker and stage, (lo, hi, step, target): a static stage's `mega_range`, a claimed stage's
+    whole range (0, n, 1: the worker's claims are indices into it), with the stage's item count
+    as target. Made from `graph` (a `megakernel_graph`) and checked against its schedule: a
     TaskGraphError says where they disagree."""
     if list(graph.stages) != list(MEGA_STAGES) or graph.schedule is None:
         raise TaskGraphError("task_table: not a megakernel graph (its stages or its static schedule differ)")
@@ -392,5 +407,6 @@ def task_table(graph: TaskGraph) -> list[list[list[int]]]:
         listed = [firsts[s] + i for s, (lo, hi, step, _) in zip(MEGA_STAGES, rows) for i in range(lo, hi, step)]
         if listed != graph.schedule[w]:
             raise TaskGraphError(f"task_table: worker {w}'s entries do not give its scheduled tasks")
-        table.append(rows)
+        table.append([[0, counts[s], 1, counts[s]] if s in MEGA_CLAIMED else row
+                      for s, row in zip(MEGA_STAGES, rows)])
     return table

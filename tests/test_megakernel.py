@@ -12,6 +12,7 @@ import pytest
 from kernels.config import get_config
 from kernels.manifest import load_manifest
 from kernels.taskgraph import (
+    MEGA_CLAIMED,
     MEGA_DEPS,
     MEGA_ROUTING_AT,
     MEGA_STAGES,
@@ -57,7 +58,7 @@ def test_graph_shape_at_every_decode_batch(batch):
         stages = [order[g.tasks[i].stage] for i in lst]
         assert stages == sorted(stages)
         after = [s for s in stages if s >= at]  # the worker's first stage at the routing point or after
-        for s in {g.tasks[i].stage for i in lst}:
+        for s in {g.tasks[i].stage for i in lst} - set(MEGA_CLAIMED):
             # its first item of a stage waits for every item of each stage it depends on, before
             # anything else (its first since the routing point also for the routing's), and its
             # last signals once per item, after everything else
@@ -70,6 +71,14 @@ def test_graph_shape_at_every_decode_batch(batch):
             ops = [op for t in run for op in t.ops]
             assert [op for op in ops if op[0] == "wait"] == waits
             assert [op for op in ops if op[0] == "signal"] == [("signal", mega_counter(s))] * len(run)
+    for s in MEGA_CLAIMED:  # whichever worker claims an item has waited for the routing and
+        # the stage's own dependencies, and signals once after the item
+        waits = [("wait", mega_counter(d), items[d]) for d in MEGA_DEPS[s]]
+        for i in g.stage_tasks(s):
+            ops = g.tasks[i].ops
+            assert list(ops[:len(routing_waits) + len(waits)]) == routing_waits + waits
+            assert [op for op in ops if op[0] in ("wait", "signal")] == routing_waits + waits + [("signal", mega_counter(s))]
+            assert ops[-1] == ("signal", mega_counter(s))
     if batch <= 4:  # the declarations' check is quadratic in the graph's operations
         assert not static_problems(g)
 
@@ -112,6 +121,9 @@ def test_task_table_gives_each_worker_its_scheduled_items(batch, workers):
     assert len(table) == workers and all(len(r) == len(MEGA_STAGES) for r in table)
     assert all(len(e) == len(TASK_FIELDS) for r in table for e in r)
     for si, s in enumerate(MEGA_STAGES):
+        if s in MEGA_CLAIMED:  # every worker's entry is the whole range: its claims index into it
+            assert {tuple(table[w][si]) for w in range(workers)} == {(0, items[s], 1, items[s])}, s
+            continue
         runs = sorted(i for w in range(workers) for i in range(*table[w][si][:3]))
         assert runs == list(range(items[s])), s  # every item exactly once
         assert {table[w][si][3] for w in range(workers)} == {items[s]}  # the counter's target

@@ -85,7 +85,8 @@ from kernels.ops.stages.rows import RowsStage
 from kernels.ops.stages.shared_gu import SharedGuStage
 from kernels.ops.stages.w13 import W13Stage
 from kernels.ops.stages.w2 import W2Stage
-from kernels.taskgraph import MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph, task_table
+from kernels.taskgraph import (MEGA_CLAIMED, MEGA_DEPS, MEGA_ROUTING_AT, MEGA_STAGES, TASK_FIELDS, megakernel_graph,
+                               task_table)
 
 THREADS = 256
 WORKERS = 132  # one CTA per H200 SM
@@ -209,7 +210,8 @@ class MegaStages:
         # the routing's shared copy, int32 words: n_groups, group_expert, group_start, sorted_slots
         self.routing_words = {"n_groups": _words(1), "group_expert": _words(G), "group_start": _words(G + 1),
                               "sorted_slots": _words(T * K)}
-        routing_bytes = 4 * sum(self.routing_words.values())
+        # the ring's slot words: the item each slot holds (a claimed stage's claim, -1 its end)
+        routing_bytes = 4 * sum(self.routing_words.values()) + 4 * _words(MAX_RING_SLOTS)
         self.region_bytes = -(-max(self.smem.values()) // 128) * 128
         fixed = routing_bytes + self.region_bytes + 2 * 128 + SMEM_ALIGN
         fit = (SMEM_LIMIT - fixed) // (slot_bytes + ring.MBARRIER_BYTES)
@@ -304,6 +306,7 @@ class MegakernelOp(OpBase):
             "w_shared_down": TensorSpec((H, S), bf16),
             "tasks": TensorSpec((self.workers, len(MEGA_STAGES), len(TASK_FIELDS)), i32),
             "counters": TensorSpec((len(MEGA_STAGES) + 1,), i32),
+            "claims": TensorSpec((len(MEGA_STAGES),), i32, protocol="claims"),
             "h": TensorSpec((T, H), bf16),
             "logits": TensorSpec((T, E), f32),
             "ids": TensorSpec((T, K), i32),
@@ -348,20 +351,20 @@ class MegakernelOp(OpBase):
     def __call__(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                  mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                  mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-                 mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+                 mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                  mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                  mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                  mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
-                    mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
+                    mClaims, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
                     mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
                mWd: cute.Tensor, mWsgu: cute.Tensor, mW13: cute.Tensor, mW2: cute.Tensor, mGammaLat: cute.Tensor,
                mWup: cute.Tensor, mWsd: cute.Tensor, mTasks: cute.Tensor, mCounters: cute.Tensor,
-               mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
+               mClaims: cute.Tensor, mH: cute.Tensor, mLogits: cute.Tensor, mIds: cute.Tensor, mWeights: cute.Tensor,
                mNGroups: cute.Tensor, mGroupExpert: cute.Tensor, mGroupStart: cute.Tensor, mSorted: cute.Tensor,
                mZ: cute.Tensor, mAs: cute.Tensor, mAct: cute.Tensor, mO: cute.Tensor, mC: cute.Tensor,
                mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
@@ -374,69 +377,90 @@ class MegakernelOp(OpBase):
                 (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
                 mOut)
         ring.init(bars, st.ring, tidx)
-        # the worker's ring items: its (lo, hi, step) of each ring stage, and where each stage's
-        # items start in the ring's count (items are numbered across the ring stages in order)
-        tab, starts = [], [cutlass.Int32(0)]
+        # the worker's (lo, hi, step) of each ring stage's task-table entry (a claimed stage's:
+        # its whole range, a claim c being item lo + c * step)
+        tab = []
         for s in RING_STAGES:  # trace-time
             si = STAGE_INDEX[s]
-            lo, hi, step = mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]
-            tab.append((lo, hi, step))
-            starts.append(starts[-1] + (hi - lo + step - 1) // step)
-        rs = (base, tab, starts)  # the ring's shared tensors are made from base where used
+            tab.append((mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]))
+        rs = (base, tab, mClaims)  # the ring's shared tensors are made from base where used
+        # the ring's issuing state (thread 0's; the other threads' copies are unused): entries
+        # issued, the ring stage it issues from, the stage's next item ordinal (a claimed
+        # stage's: its next claim)
         issued = cutlass.Int32(0)
+        cs = cutlass.Int32(0)
+        nxt = cutlass.Int32(0)
+        if cutlass.const_expr(RING_STAGES[0] in MEGA_CLAIMED):
+            if tidx == 0:
+                nxt = self._claim(mClaims, 0)
         consumed = cutlass.Int32(0)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            issued, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks, mCounters,
-                                           bufs, mStamps, rs, issued, consumed)
-        self._exit(mCounters, tidx)
+            issued, cs, nxt, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks,
+                                                    mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed)
+        self._exit(mCounters, mClaims, tidx)
 
     def _routing_smem(self, base) -> dict:
         """Trace-time: the routing's shared copy (`base`: the kernel's shared memory, a byte
-        pointer), int32 arrays in `MegaStages.routing_words` order."""
+        pointer), int32 arrays in `MegaStages.routing_words` order, then "slot_items": per ring
+        slot, the item it holds (written by the issuing thread before it arms the slot)."""
         base = base + self.stages.routing_offset
         out, off = {}, 0
-        for name, words in self.stages.routing_words.items():
+        for name, words in (*self.stages.routing_words.items(), ("slot_items", _words(MAX_RING_SLOTS))):
             out[name] = cute.make_tensor(cute.recast_ptr(base + 4 * off, dtype=cutlass.Int32), cute.make_layout((words,)))
             off += words
         return out
 
     @cute.jit
-    def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, consumed):
-        """Trace-time: this worker's items of `stage` (task-table entry si), if it has any; at
-        MEGA_ROUTING_AT, first the wait on the routing and its copy, items or not. `rs` is the
-        ring (its tensors and the worker's tables), `issued` and `consumed` its counts of items;
-        returns the counts."""
+    def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
+               consumed):
+        """Trace-time: this worker's items of `stage` (task-table entry si): a static stage's if
+        it has any, a claimed stage's claims (every worker runs the stage, its claims may be
+        none); at MEGA_ROUTING_AT, first the wait on the routing and its copy, items or not.
+        `rs` is the ring (its shared memory, the worker's ring-stage entries and the work
+        counters); issued, cs, nxt its issuing state (thread 0's), consumed its entries
+        computed. Returns the state."""
         lo = mTasks[worker, si, 0]
         hi = mTasks[worker, si, 1]
         step = mTasks[worker, si, 2]
         if cutlass.const_expr(stage == MEGA_ROUTING_AT):
-            issued = self._fill(rs, tidx, issued, consumed, False, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, False, bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters)
             self._copy_routing(self._routing_smem(rs[0]), bufs, tidx)
-        if lo < hi:  # CTA-uniform
-            issued, consumed = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters, bufs,
-                                               mStamps, rs, issued, consumed, lo, hi, step)
-        return issued, consumed
+        if cutlass.const_expr(stage in MEGA_CLAIMED):
+            issued, cs, nxt, consumed = self._run_claimed(si, stage, worker, tidx, region_base, mTasks, mCounters,
+                                                          bufs, mStamps, rs, issued, cs, nxt, consumed, lo, hi, step)
+        elif lo < hi:  # CTA-uniform
+            issued, cs, nxt, consumed = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters,
+                                                        bufs, mStamps, rs, issued, cs, nxt, consumed, lo, hi, step)
+        return issued, cs, nxt, consumed
 
     @cute.jit
-    def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued,
-                   consumed, lo, hi, step):
-        """Trace-time: the waits of `stage` (done already at MEGA_ROUTING_AT), the worker's items
-        range(lo, hi, step), each after a fill of the ring, then one signal of them all; the
-        ring stages' items over their slots, the others over the op's shared memory with a CTA
-        barrier after each. Returns the ring's counts."""
-        routed = STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]  # the routing was waited for
+    def _begin(self, si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed):
+        """Trace-time: a fill of the ring and the waits of `stage` (done already at
+        MEGA_ROUTING_AT), then its start stamp. Returns the ring's issuing state."""
         if cutlass.const_expr(stage != MEGA_ROUTING_AT):
-            issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, self._routed(stage), bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
+        return issued, cs, nxt
+
+    @cute.jit
+    def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs,
+                   nxt, consumed, lo, hi, step):
+        """Trace-time: a static stage: its waits, the worker's items range(lo, hi, step), each
+        after a fill of the ring, then one signal of them all; the ring stages' items over their
+        slots, the others over the op's shared memory with a CTA barrier after each. Returns
+        the ring's state."""
+        routed = self._routed(stage)
+        issued, cs, nxt = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
+                                      consumed)
         region = _Region(region_base, self.stages.region_bytes)
         if cutlass.const_expr(stage in RING_STAGES):
             smem = {**self._ring_smem(stage, region, self._routing_smem(rs[0])), "items": (lo, hi, step)}
             self._load_acts(stage, smem, bufs, tidx)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
                 slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
                 ring.wait(bars, self.stages.ring, consumed)
                 self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
@@ -444,13 +468,50 @@ class MegakernelOp(OpBase):
         else:
             smem = self._plain_smem(stage, region)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
                 self._item(stage, item, tidx, smem, bufs)
                 cute.arch.sync_threads()  # the next item reuses this one's shared memory
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
-        return issued, consumed
+        return issued, cs, nxt, consumed
+
+    @cute.jit
+    def _run_claimed(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs,
+                     nxt, consumed, lo, hi, step):
+        """Trace-time: a claimed ring stage: its waits, its activations, then its ring entries
+        one after the other until the end marker (-1) of its claims, each after a fill of the
+        ring; one signal of the items. Every thread reads an entry's item from its slot word,
+        after the slot's wait (the issuing thread wrote it before arming the slot). Returns the
+        ring's state."""
+        routed = self._routed(stage)
+        issued, cs, nxt = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
+                                      consumed)
+        rt = self._routing_smem(rs[0])
+        smem = {**self._ring_smem(stage, _Region(region_base, self.stages.region_bytes), rt), "items": (lo, hi, step)}
+        self._load_acts(stage, smem, bufs, tidx)
+        slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
+        j = consumed
+        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
+        ring.wait(bars, self.stages.ring, j)
+        c = rt["slot_items"][j % self.stages.ring.slots]
+        while c >= 0:  # CTA-uniform: every thread reads the slot's word
+            # the item from the claim and the stage's task-table entry (so its accesses are the
+            # stage's, validation/race/stages.py)
+            self._item(stage, lo + c * step, tidx, self._slot_smem(smem, slots, j), bufs)
+            j = j + 1
+            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
+            ring.wait(bars, self.stages.ring, j)
+            c = rt["slot_items"][j % self.stages.ring.slots]
+        self._signal(mCounters, si, tidx, j - consumed)
+        if tidx == 0:
+            mStamps[worker, si, 1] = _globaltimer()
+        return issued, cs, nxt, j + 1  # the marker's entry consumed too
+
+    def _routed(self, stage) -> bool:
+        """Trace-time: whether the routing has been waited for at `stage` (its ring may issue
+        the routed stages' weights)."""
+        return STAGE_INDEX[stage] >= STAGE_INDEX[MEGA_ROUTING_AT]
 
     def _slot_smem(self, smem, slots, j) -> dict:
         """Trace-time: a ring stage's shared memory for its ring item j: "w" the item's slot as
@@ -461,37 +522,79 @@ class MegakernelOp(OpBase):
 
     # -- the ring ---------------------------------------------------------------------------
     @cute.jit
-    def _fill(self, rs, tidx, issued, consumed, routed, bufs):
-        """Thread 0 issues the ring items after `issued` up to `slots` past `consumed` (every
-        item before `consumed` has been computed and a CTA barrier has followed it), the routed
-        stages' items only where `routed` (trace-time: the routing was waited for); returns the
-        new issued count (uniform: every thread computes it)."""
-        _, tab, starts = rs
-        limit = starts[len(RING_STAGES)] if routed else starts[RING_STAGES.index(ROUTED[0])]
-        end = cutlass.min(consumed + self.stages.ring.slots, limit)
+    def _fill(self, rs, tidx, issued, cs, nxt, consumed, routed, bufs):
+        """Thread 0 fills the ring: entries after `issued` up to `slots` past `consumed` (every
+        entry before `consumed` has been computed and a CTA barrier has followed it), from the
+        ring stages in order, the routed ones only where `routed` (trace-time: the routing was
+        waited for). A static stage's entries are its items; a claimed stage's, its claims and
+        then one end marker. Returns the issuing state (thread 0's; the others' is unused)."""
+        limit = len(RING_STAGES) if routed else RING_STAGES.index(ROUTED[0])
         if tidx == 0:
-            for j in cutlass.range(issued, end, unroll=1):
-                self._issue(j, rs, routed, bufs)
-        return cutlass.max(issued, end)
+            cs, nxt = self._skip(rs, cs, nxt)
+            while (issued < consumed + self.stages.ring.slots) & (cs < limit):
+                cs, nxt = self._issue(issued, cs, nxt, rs, routed, bufs)
+                issued = issued + 1
+                cs, nxt = self._skip(rs, cs, nxt)
+        return issued, cs, nxt
 
     @cute.jit
-    def _issue(self, j, rs, routed, bufs):
-        """Thread 0: ring item j (of the worker's items across RING_STAGES) into slot j % slots."""
-        base, tab, starts = rs
+    def _skip(self, rs, cs, nxt):
+        """Thread 0: past the static ring stages whose items the worker has all issued (they
+        have no end marker), to the next stage's first item (a claimed stage's first claim).
+        Returns (cs, nxt)."""
+        _, tab, mClaims = rs
+        for k, s in enumerate(RING_STAGES):  # trace-time, in order: one pass skips a run of them
+            if cutlass.const_expr(s not in MEGA_CLAIMED):
+                lo, hi, step = tab[k]
+                if (cs == k) & (lo + nxt * step >= hi):
+                    cs = cutlass.Int32(k + 1)
+                    nxt = cutlass.Int32(0)
+                    if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
+                        nxt = self._claim(mClaims, k + 1)
+        return cs, nxt
+
+    @cute.jit
+    def _claim(self, mClaims, k):
+        """Thread 0: the next claim of ring stage k from its work counter (relaxed: the claim
+        orders nothing; the stage's own waits and signals do)."""
+        return cute.arch.atomic_add(mClaims.iterator + STAGE_INDEX[RING_STAGES[k]], cutlass.Int32(1),
+                                    sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def _issue(self, j, cs, nxt, rs, routed, bufs):
+        """Thread 0: ring entry j into slot j % slots, from ring stage `cs`: a static stage's
+        item lo + nxt * step; a claimed stage's claim `nxt` while below its end, then its next
+        claim, and past the end a marker (slot word -1, no bytes) and the next stage's first
+        item. The slot word holds the entry's item (a claim), written before the slot is armed.
+        Returns (cs, nxt)."""
+        base, tab, mClaims = rs
         slots, bars = ring.smem_tensors(base, self.stages.ring)
         rt = self._routing_smem(base)
+        slot = j % self.stages.ring.slots
+        new_cs = cs
+        new_nxt = nxt
         for k, s in enumerate(RING_STAGES):  # trace-time
             if cutlass.const_expr(routed or s not in ROUTED):
-                if (starts[k] <= j) & (j < starts[k + 1]):
-                    lo, _, step = tab[k]
-                    self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars, rt,
-                                     bufs)
-
-    @cute.jit
-    def _issue_item(self, stage, item, slot, slots, bars, rt, bufs):
-        """Thread 0: item `item` of ring stage `stage` into slot `slot` (the stage's `issue`)."""
-        self.stages.ring_stages[stage].issue(item, ring.slot_ptr(slots, self.stages.ring, slot), bars, slot, rt,
-                                             _named(bufs))
+                if cs == k:
+                    lo, hi, step = tab[k]
+                    item = lo + nxt * step
+                    dst = ring.slot_ptr(slots, self.stages.ring, slot)
+                    if cutlass.const_expr(s in MEGA_CLAIMED):
+                        if item < hi:
+                            rt["slot_items"][slot] = nxt
+                            self.stages.ring_stages[s].issue(item, dst, bars, slot, rt, _named(bufs))
+                            new_nxt = self._claim(mClaims, k)
+                        else:
+                            rt["slot_items"][slot] = cutlass.Int32(-1)
+                            ring.arm(bars, slot, 0)
+                            new_cs = cutlass.Int32(k + 1)
+                            new_nxt = cutlass.Int32(0)
+                            if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
+                                new_nxt = self._claim(mClaims, k + 1)
+                    else:
+                        self.stages.ring_stages[s].issue(item, dst, bars, slot, rt, _named(bufs))
+                        new_nxt = nxt + 1
+        return new_cs, new_nxt
 
     @cute.jit
     def _copy_routing(self, rt, bufs, tidx):
@@ -617,9 +720,10 @@ class MegakernelOp(OpBase):
                           scope="gpu")
 
     @cute.jit
-    def _exit(self, mCounters, tidx):
+    def _exit(self, mCounters, mClaims, tidx):
         """The worker is done: thread 0 adds 1 to the exit count (acq_rel); the last worker,
-        after which no wait reads a counter this launch, resets every counter to 0."""
+        after which no wait reads a counter and no worker claims this launch, resets every
+        counter and work counter to 0."""
         i32 = cutlass.Int32
         cute.arch.sync_threads()
         if tidx == 0:
@@ -627,6 +731,8 @@ class MegakernelOp(OpBase):
             if old == i32(self.workers - 1):
                 for c in cutlass.range_constexpr(EXIT_COUNTER + 1):
                     cute.arch.store(mCounters.iterator + c, i32(0), sem="release", scope="gpu")
+                for c in cutlass.range_constexpr(len(MEGA_STAGES)):
+                    cute.arch.store(mClaims.iterator + c, i32(0), sem="release", scope="gpu")
 
 
 def _named(bufs) -> dict:
