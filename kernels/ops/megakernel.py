@@ -40,7 +40,13 @@ The schedule is data: `task_table` of the stage's graph (kernels/taskgraph.py
 `megakernel_graph`, the one declaration of stages, items, buffers and counters), int32
 [workers][stages][4] = (lo, hi, step, target), read by each worker: its items of a stage are
 range(lo, hi, step); `target` is the item count of the stage, what its completion counter
-reaches. The ring walks the worker's items of the ring stages (RING_STAGES) in stage order.
+reaches. A claimed stage's (MEGA_CLAIMED: w13) entry is its whole range: the worker's items
+are claims, `claims[stage]` += 1 (relaxed, gpu scope) by thread 0 whenever the ring has a free
+slot, so a worker on an SM that streams faster takes more. The ring walks the worker's items
+of the ring stages (RING_STAGES) in stage order: a static stage's its range, a claimed stage's
+its claims and then an end marker (an entry of no bytes whose slot word is -1); each entry's
+item is written to its slot word before the slot is armed, and the computing threads read it
+after the slot's wait.
 
 The protocol, per worker and stage (`counters` holds one int32 per stage and an exit count):
   * wait, once, before the worker's first item of the stage, for each stage it depends on
@@ -54,9 +60,9 @@ The protocol, per worker and stage (`counters` holds one int32 per stage and an 
     items done), then thread 0 adds the worker's item count with red.release.gpu;
   * with `watchdog` 1 a wait that polls 2^24 times prints the stage and counter and traps, so a
     broken graph fails instead of hanging;
-  * at exit each worker adds 1 to the exit count (acq_rel); the last resets every counter, so
-    the next launch starts from zero (the host zeroes them once).
-Shared memory: the ring and its mbarriers, the routing, then one region laid out per stage
+  * at exit each worker adds 1 to the exit count (acq_rel); the last resets every counter and
+    work counter, so the next launch starts from zero (the host zeroes them once).
+Shared memory: the ring and its mbarriers, the routing and the slot words, then one region laid out per stage
 (`_Region`): a stage's tensors overlap the previous stage's, which the barrier of each signal
 separates.
 
