@@ -356,10 +356,11 @@ def megakernel_graph(cfg: ModelConfig, batch: int, workers: int = 132, *, cols: 
         tasks += staged
     # the static stages' per-worker lists; a claimed stage's items in one assignment of the many
     # a launch may make (`mega_range`'s round-robin), each task with its own waits and signal
+    # (the model checker replays the claims, not that assignment: TaskGraph.claimed)
     schedule = [[first[s] + i for s in MEGA_STAGES for i in range(*mega_range(counts, s, w, workers))]
                 for w in range(workers)]
     return TaskGraph(buffers=bufs, counters=counters, tasks=tasks, workers=workers, schedule=schedule,
-                     stages=list(MEGA_STAGES))
+                     stages=list(MEGA_STAGES), claimed=MEGA_CLAIMED)
 
 
 def mega_offsets(counts: dict[str, int], workers: int) -> dict[str, int]:
