@@ -552,11 +552,12 @@ class MegakernelOp(OpBase):
         for k, s in enumerate(RING_STAGES):  # trace-time, in order: one pass skips a run of them
             if cutlass.const_expr(s not in MEGA_CLAIMED):
                 lo, hi, step = tab[k]
-                if (cs == k) & (lo + nxt * step >= hi):
-                    cs = cutlass.Int32(k + 1)
-                    nxt = cutlass.Int32(0)
-                    if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
-                        nxt = self._claim(mClaims, k + 1)
+                if cs == k:  # nested: `nxt` (perhaps a claim still in flight) is read only here
+                    if lo + nxt * step >= hi:
+                        cs = cutlass.Int32(k + 1)
+                        nxt = cutlass.Int32(0)
+                        if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
+                            nxt = self._claim(mClaims, k + 1)
         return cs, nxt
 
     @cute.jit
