@@ -363,8 +363,8 @@ class MegakernelOp(OpBase):
                  mN: cute.Tensor, mOut: cute.Tensor, mStamps: cute.Tensor):
         lc = self.launch_config()
         self.kernel(mX, mGammaPre, mWg, mBias, mWd, mWsgu, mW13, mW2, mGammaLat, mWup, mWsd, mTasks, mCounters,
-                    mClaims, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct, mO,
-                    mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
+                    mClaims, mH, mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted, mZ, mAs, mAct,
+                    mO, mC, mN, mOut, mStamps).launch(grid=list(lc.grid), block=list(lc.block), smem=lc.smem_bytes)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mGammaPre: cute.Tensor, mWg: cute.Tensor, mBias: cute.Tensor,
@@ -391,18 +391,20 @@ class MegakernelOp(OpBase):
             tab.append((mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]))
         rs = (base, tab, mClaims)  # the ring's shared tensors are made from base where used
         # the ring's issuing state (thread 0's; the other threads' copies are unused): entries
-        # issued, the ring stage it issues from, the stage's next item ordinal (a claimed
-        # stage's: its next claim)
+        # issued, the ring stage it issues from, a static stage's next item ordinal, a claimed
+        # stage's next claim (its own variable: nothing reads an atomic's result before the
+        # next issue of the stage, so no thread waits for the claim's round trip)
         issued = cutlass.Int32(0)
         cs = cutlass.Int32(0)
         nxt = cutlass.Int32(0)
+        claim = cutlass.Int32(0)
         if cutlass.const_expr(RING_STAGES[0] in MEGA_CLAIMED):
             if tidx == 0:
-                nxt = self._claim(mClaims, 0)
+                claim = self._claim(mClaims, 0)
         consumed = cutlass.Int32(0)
         for si, stage in enumerate(MEGA_STAGES):  # trace-time: the stages in order
-            issued, cs, nxt, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks,
-                                                    mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed)
+            issued, cs, nxt, claim, consumed = self._stage(si, stage, worker, tidx, base + st.region_offset, mTasks,
+                                                    mCounters, bufs, mStamps, rs, issued, cs, nxt, claim, consumed)
         self._exit(mCounters, mClaims, tidx)
 
     def _routing_smem(self, base) -> dict:
@@ -412,61 +414,65 @@ class MegakernelOp(OpBase):
         base = base + self.stages.routing_offset
         out, off = {}, 0
         for name, words in (*self.stages.routing_words.items(), ("slot_items", _words(MAX_RING_SLOTS))):
-            out[name] = cute.make_tensor(cute.recast_ptr(base + 4 * off, dtype=cutlass.Int32), cute.make_layout((words,)))
+            out[name] = cute.make_tensor(cute.recast_ptr(base + 4 * off, dtype=cutlass.Int32),
+                                         cute.make_layout((words,)))
             off += words
         return out
 
     @cute.jit
     def _stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
-               consumed):
+               claim, consumed):
         """Trace-time: this worker's items of `stage` (task-table entry si): a static stage's if
         it has any, a claimed stage's claims (every worker runs the stage, its claims may be
         none); at MEGA_ROUTING_AT, first the wait on the routing and its copy, items or not.
         `rs` is the ring (its shared memory, the worker's ring-stage entries and the work
-        counters); issued, cs, nxt its issuing state (thread 0's), consumed its entries
+        counters); issued, cs, nxt, claim its issuing state (thread 0's), consumed its entries
         computed. Returns the state."""
         lo = mTasks[worker, si, 0]
         hi = mTasks[worker, si, 1]
         step = mTasks[worker, si, 2]
         if cutlass.const_expr(stage == MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, False, bufs)
+            issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, consumed, False, bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters)
             self._copy_routing(self._routing_smem(rs[0]), bufs, tidx)
         if cutlass.const_expr(stage in MEGA_CLAIMED):
-            issued, cs, nxt, consumed = self._run_claimed(si, stage, worker, tidx, region_base, mTasks, mCounters,
-                                                          bufs, mStamps, rs, issued, cs, nxt, consumed, lo, hi, step)
+            issued, cs, nxt, claim, consumed = self._run_claimed(
+                si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt, claim,
+                consumed, lo, hi, step)
         elif lo < hi:  # CTA-uniform
-            issued, cs, nxt, consumed = self._run_stage(si, stage, worker, tidx, region_base, mTasks, mCounters,
-                                                        bufs, mStamps, rs, issued, cs, nxt, consumed, lo, hi, step)
-        return issued, cs, nxt, consumed
+            issued, cs, nxt, claim, consumed = self._run_stage(
+                si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt, claim,
+                consumed, lo, hi, step)
+        return issued, cs, nxt, claim, consumed
 
     @cute.jit
-    def _begin(self, si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt, consumed):
+    def _begin(self, si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt, claim, consumed):
         """Trace-time: a fill of the ring and the waits of `stage` (done already at
         MEGA_ROUTING_AT), then its start stamp. Returns the ring's issuing state."""
         if cutlass.const_expr(stage != MEGA_ROUTING_AT):
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, self._routed(stage), bufs)
+            issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, consumed, self._routed(stage), bufs)
             self._waits(stage, si, worker, tidx, mTasks, mCounters)
         if tidx == 0:
             mStamps[worker, si, 0] = _globaltimer()
-        return issued, cs, nxt
+        return issued, cs, nxt, claim
 
     @cute.jit
     def _run_stage(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs,
-                   nxt, consumed, lo, hi, step):
+                   nxt, claim, consumed, lo, hi, step):
         """Trace-time: a static stage: its waits, the worker's items range(lo, hi, step), each
         after a fill of the ring, then one signal of them all; the ring stages' items over their
         slots, the others over the op's shared memory with a CTA barrier after each. Returns
         the ring's state."""
         routed = self._routed(stage)
-        issued, cs, nxt = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
+        issued, cs, nxt, claim = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued,
+                                             cs, nxt, claim,
                                       consumed)
         region = _Region(region_base, self.stages.region_bytes)
         if cutlass.const_expr(stage in RING_STAGES):
             smem = {**self._ring_smem(stage, region, self._routing_smem(rs[0])), "items": (lo, hi, step)}
             self._load_acts(stage, smem, bufs, tidx)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
+                issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, consumed, routed, bufs)
                 slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
                 ring.wait(bars, self.stages.ring, consumed)
                 self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
@@ -474,31 +480,32 @@ class MegakernelOp(OpBase):
         else:
             smem = self._plain_smem(stage, region)
             for item in cutlass.range(lo, hi, step, unroll=1):
-                issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, consumed, routed, bufs)
+                issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, consumed, routed, bufs)
                 self._item(stage, item, tidx, smem, bufs)
                 cute.arch.sync_threads()  # the next item reuses this one's shared memory
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
-        return issued, cs, nxt, consumed
+        return issued, cs, nxt, claim, consumed
 
     @cute.jit
     def _run_claimed(self, si, stage, worker, tidx, region_base, mTasks, mCounters, bufs, mStamps, rs, issued, cs,
-                     nxt, consumed, lo, hi, step):
+                     nxt, claim, consumed, lo, hi, step):
         """Trace-time: a claimed ring stage: its waits, its activations, then its ring entries
         one after the other until the end marker (-1) of its claims, each after a fill of the
         ring; one signal of the items. Every thread reads an entry's item from its slot word,
         after the slot's wait (the issuing thread wrote it before arming the slot). Returns the
         ring's state."""
         routed = self._routed(stage)
-        issued, cs, nxt = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued, cs, nxt,
+        issued, cs, nxt, claim = self._begin(si, stage, worker, tidx, mTasks, mCounters, bufs, mStamps, rs, issued,
+                                             cs, nxt, claim,
                                       consumed)
         rt = self._routing_smem(rs[0])
         smem = {**self._ring_smem(stage, _Region(region_base, self.stages.region_bytes), rt), "items": (lo, hi, step)}
         self._load_acts(stage, smem, bufs, tidx)
         slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
         j = consumed
-        issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
+        issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, j, routed, bufs)
         ring.wait(bars, self.stages.ring, j)
         c = rt["slot_items"][j % self.stages.ring.slots]
         while c >= 0:  # CTA-uniform: every thread reads the slot's word
@@ -506,13 +513,13 @@ class MegakernelOp(OpBase):
             # stage's, validation/race/stages.py)
             self._item(stage, lo + c * step, tidx, self._slot_smem(smem, slots, j), bufs)
             j = j + 1
-            issued, cs, nxt = self._fill(rs, tidx, issued, cs, nxt, j, routed, bufs)
+            issued, cs, nxt, claim = self._fill(rs, tidx, issued, cs, nxt, claim, j, routed, bufs)
             ring.wait(bars, self.stages.ring, j)
             c = rt["slot_items"][j % self.stages.ring.slots]
         self._signal(mCounters, si, tidx, j - consumed)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
-        return issued, cs, nxt, j + 1  # the marker's entry consumed too
+        return issued, cs, nxt, claim, j + 1  # the marker's entry consumed too
 
     def _routed(self, stage) -> bool:
         """Trace-time: whether the routing has been waited for at `stage` (its ring may issue
@@ -528,7 +535,7 @@ class MegakernelOp(OpBase):
 
     # -- the ring ---------------------------------------------------------------------------
     @cute.jit
-    def _fill(self, rs, tidx, issued, cs, nxt, consumed, routed, bufs):
+    def _fill(self, rs, tidx, issued, cs, nxt, claim, consumed, routed, bufs):
         """Thread 0 fills the ring: entries after `issued` up to `slots` past `consumed` (every
         entry before `consumed` has been computed and a CTA barrier has followed it), from the
         ring stages in order, the routed ones only where `routed` (trace-time: the routing was
@@ -536,29 +543,28 @@ class MegakernelOp(OpBase):
         then one end marker. Returns the issuing state (thread 0's; the others' is unused)."""
         limit = len(RING_STAGES) if routed else RING_STAGES.index(ROUTED[0])
         if tidx == 0:
-            cs, nxt = self._skip(rs, cs, nxt)
+            cs, nxt, claim = self._skip(rs, cs, nxt, claim)
             while (issued < consumed + self.stages.ring.slots) & (cs < limit):
-                cs, nxt = self._issue(issued, cs, nxt, rs, routed, bufs)
+                cs, nxt, claim = self._issue(issued, cs, nxt, claim, rs, routed, bufs)
                 issued = issued + 1
-                cs, nxt = self._skip(rs, cs, nxt)
-        return issued, cs, nxt
+                cs, nxt, claim = self._skip(rs, cs, nxt, claim)
+        return issued, cs, nxt, claim
 
     @cute.jit
-    def _skip(self, rs, cs, nxt):
+    def _skip(self, rs, cs, nxt, claim):
         """Thread 0: past the static ring stages whose items the worker has all issued (they
         have no end marker), to the next stage's first item (a claimed stage's first claim).
-        Returns (cs, nxt)."""
+        Returns (cs, nxt, claim)."""
         _, tab, mClaims = rs
         for k, s in enumerate(RING_STAGES):  # trace-time, in order: one pass skips a run of them
             if cutlass.const_expr(s not in MEGA_CLAIMED):
                 lo, hi, step = tab[k]
-                if cs == k:  # nested: `nxt` (perhaps a claim still in flight) is read only here
-                    if lo + nxt * step >= hi:
-                        cs = cutlass.Int32(k + 1)
-                        nxt = cutlass.Int32(0)
-                        if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
-                            nxt = self._claim(mClaims, k + 1)
-        return cs, nxt
+                if (cs == k) & (lo + nxt * step >= hi):
+                    cs = cutlass.Int32(k + 1)
+                    nxt = cutlass.Int32(0)
+                    if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
+                        claim = self._claim(mClaims, k + 1)
+        return cs, nxt, claim
 
     @cute.jit
     def _claim(self, mClaims, k):
@@ -568,40 +574,41 @@ class MegakernelOp(OpBase):
                                     sem="relaxed", scope="gpu")
 
     @cute.jit
-    def _issue(self, j, cs, nxt, rs, routed, bufs):
+    def _issue(self, j, cs, nxt, claim, rs, routed, bufs):
         """Thread 0: ring entry j into slot j % slots, from ring stage `cs`: a static stage's
-        item lo + nxt * step; a claimed stage's claim `nxt` while below its end, then its next
+        item lo + nxt * step; a claimed stage's claim `claim` while below its end, then its next
         claim, and past the end a marker (slot word -1, no bytes) and the next stage's first
-        item. The slot word holds the entry's item (a claim), written before the slot is armed.
-        Returns (cs, nxt)."""
+        item. The slot word holds the entry's item ordinal, written before the slot is armed.
+        Returns (cs, nxt, claim)."""
         base, tab, mClaims = rs
         slots, bars = ring.smem_tensors(base, self.stages.ring)
         rt = self._routing_smem(base)
         slot = j % self.stages.ring.slots
         new_cs = cs
         new_nxt = nxt
+        new_claim = claim
         for k, s in enumerate(RING_STAGES):  # trace-time
             if cutlass.const_expr(routed or s not in ROUTED):
                 if cs == k:
                     lo, hi, step = tab[k]
-                    item = lo + nxt * step
                     dst = ring.slot_ptr(slots, self.stages.ring, slot)
                     if cutlass.const_expr(s in MEGA_CLAIMED):
+                        item = lo + claim * step
                         if item < hi:
-                            rt["slot_items"][slot] = nxt
+                            rt["slot_items"][slot] = claim
                             self.stages.ring_stages[s].issue(item, dst, bars, slot, rt, _named(bufs))
-                            new_nxt = self._claim(mClaims, k)
+                            new_claim = self._claim(mClaims, k)
                         else:
                             rt["slot_items"][slot] = cutlass.Int32(-1)
                             ring.arm(bars, slot, 0)
                             new_cs = cutlass.Int32(k + 1)
                             new_nxt = cutlass.Int32(0)
                             if cutlass.const_expr(k + 1 < len(RING_STAGES) and RING_STAGES[k + 1] in MEGA_CLAIMED):
-                                new_nxt = self._claim(mClaims, k + 1)
+                                new_claim = self._claim(mClaims, k + 1)
                     else:
-                        self.stages.ring_stages[s].issue(item, dst, bars, slot, rt, _named(bufs))
+                        self.stages.ring_stages[s].issue(lo + nxt * step, dst, bars, slot, rt, _named(bufs))
                         new_nxt = nxt + 1
-        return new_cs, new_nxt
+        return new_cs, new_nxt, new_claim
 
     @cute.jit
     def _copy_routing(self, rt, bufs, tidx):
