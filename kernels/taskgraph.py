@@ -238,9 +238,10 @@ MEGA_DEPS = {
     "out": ("norm_latent", "shared_gu"),
 }
 MEGA_ROUTING_AT = "shared_gu"
-# w13 is claimed: its static shares ended up to 20% apart (some SMs stream its 28 KiB items
-# faster, and which ones changes per launch), and w2 waits for all of it (docs/decisions.md).
-MEGA_CLAIMED = ("w13",)
+# shared_gu and w13 are claimed: their static shares ended up to 20% apart (some SMs stream
+# their 28 KiB items faster, and which ones changes per launch), and w2 waits for all of w13
+# (docs/decisions.md); a worker that ends shared_gu late claims less of w13.
+MEGA_CLAIMED = ("shared_gu", "w13")
 # Stages whose items skip the worker of a one-item stage (stage -> that stage): select's worker
 # runs the selection while the others stream down and shared_gu, so it takes none of theirs and
 # reaches w13 with the rest (each worker's share of w13 is fixed, and w2 waits for all of it).
