@@ -40,7 +40,7 @@ The schedule is data: `task_table` of the stage's graph (kernels/taskgraph.py
 `megakernel_graph`, the one declaration of stages, items, buffers and counters), int32
 [workers][stages][4] = (lo, hi, step, target), read by each worker: its items of a stage are
 range(lo, hi, step); `target` is the item count of the stage, what its completion counter
-reaches. A claimed stage's (MEGA_CLAIMED: w13) entry is its whole range: the worker's items
+reaches. A claimed stage's (MEGA_CLAIMED: shared_gu and w13) entry is its whole range: the worker's items
 are claims, `claims[stage]` += 1 (relaxed, gpu scope) by thread 0 whenever the ring has a free
 slot, so a worker on an SM that streams faster takes more. The ring walks the worker's items
 of the ring stages (RING_STAGES) in stage order: a static stage's its range, a claimed stage's
