@@ -85,6 +85,21 @@ def copy_row(plan: StreamPlan, atom, gV, row, vS, s_base, kv0):
         cute.copy(atom, cute.make_tensor(src.iterator, flat), vS[(None, s_base + kv)])
 
 
+def widen(t):
+    """The BF16_PER_VECTOR bf16 of the register vector `t` as fp32 (a TensorSSA), exactly: a
+    bf16 is the top half of its fp32, so each 32-bit word of two gives its first element by a
+    shift and its second by a mask, one instruction each (the generic conversion spends two on
+    the second: a byte permute, then the shift)."""
+    u32 = cutlass.Uint32
+    words = cute.recast_tensor(t, u32)
+    out = cute.make_rmem_tensor(cute.make_layout((BF16_PER_VECTOR,)), u32)
+    for i in range(BF16_PER_VECTOR // 2):
+        w = words[i]
+        out[2 * i] = w << u32(16)
+        out[2 * i + 1] = w & u32(0xFFFF0000)
+    return cute.recast_tensor(out, cutlass.Float32).load()
+
+
 def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0, w_regs=None):
     """This thread's fp32 partial dot products of its weight vectors (shared, from vector
     `w_base`; or, given `w_regs`, those register tensors, one per vector, `vW` and `w_base`
@@ -102,11 +117,11 @@ def dot(plan: StreamPlan, vW, w_base, vX, x_bases, kv0, w_regs=None):
             cute.copy(atom, vW[(None, w_base + kv)], wt)
         else:
             wt = w_regs[j]
-        wf = wt.load().to(f32)
+        wf = widen(wt)
         for b, xb in enumerate(x_bases):
             xt = cute.make_rmem_tensor(flat, bf16)
             cute.copy(atom, vX[(None, xb + kv)], xt)
-            xf = xt.load().to(f32)
+            xf = widen(xt)
             for e in range(BF16_PER_VECTOR):
                 acc[b] = acc[b] + wf[e] * xf[e]
     return acc
