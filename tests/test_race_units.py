@@ -4,6 +4,8 @@ on real builds in test_race_static.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from validation.race import ir
@@ -285,6 +287,26 @@ def test_clean_needs_summary_and_marker():
     # No summary at all (crash) or a timeout.
     assert not parse_tool_output("memcheck", marker("k", True), ["k"], 0).clean
     assert not parse_tool_output("memcheck", ok, ["k"], None, timed_out=True).clean
+
+
+def test_a_failed_launch_is_told_from_a_wrong_output():
+    """A run marker whose `why` is an exception (the launch never completed: a trap, an illegal
+    address) says so, with the exception; a judged output that was wrong says wrong; a line of
+    the kernel's watchdog names the wait it trapped, also when the tool timed out."""
+    why = json.dumps("AcceleratorError: CUDA error: unspecified launch failure\nSearch for ...")
+    r = parse_tool_output("racecheck", marker("k", False, why=why)
+                          + "\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", ["k"], 0)
+    assert not r.clean
+    assert r.reason == "kernel launch failed inside the sanitized run: k: AcceleratorError: CUDA error: unspecified launch failure"
+    r = parse_tool_output("memcheck", CLEAN.format(m=marker("k", False, why=json.dumps("rel_fro 0.3 > 0.01"))), ["k"], 0)
+    assert r.reason == "kernel output wrong inside the sanitized run: k: rel_fro 0.3 > 0.01"
+    dog = "megakernel watchdog: stage 5 waits on counter 4: 7 of 8\n"
+    r = parse_tool_output("synccheck", dog + CLEAN.format(m=marker("k", False, why=why)), ["k"], 0)
+    assert r.reason.startswith("kernel launch failed inside the sanitized run: k: AcceleratorError")
+    assert r.reason.endswith("(the kernel's watchdog trapped a wait: megakernel watchdog: stage 5 waits on counter 4: 7 of 8)")
+    r = parse_tool_output("memcheck", dog, ["k"], None, timed_out=True)
+    assert r.reason == ("timed out (a hung kernel?): the kernel's watchdog trapped a wait: "
+                        "megakernel watchdog: stage 5 waits on counter 4: 7 of 8")
 
 
 def test_racecheck_summary():

@@ -11,6 +11,7 @@ pure and tested on the CPU; `run_tool` needs a GPU host.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,9 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 RUN_MARKER = "FASTTRACK-RAN"
 _MARKER = re.compile(rf"^{RUN_MARKER} kernel=(\S+) ok=([01])(.*)$", re.M)
 _ERROR_SUMMARY = re.compile(r"=+ ERROR SUMMARY: (\d+) errors?")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+# what a kernel's watchdog prints before it traps (kernels/ops/megakernel.py `_wait`)
+_WATCHDOG = re.compile(r"^.*\bwatchdog: .*$", re.M)
 _RACE_SUMMARY = re.compile(r"=+ RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 
 
@@ -49,6 +53,9 @@ def parse_tool_output(tool: str, text: str, expected: list[str], returncode: int
                       timed_out: bool = False) -> ToolResult:
     """Judge one sanitizer run from its combined output (see the module docstring)."""
     ran = {m.group(1): m.group(2) == "1" for m in _MARKER.finditer(text)}
+    whys = {m.group(1): _why(m.group(3)) for m in _MARKER.finditer(text)}
+    trapped = _WATCHDOG.search(text)  # a hung wait the kernel's watchdog turned into a trap
+    dog = f"the kernel's watchdog trapped a wait: {trapped.group(0).strip()}" if trapped else ""
     errors = None
     if tool == "racecheck":
         m = _RACE_SUMMARY.search(text)
@@ -61,7 +68,8 @@ def parse_tool_output(tool: str, text: str, expected: list[str], returncode: int
             errors = int(m.group(1))
         summary_clean = bool(m) and int(m.group(1)) == 0
     if timed_out:
-        return ToolResult(tool, False, "timed out (a hung kernel?)", errors, ran, returncode)
+        return ToolResult(tool, False, "timed out (a hung kernel?)" + (f": {dog}" if dog else ""), errors, ran,
+                          returncode)
     missing = [k for k in expected if k not in ran]
     failed = [k for k in expected if k in ran and not ran[k]]
     if errors is None:
@@ -71,12 +79,35 @@ def parse_tool_output(tool: str, text: str, expected: list[str], returncode: int
     elif missing:
         reason = "no proof the kernel ran: " + ", ".join(missing)
     elif failed:
-        reason = "kernel output wrong inside the sanitized run: " + ", ".join(failed)
+        reason = "; ".join(_failed_reason(k, whys.get(k, ""), dog) for k in failed)
     elif returncode not in (0, None):
         reason = f"child exited with {returncode}"
     else:
         return ToolResult(tool, True, "clean summary and every kernel ran and checked", errors, ran, returncode)
     return ToolResult(tool, False, reason, errors, ran, returncode)
+
+
+def _why(rest: str) -> str:
+    """The `why` a run marker carries (a JSON string), or ""."""
+    m = re.search(r'\bwhy=("(?:[^"\\]|\\.)*")', rest)
+    if not m:
+        return ""
+    try:
+        return str(json.loads(m.group(1)))
+    except ValueError:
+        return m.group(1)
+
+
+def _failed_reason(kernel: str, why: str, dog: str) -> str:
+    """One kernel's failed run marker in words: an exception means the launch never completed
+    (a trap, an illegal address), not that its output was judged wrong; `dog`, the watchdog's
+    line if one was printed, goes after it."""
+    first = why.split("\n")[0].strip()
+    if _EXCEPTION.match(first):
+        out = f"kernel launch failed inside the sanitized run: {kernel}: {first}"
+    else:
+        out = f"kernel output wrong inside the sanitized run: {kernel}" + (f": {first}" if first else "")
+    return out + (f" ({dog})" if dog else "")
 
 
 def find_sanitizer() -> str | None:
