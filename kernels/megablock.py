@@ -100,6 +100,15 @@ class MegaBlock:
         sync = self._sync_names()
         return {k: v for k, v in self.buf.items() if k not in ("tasks", "stamps") and k not in sync}
 
+    def stage_weight_bytes(self) -> dict[str, int]:
+        """The weight bytes each stage streamed in the last launch (kernels/ops/megakernel.py
+        `stage_weight_bytes`, at that launch's n_groups and this build's tunables and workers)."""
+        from kernels.ops.megakernel import stage_weight_bytes
+
+        workers = int(self.buf["tasks"].shape[0])
+        return stage_weight_bytes(self.cfg, self.batch, int(self.buf["n_groups"].reshape(-1)[0].item()),
+                                  self.k.meta.get("tunables") or {}, workers)
+
     def stamps(self):
         """The in-kernel timeline of the last launch (int64 [workers][stages][2], ns), or None
         for a build without a `stamps` parameter."""

@@ -310,6 +310,43 @@ def test_the_host_launcher_imports_and_plans_without_the_dsl():
     assert out.stdout.strip() == "132 []", out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_the_stages_weight_bytes_are_the_blocks_weights(batch):
+    """Every weight the block reads is streamed by exactly one stage: summed over the stages,
+    the megakernel's per-stage bytes at n_groups distinct experts are the block's byte model
+    (validation/block_stage.py block_bytes) less what no ring stage streams (x and out, the
+    two norms' gammas, the router's bias); a routed stage's bytes scale with the groups."""
+    from kernels.ops.megakernel import stage_weight_bytes
+    from validation.block_stage import block_bytes
+
+    groups = min(batch * K3.top_k, K3.n_experts)
+    full = stage_weight_bytes(K3, batch, groups)
+    rest = 2 * batch * K3.hidden * 2 + (K3.hidden + K3.latent) * 2 + K3.n_experts * 4
+    assert sum(full.values()) == block_bytes(K3, batch, groups) - rest
+    assert full["norm_pre"] == full["select"] == full["combine"] == full["norm_latent"] == 0
+    three = stage_weight_bytes(K3, batch, 3)
+    for s in full:
+        assert three[s] == (full[s] * 3 // groups if s in ("w13", "w2") else full[s])
+    with pytest.raises(ValueError, match="groups"):
+        stage_weight_bytes(K3, batch, groups + 1)
+
+
+def test_the_host_launcher_gives_the_last_launchs_stage_bytes():
+    """MegaBlock.stage_weight_bytes reads the last launch's n_groups and the build's tunables and
+    workers (no GPU needed for the count itself)."""
+    import types
+
+    import torch
+
+    from kernels.megablock import MegaBlock
+    from kernels.ops.megakernel import stage_weight_bytes
+
+    fake = types.SimpleNamespace(cfg=K3, batch=2, k=types.SimpleNamespace(meta={"tunables": {"w2_rows": 2}}),
+                                 buf={"tasks": torch.zeros(8, 10, 4, dtype=torch.int32),
+                                      "n_groups": torch.tensor([5], dtype=torch.int32)})
+    assert MegaBlock.stage_weight_bytes(fake) == stage_weight_bytes(K3, 2, 5, {"w2_rows": 2}, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_megakernel_on_gpu_matches_the_oracle_and_leaves_its_counters_zero(batch):

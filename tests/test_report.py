@@ -248,6 +248,30 @@ def test_a_timeline_is_summed_up_per_stage_with_its_stragglers():
     assert c["end_max_us"] == 2.0 and c["busy_max_us"] == 2.0
 
 
+def test_a_stage_with_weight_bytes_gets_its_bandwidth_against_the_read_ceiling():
+    """With `stage_bytes` (and `read_tbps`) on the timeline, a stage that streamed weights gets
+    its bytes over its workers' median start to its last end, and that over the ceiling; a
+    stage of no bytes gets none, and the table shows the column only when some stage has it."""
+    from validation.report import timeline_table
+    from validation.timeline import stage_summary, timeline_from_stamps
+
+    # stage a: starts 1000, 1000, 2000 ns (median 1000), last end 5000 ns; stage b: no weights
+    stamps = [[[1000, 3000], [5000, 6000]], [[1000, 5000], [5000, 7000]], [[2000, 4000], [5000, 5500]]]
+    t = timeline_from_stamps(stamps, ["a", "b"], batch=1)
+    t.update({"stage_bytes": {"a": 8_000_000, "b": 0}, "read_tbps": 4.0})
+    a, b = stage_summary(t)
+    assert (a["bytes"], a["span_us"], a["tbps"], a["of_read"]) == (8e6, 4.0, 2.0, 0.5)
+    assert "tbps" not in b and "span_us" not in b
+    page = timeline_table(t)
+    assert "8.0 MB in 4.0 us: 2.000 TB/s (50.0% of read)" in page and "weights streamed" in page
+    del t["read_tbps"]
+    (a, _) = stage_summary(t)
+    assert a["tbps"] == 2.0 and "of_read" not in a
+    assert "of read)" not in timeline_table(t)
+    del t["stage_bytes"]
+    assert "weights streamed" not in timeline_table(t)
+
+
 def test_a_bundle_timeline_is_drawn_on_the_page():
     from validation.report import render_report
 

@@ -368,8 +368,10 @@ def speed_ab(mega, base, chain, cfg, T: int, calls: int, rounds: int = ROUNDS) -
     return res
 
 
-def timeline(mega, cfg, T: int) -> dict | None:
-    """One step's in-kernel timeline (None for a build that records none)."""
+def timeline(mega, cfg, T: int, read_tbps: float | None = None) -> dict | None:
+    """One step's in-kernel timeline (None for a build that records none), with the weight bytes
+    each stage streamed in that step and the run's read ceiling, for the per-stage bandwidth
+    (validation/timeline.py stage_summary)."""
     import torch
 
     from kernels.taskgraph import MEGA_STAGES
@@ -382,7 +384,11 @@ def timeline(mega, cfg, T: int) -> dict | None:
     mega.buf["stamps"].zero_()
     mega.launch(x, torch.empty_like(x))
     torch.cuda.synchronize()
-    return timeline_from_stamps(mega.stamps().cpu(), list(MEGA_STAGES), batch=T)
+    tl = timeline_from_stamps(mega.stamps().cpu(), list(MEGA_STAGES), batch=T)
+    tl["stage_bytes"] = mega.stage_weight_bytes()
+    if read_tbps:
+        tl["read_tbps"] = float(read_tbps)
+    return tl
 
 
 def run(plan_path: Path, build_root: Path, out_path: Path, batches=None, calls: int = CALLS) -> int:
@@ -427,7 +433,7 @@ def run(plan_path: Path, build_root: Path, out_path: Path, batches=None, calls: 
             chain = MoEBlock(cfg, T, w, kernels=ck)
             row["numerics"] = numerics(mega, chain, cfg, T)
             row["speed"] = speed_ab(mega, base, chain, cfg, T, calls)
-            row["timeline"] = timeline(mega, cfg, T)
+            row["timeline"] = timeline(mega, cfg, T, doc["ceilings"]["read"].get("tbps"))
             del mega, base, chain
         except Exception as e:  # noqa: BLE001 - one failing batch must not lose the others
             import traceback

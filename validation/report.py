@@ -180,12 +180,23 @@ def timeline_table(timeline: dict) -> str:
         return ""
     if not rows:
         return ""
+    rates = any("tbps" in r for r in rows)
+
+    def rate(r) -> str:
+        if not rates:
+            return ""
+        if "tbps" not in r:
+            return "<td></td>"
+        of = f" ({100 * r['of_read']:.1f}% of read)" if "of_read" in r else ""
+        return f"<td>{r['bytes'] / 1e6:.1f} MB in {r['span_us']:.1f} us: {r['tbps']:.3f} TB/s{of}</td>"
+
     head = ("<tr><th>stage</th><th>workers</th><th>first start</th><th>end min / median / max</th>"
-            "<th>straggle (max - median end)</th><th>busy median / max</th></tr>")
+            "<th>straggle (max - median end)</th><th>busy median / max</th>"
+            + ("<th>weights streamed (median start to last end)</th>" if rates else "") + "</tr>")
     body = "".join(
         f"<tr><td>{html.escape(r['stage'])}</td><td>{r['workers']}</td><td>{r['first_start_us']:.1f}</td>"
         f"<td>{r['end_min_us']:.1f} / {r['end_median_us']:.1f} / {r['end_max_us']:.1f}</td>"
-        f"<td>{r['straggle_us']:.1f}</td><td>{r['busy_median_us']:.1f} / {r['busy_max_us']:.1f}</td></tr>"
+        f"<td>{r['straggle_us']:.1f}</td><td>{r['busy_median_us']:.1f} / {r['busy_max_us']:.1f}</td>{rate(r)}</tr>"
         for r in rows)
     return (f'<table class="timeline"><caption>Stages at batch {html.escape(str(timeline.get("batch", "?")))}, '
             f"us from the first timestamp</caption>{head}{body}</table>")

@@ -53,12 +53,19 @@ def stage_summary(timeline: dict) -> list[dict]:
     workers that ran it, its first start, and its workers' end times (min, median, max), in us
     from the launch's first timestamp; `straggle_us` is max - median end, what the slowest
     workers cost the others at a wait on the stage (with static shares, where the stage's
-    imbalance shows); `busy_median_us` / `busy_max_us` the workers' span lengths."""
+    imbalance shows); `busy_median_us` / `busy_max_us` the workers' span lengths.
+
+    Where the timeline carries the weight bytes each stage streamed (`stage_bytes`), a stage
+    with bytes also gets `span_us` (its workers' median start to its last end), `tbps` (its
+    bytes over that span) and, with the run's `read_tbps`, `of_read` (that over the read
+    ceiling). A stage whose first weights a ring fetched before it started (static weights are
+    prefetched across a wait) can show above the ceiling."""
     stages = list(timeline.get("stages") or [])
     spans = timeline.get("spans") or []
     if not spans:
         return []
     scale = us_per_unit(timeline)
+    read = float(timeline.get("read_tbps") or 0)
     t0 = min(s[2] for s in spans)
     out = []
     for si, name in enumerate(stages):
@@ -68,7 +75,14 @@ def stage_summary(timeline: dict) -> list[dict]:
         ends = sorted((s[3] - t0) * scale for s in mine)
         busy = [(s[3] - s[2]) * scale for s in mine]
         med = median(ends)
-        out.append({"stage": name, "workers": len(mine), "first_start_us": (min(s[2] for s in mine) - t0) * scale,
-                    "end_min_us": ends[0], "end_median_us": med, "end_max_us": ends[-1],
-                    "straggle_us": ends[-1] - med, "busy_median_us": median(busy), "busy_max_us": max(busy)})
+        row = {"stage": name, "workers": len(mine), "first_start_us": (min(s[2] for s in mine) - t0) * scale,
+               "end_min_us": ends[0], "end_median_us": med, "end_max_us": ends[-1],
+               "straggle_us": ends[-1] - med, "busy_median_us": median(busy), "busy_max_us": max(busy)}
+        nbytes = float((timeline.get("stage_bytes") or {}).get(name) or 0)
+        span = ends[-1] - median((s[2] - t0) * scale for s in mine)
+        if nbytes > 0 and span > 0:
+            row.update({"bytes": nbytes, "span_us": span, "tbps": nbytes / span / 1e6})
+            if read:
+                row["of_read"] = row["tbps"] / read
+        out.append(row)
     return out

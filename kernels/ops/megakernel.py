@@ -232,6 +232,32 @@ def stage_cols(cfg: ModelConfig, batch: int, tunables: dict | None = None) -> di
                       int(t["w2_rows"])).cols
 
 
+def stage_weight_bytes(cfg: ModelConfig, batch: int, n_groups: int, tunables: dict | None = None,
+                       workers: int = WORKERS) -> dict[str, int]:
+    """The weight bytes each stage streams in one launch whose routing made `n_groups` groups
+    (distinct experts): a ring stage's items times its `item_bytes`, where a routed stage's items
+    of groups past n_groups carry none (as its `issue` arms them); the stages outside the ring
+    stream no weights (0). What the report's per-stage bandwidth divides by."""
+    t = op_tunables("megakernel", MegakernelOp.TUNABLES, tunables or {})
+    st = MegaStages(cfg, batch, int(t["stream_cta_kib"]), int(t["ring_slots"]), int(t["w13_cols"]),
+                    int(t["w2_rows"]), workers)
+    graph = megakernel_graph(cfg, batch, workers, cols=st.cols)
+    groups = st.w13.groups
+    if not 0 <= n_groups <= groups:
+        raise ValueError(f"megakernel: {n_groups} groups at batch {batch} (at most {groups})")
+    out = {}
+    for s in MEGA_STAGES:
+        ring_stage = st.ring_stages.get(s)
+        if ring_stage is None:
+            out[s] = 0
+            continue
+        items = len(graph.stage_tasks(s))
+        if s in ROUTED:  # group-major items: items // groups per group
+            items = items // groups * n_groups
+        out[s] = items * ring_stage.item_bytes
+    return out
+
+
 class _Region:
     """Trace-time: the allocator interface the ops' `allocate_smem` use (`allocate_tensor`),
     carving one stage's tensors from the shared region at `base` (a byte pointer) from offset 0,
