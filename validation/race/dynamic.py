@@ -52,8 +52,9 @@ def marker(kernel: str, ok: bool, **info) -> str:
 def parse_tool_output(tool: str, text: str, expected: list[str], returncode: int | None,
                       timed_out: bool = False) -> ToolResult:
     """Judge one sanitizer run from its combined output (see the module docstring)."""
-    ran = {m.group(1): m.group(2) == "1" for m in _MARKER.finditer(text)}
-    whys = {m.group(1): _why(m.group(3)) for m in _MARKER.finditer(text)}
+    markers = list(_MARKER.finditer(text))
+    ran = {m.group(1): m.group(2) == "1" for m in markers}
+    whys = {m.group(1): _why(m.group(3)) for m in markers}
     trapped = _WATCHDOG.search(text)  # a hung wait the kernel's watchdog turned into a trap
     dog = f"the kernel's watchdog trapped a wait: {trapped.group(0).strip()}" if trapped else ""
     errors = None
