@@ -12,7 +12,7 @@ kernels/taskgraph.py MEGA_STAGES in order:
     w2           o = act @ W2_e.T (fp32)              ring: moe_w2's rows, an item per (group, rows)
     combine      c = bf16(sum_k w_k o_k)              an item per block of latent columns, k in order
     norm_latent  n = RMSNorm(c) * gamma_latent        rmsnorm's tile
-    out          out = x + n @ W_up.T + a_s @ W_sd.T  ring: latent_out's W_up row and W_sd row
+    out          out = x + n @ W_up.T + a_s @ W_sd.T  ring: 8 rows of W_up and of W_sd, in pieces, mma
 
 Where the bytes go (why the design is what it is): a decode step reads its weights once, 1.44 GB
 at batch 1, so the step's time is how long the weights take to stream, and a worker must keep
@@ -25,7 +25,9 @@ stream.py): each thread reads its 16-byte vectors of the item's rows from the sl
 stage's activations from shared memory, fp32 FMAs, a warp-shuffle and warp-order reduction
 (bitwise deterministic), and the op's epilogue. One CTA barrier per item: the reduction's
 partials alternate between two buffers, and the barrier also frees the slot for the item
-`slots` ahead.
+`slots` ahead. out's items are 8 rows on the tensor cores instead (kernels/ops/stages/out.py:
+one row per item read the activations once per row), each item several ring entries (the ring
+counts entries: a stage's `chunks` per item), a CTA barrier after each.
 
 Activations are loaded by coherent copies after the stage's waits, into the stage's shared
 region: h (router_rows, down, shared_gu), z (w13), n and a_s (out, with the residuals x of the
@@ -191,14 +193,17 @@ class MegaStages:
             "shared_gu": SharedGuStage(self.shared_gu, T, THREADS, slot_vectors),
             "w13": W13Stage(self.w13, THREADS),
             "w2": W2Stage(self.w2, THREADS),
-            "out": OutStage(self.out, T, THREADS, slot_vectors, workers),
+            "out": OutStage(self.out, T, THREADS, slot_bytes, workers),
         }
         self.combine = CombineStage(T, K, L, COMBINE_COLS, THREADS)
         self.cols = {s: st.cols for s, st in self.ring_stages.items()}
         self.cols["combine"] = COMBINE_COLS
-        # the weight bytes of one item of each ring stage (what its slot must hold)
+        # the weight bytes of one item of each ring stage, and what one of its ring entries
+        # holds in a slot (an item of `chunks` entries holds a piece of its rows in each)
         self.item_bytes = {s: st.item_bytes for s, st in self.ring_stages.items()}
-        over = {s: b for s, b in self.item_bytes.items() if b > slot_bytes}
+        self.chunks = {s: getattr(st, "chunks", 1) for s, st in self.ring_stages.items()}
+        self.entry_bytes = {s: getattr(st, "entry_bytes", st.item_bytes) for s, st in self.ring_stages.items()}
+        over = {s: b for s, b in self.entry_bytes.items() if b > slot_bytes}
         if over:
             raise ValueError(f"megakernel: items of {over} bytes do not fit a {slot_kib} KiB slot")
         # every stage's shared region, as its tensors are laid out
@@ -400,14 +405,15 @@ class MegakernelOp(OpBase):
                 (mLogits, mIds, mWeights, mNGroups, mGroupExpert, mGroupStart, mSorted), mZ, mAs, mAct, mO, mC, mN,
                 mOut)
         ring.init(bars, st.ring, tidx)
-        # the worker's ring items: its (lo, hi, step) of each ring stage, and where each stage's
-        # items start in the ring's count (items are numbered across the ring stages in order)
+        # the worker's ring entries: its (lo, hi, step) of each ring stage, and where each
+        # stage's entries start in the ring's count (entries are numbered across the ring stages
+        # in order; an item of a stage of `chunks` entries is that many in a row)
         tab, starts = [], [cutlass.Int32(0)]
         for s in RING_STAGES:  # trace-time
             si = STAGE_INDEX[s]
             lo, hi, step = mTasks[worker, si, 0], mTasks[worker, si, 1], mTasks[worker, si, 2]
             tab.append((lo, hi, step))
-            starts.append(starts[-1] + (hi - lo + step - 1) // step)
+            starts.append(starts[-1] + (hi - lo + step - 1) // step * self.stages.chunks[s])
         rs = (base, tab, starts)  # the ring's shared tensors are made from base where used
         issued = cutlass.Int32(0)
         consumed = cutlass.Int32(0)
@@ -461,12 +467,17 @@ class MegakernelOp(OpBase):
         if cutlass.const_expr(stage in RING_STAGES):
             smem = {**self._ring_smem(stage, region, self._routing_smem(rs[0])), "items": (lo, hi, step)}
             self._load_acts(stage, smem, bufs, tidx)
+            chunks = self.stages.chunks[stage]
             for item in cutlass.range(lo, hi, step, unroll=1):
-                issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
-                slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
-                ring.wait(bars, self.stages.ring, consumed)
-                self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
-                consumed = consumed + 1
+                if cutlass.const_expr(chunks == 1):
+                    issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+                    slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
+                    ring.wait(bars, self.stages.ring, consumed)
+                    self._item(stage, item, tidx, self._slot_smem(smem, slots, consumed), bufs)
+                    consumed = consumed + 1
+                else:
+                    issued, consumed = self._chunked_item(stage, item, tidx, smem, rs, issued, consumed, routed,
+                                                          bufs)
         else:
             smem = self._plain_smem(stage, region)
             for item in cutlass.range(lo, hi, step, unroll=1):
@@ -476,6 +487,25 @@ class MegakernelOp(OpBase):
         self._signal(mCounters, si, tidx, (hi - lo + step - 1) // step)
         if tidx == 0:
             mStamps[worker, si, 1] = _globaltimer()
+        return issued, consumed
+
+    @cute.jit
+    def _chunked_item(self, stage, item, tidx, smem, rs, issued, consumed, routed, bufs):
+        """Trace-time: item `item` of a ring stage of `chunks` entries: the stage's `begin`, then
+        per entry a fill, the wait and its `chunk` over the slot, with a CTA barrier after each
+        (every thread's reads of the slot are done before it is refilled), then its `finish`.
+        Returns the ring's counts."""
+        st = self.stages.ring_stages[stage]
+        b = _named(bufs)
+        state = st.begin(item, tidx, smem, b)
+        for c in cutlass.range_constexpr(self.stages.chunks[stage]):
+            issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
+            slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
+            ring.wait(bars, self.stages.ring, consumed)
+            state = st.chunk(item, c, state, tidx, self._slot_smem(smem, slots, consumed), b)
+            consumed = consumed + 1
+            cute.arch.sync_threads()
+        st.finish(item, state, tidx, smem, b)
         return issued, consumed
 
     def _slot_smem(self, smem, slots, j) -> dict:
@@ -510,8 +540,16 @@ class MegakernelOp(OpBase):
             if cutlass.const_expr(routed or s not in ROUTED):
                 if (starts[k] <= j) & (j < starts[k + 1]):
                     lo, _, step = tab[k]
-                    self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars, rt,
-                                     bufs)
+                    chunks = self.stages.chunks[s]
+                    if cutlass.const_expr(chunks == 1):
+                        self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars,
+                                         rt, bufs)
+                    else:
+                        e = j - starts[k]
+                        self.stages.ring_stages[s].issue(lo + e // chunks * step, e % chunks,
+                                                         ring.slot_ptr(slots, self.stages.ring,
+                                                                       j % self.stages.ring.slots),
+                                                         bars, j % self.stages.ring.slots, rt, _named(bufs))
 
     @cute.jit
     def _issue_item(self, stage, item, slot, slots, bars, rt, bufs):

@@ -76,11 +76,12 @@ def new_accumulators(plan: MmaPlan):
     return acc
 
 
-def _load_steps(plan: MmaPlan, w_tiles, gX, x_rows, warp, g, q, first, count):
+def _load_steps(plan: MmaPlan, w_tiles, gX, x_rows, warp, g, q, first, count, w_shared=False):
     """This lane's loads for `count` k steps from its step `first`: per step, one weight vector per
-    tile (read-only path: weights are static) and one activation vector per non-padding slot."""
+    tile (read-only path: weights are static in global memory; plain loads where `w_shared`, the
+    weights in shared memory) and one activation vector per non-padding slot."""
     bf16 = cutlass.BFloat16
-    w_atom = weight_load_atom(bf16)
+    w_atom = coherent_copy_atom(bf16) if w_shared else weight_load_atom(bf16)
     x_atom = coherent_copy_atom(bf16)
     vec = cute.make_layout(((1, BF16_PER_VECTOR),))
     wv, xv = [], []
@@ -150,11 +151,12 @@ def _flat(frags):
 
 
 @cute.jit
-def accumulate(plan: MmaPlan, acc, w_tiles, gX, x_rows, warp, g, q):
+def accumulate(plan: MmaPlan, acc, w_tiles, gX, x_rows, warp, g, q, w_shared=False):
     """acc[mb][nt] += x[x_rows] . W[tile rows] over this warp's k steps.
 
-    `w_tiles`: one (vector-view weight tensor, first row) per row tile; `gX`: the vector view of
-    the activations; `x_rows`: 2 x batch_tiles row indices or None (see `x_row_slots`).
+    `w_tiles`: one (vector-view weight tensor, first row) per row tile, in global memory (or in
+    shared memory where `w_shared`: a ring slot); `gX`: the vector view of the activations;
+    `x_rows`: 2 x batch_tiles row indices or None (see `x_row_slots`).
     """
     mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)))
     U = plan.k_unroll
@@ -162,23 +164,23 @@ def accumulate(plan: MmaPlan, acc, w_tiles, gX, x_rows, warp, g, q):
     tail = plan.steps_per_warp % U
     ld = (plan, w_tiles, gX, x_rows, warp, g, q)
     if plan.prefetch and n_iter > 1:
-        cur = _load_steps(*ld, 0, U)
+        cur = _load_steps(*ld, 0, U, w_shared)
         for it in cutlass.range(n_iter - 1, unroll=1):
-            nxt = _load_steps(*ld, (it + 1) * U, U)
+            nxt = _load_steps(*ld, (it + 1) * U, U, w_shared)
             _mma_steps(plan, mma, acc, cur)
             for a, b in zip(_flat(cur), _flat(nxt)):
                 a.store(b.load())
         if tail > 0:
-            last = _load_steps(*ld, n_iter * U, tail)
+            last = _load_steps(*ld, n_iter * U, tail, w_shared)
             _mma_steps(plan, mma, acc, cur)
             _mma_steps(plan, mma, acc, last)
         else:
             _mma_steps(plan, mma, acc, cur)
     else:
         for it in cutlass.range(n_iter, unroll=1):
-            _mma_steps(plan, mma, acc, _load_steps(*ld, it * U, U))
+            _mma_steps(plan, mma, acc, _load_steps(*ld, it * U, U, w_shared))
         if tail > 0:
-            _mma_steps(plan, mma, acc, _load_steps(*ld, n_iter * U, tail))
+            _mma_steps(plan, mma, acc, _load_steps(*ld, n_iter * U, tail, w_shared))
     return acc
 
 
