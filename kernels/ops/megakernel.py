@@ -7,7 +7,7 @@ kernels/taskgraph.py MEGA_STAGES in order:
     router_rows  logits = h @ W_g.T (fp32)            ring: the router's whole rows of W_g
     select       top-k, weights, grouping by expert   the router's phase 2 from logits in memory
     down         z = h @ W_down.T                     ring: the router's whole rows of W_down
-    shared_gu    a_s = SiTU(h @ W_sgu.T)              ring: shared_gate_up's gate row and up row
+    shared_gu    a_s = SiTU(h @ W_sgu.T)              ring: 4 gate rows and their up rows, in pieces, mma
     w13          act = SiTU(z[token] @ W13_e.T)       ring: moe_w13's gate rows and up rows, an item per (group, cols)
     w2           o = act @ W2_e.T (fp32)              ring: moe_w2's rows, an item per (group, rows)
     combine      c = bf16(sum_k w_k o_k)              an item per block of latent columns, k in order
@@ -185,12 +185,11 @@ class MegaStages:
                 raise ValueError(f"megakernel: the {name} stage's items need {op.threads} threads, more "
                                  f"than {THREADS}")
         slot_bytes = slot_kib * 1024
-        slot_vectors = slot_bytes // 16
         r = self.router
         self.ring_stages = {
             "router_rows": RowsStage("router_rows", r.plan, "w_gate", "logits", T, THREADS),
             "down": RowsStage("down", r.down_plan, "w_down", "z", T, THREADS),
-            "shared_gu": SharedGuStage(self.shared_gu, T, THREADS, slot_vectors),
+            "shared_gu": SharedGuStage(self.shared_gu, T, THREADS, slot_bytes),
             "w13": W13Stage(self.w13, THREADS),
             "w2": W2Stage(self.w2, THREADS),
             "out": OutStage(self.out, T, THREADS, slot_bytes, workers),
@@ -202,6 +201,8 @@ class MegaStages:
         # holds in a slot (an item of `chunks` entries holds a piece of its rows in each)
         self.item_bytes = {s: st.item_bytes for s, st in self.ring_stages.items()}
         self.chunks = {s: getattr(st, "chunks", 1) for s, st in self.ring_stages.items()}
+        # the stages of the entry-wise interface (begin, chunk, finish; issue by entry)
+        self.chunked = {s for s, st in self.ring_stages.items() if hasattr(st, "chunks")}
         self.entry_bytes = {s: getattr(st, "entry_bytes", st.item_bytes) for s, st in self.ring_stages.items()}
         over = {s: b for s, b in self.entry_bytes.items() if b > slot_bytes}
         if over:
@@ -467,9 +468,8 @@ class MegakernelOp(OpBase):
         if cutlass.const_expr(stage in RING_STAGES):
             smem = {**self._ring_smem(stage, region, self._routing_smem(rs[0])), "items": (lo, hi, step)}
             self._load_acts(stage, smem, bufs, tidx)
-            chunks = self.stages.chunks[stage]
             for item in cutlass.range(lo, hi, step, unroll=1):
-                if cutlass.const_expr(chunks == 1):
+                if cutlass.const_expr(stage not in self.stages.chunked):
                     issued = self._fill(rs, tidx, issued, consumed, routed, bufs)
                     slots, bars = ring.smem_tensors(rs[0], self.stages.ring)
                     ring.wait(bars, self.stages.ring, consumed)
@@ -541,7 +541,7 @@ class MegakernelOp(OpBase):
                 if (starts[k] <= j) & (j < starts[k + 1]):
                     lo, _, step = tab[k]
                     chunks = self.stages.chunks[s]
-                    if cutlass.const_expr(chunks == 1):
+                    if cutlass.const_expr(s not in self.stages.chunked):
                         self._issue_item(s, lo + (j - starts[k]) * step, j % self.stages.ring.slots, slots, bars,
                                          rt, bufs)
                     else:

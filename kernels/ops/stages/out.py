@@ -10,8 +10,8 @@ reads each activation fragment once for all of them, and its FMAs are a few mmas
 
 An item's rows do not fit one ring slot whole (ROWS x (latent + shared_inter) bf16), so an item
 is `chunks` ring entries: the W_up rows in `up` pieces of k, then the W_sd rows in `sd` pieces,
-each piece of the ROWS rows in one slot at a padded row stride (PAD_BYTES: the lanes of a
-128-bit load then hit distinct bank groups). Each warp accumulates its share of a piece's k in
+each piece of the ROWS rows in one slot at a padded row stride (kernels/ops/stages/common.py,
+the helpers of the tensor-core stages). Each warp accumulates its share of a piece's k in
 registers across the item's entries (one accumulator for the up sum, one for the down sum,
 since each is rounded to bf16 on its own, as latent_out does); the item's `finish` sums the
 warps' partials in warp order (deterministic) and a thread per (row, token) adds the residual.
@@ -21,26 +21,10 @@ stage: a global load in an item's epilogue would put one memory latency on the r
 thread per item."""
 
 from kernels.ops.parts import decode_mma as dm
-from kernels.ops.parts import ring
-from kernels.ops.parts.common import BF16_PER_VECTOR, WARP, cute, cutlass
+from kernels.ops.parts.common import BF16_PER_VECTOR, cute, cutlass
 from kernels.ops.stages import common
 
-ROWS = dm.ROWS_PER_TILE  # output rows per item: one mma tile of weight rows
-PAD_BYTES = 64  # a slot row's padding: its stride is 4 mod 8 16-byte bank groups
-
-
-def _pieces(width: int, warps: int, slot_bytes: int) -> tuple[int, int]:
-    """(k per piece, pieces): the largest piece of a row of `width` that divides it into whole
-    k steps of every warp and whose ROWS rows fit a slot at the padded stride."""
-    unit = dm.K_STEP * warps
-    best = 0
-    for kc in range(unit, width + 1, unit):
-        if width % kc == 0 and ROWS * (kc * 2 + PAD_BYTES) <= slot_bytes:
-            best = kc
-    if not best:
-        raise ValueError(f"megakernel out: no piece of a {width}-wide row fits a {slot_bytes}-byte slot "
-                         f"in whole steps of {warps} warps")
-    return best, width // best
+ROWS = common.MMA_ROWS  # output rows per item: one mma tile of weight rows
 
 
 class OutStage:
@@ -55,39 +39,26 @@ class OutStage:
             raise ValueError(f"megakernel out: batch {batch} past one mma tile of tokens ({dm.BATCH_PER_TILE})")
         if self.hidden % ROWS:
             raise ValueError(f"megakernel out: hidden {self.hidden} is not a multiple of {ROWS} rows")
-        warps = threads // WARP
-        while warps > 1 and (self.latent % (dm.K_STEP * warps) or self.inter % (dm.K_STEP * warps)):
-            warps //= 2
-        if self.latent % (dm.K_STEP * warps) or self.inter % (dm.K_STEP * warps):
-            raise ValueError(f"megakernel out: latent {self.latent} and shared_inter {self.inter} are not "
-                             f"multiples of {dm.K_STEP}")
-        self.warps = warps
-        self.up = _pieces(self.latent, warps, slot_bytes)
-        self.sd = _pieces(self.inter, warps, slot_bytes)
+        self.warps = common.mma_warps(threads, self.latent, self.inter)
+        self.up = common.mma_pieces(self.latent, self.warps, slot_bytes)
+        self.sd = common.mma_pieces(self.inter, self.warps, slot_bytes)
         self.chunks = self.up[1] + self.sd[1]
         self.cols = ROWS
         self.item_bytes = ROWS * (self.latent + self.inter) * 2
-        self.entry_bytes = ROWS * (max(self.up[0], self.sd[0]) * 2 + PAD_BYTES)
-        self.pb = dm.padded_batch(batch)
+        self.entry_bytes = ROWS * (max(self.up[0], self.sd[0]) * 2 + common.PAD_BYTES)
         # a worker's items are every workers-th row block (kernels/taskgraph.py mega_range): at
         # most this many, each with ROWS x batch residuals
         self.residuals = -(-(self.hidden // ROWS) // workers) * ROWS * batch
-        self.partials_words = ROWS * self.pb * warps
-        self.region_bytes = (batch * (self.latent + self.inter) * 2 + 2 * 4 * self.partials_words
+        self.region_bytes = (batch * (self.latent + self.inter) * 2 + 2 * common.mma_partials_bytes(batch, self.warps)
                              + 2 * self.residuals + 64)
-
-    def _plan(self, kc: int):
-        return dm.MmaPlan(warps=self.warps, row_tiles=1, batch_tiles=1, k=kc, k_unroll=1, prefetch=0)
 
     def region(self, alloc) -> dict:
         """"n" and "a" (a_s) rows, "pu" and "pd" the warps' fp32 partials of the up and the down
         sums ([row, token, warp]), "res" the residuals of the worker's items (bf16: item, row,
         token)."""
-        f32 = cutlass.Float32
-        lay = dm.partials_layout(ROWS, self.pb, self.warps)
         return {"n": common.vectors(alloc, self.batch, self.latent), "a": common.vectors(alloc, self.batch, self.inter),
-                "pu": alloc.allocate_tensor(f32, lay, byte_alignment=16),
-                "pd": alloc.allocate_tensor(f32, lay, byte_alignment=16),
+                "pu": common.mma_partials(alloc, self.batch, self.warps),
+                "pd": common.mma_partials(alloc, self.batch, self.warps),
                 "res": alloc.allocate_tensor(cutlass.BFloat16, cute.make_layout((self.residuals,)), byte_alignment=16)}
 
     @cute.jit
@@ -107,26 +78,22 @@ class OutStage:
 
     @cute.jit
     def issue(self, item, chunk, dst, bars, slot, rt, b):
-        """Entry `chunk` of item `item`: a piece of its ROWS rows, one bulk copy per row at the
-        padded stride (the W_up pieces first, then the W_sd pieces)."""
+        """Entry `chunk` of item `item`: a piece of its ROWS rows of W_up (the first entries) or
+        of W_sd (the rest)."""
         (ku, nu), (kd, _) = self.up, self.sd
         if chunk < nu:
-            self._copy_rows(dst, bars, slot, b["w_up"], item, self.latent, chunk * ku, ku)
+            self._copy(dst, bars, slot, b["w_up"], item, self.latent, chunk * ku, ku)
         else:
-            self._copy_rows(dst, bars, slot, b["w_shared_down"], item, self.inter, (chunk - nu) * kd, kd)
+            self._copy(dst, bars, slot, b["w_shared_down"], item, self.inter, (chunk - nu) * kd, kd)
 
-    def _copy_rows(self, dst, bars, slot, mW, item, width: int, k0, kc: int):
-        """Trace-time: arm the slot for ROWS x kc bf16 and copy row r's [k0, k0 + kc) of rows
-        item * ROWS .. of the [hidden, width] weight `mW` to dst + r x the padded stride."""
-        stride = kc + PAD_BYTES // 2
-        ring.arm(bars, slot, ROWS * kc * 2)
-        for r in range(ROWS):
-            src = mW.iterator + cute.assume((item * ROWS + r) * width + k0, divby=BF16_PER_VECTOR)
-            ring.copy(dst + r * stride, src, kc * 2, bars, slot)
+    def _copy(self, dst, bars, slot, mW, item, width: int, k0, kc: int):
+        srcs = [mW.iterator + cute.assume((item * ROWS + r) * width + k0, divby=BF16_PER_VECTOR) for r in range(ROWS)]
+        common.copy_piece(dst, bars, slot, srcs, kc)
 
     def begin(self, item, tidx, smem, b):
         """The item's accumulators: (up, down), each a warp's mma tile of ROWS rows x 16 tokens."""
-        return (dm.new_accumulators(self._plan(self.up[0])), dm.new_accumulators(self._plan(self.sd[0])))
+        plan = common.mma_plan(self.warps, self.up[0])
+        return dm.new_accumulators(plan), dm.new_accumulators(plan)
 
     def chunk(self, item, c: int, state, tidx, smem, b):
         """Entry c (trace-time) of the item: its piece of the rows (slot `smem["w"]`) against
@@ -134,29 +101,12 @@ class OutStage:
         acc_up, acc_sd = state
         (ku, nu), (kd, _) = self.up, self.sd
         if c < nu:
-            kc, k0, width, src, acc = ku, c * ku, self.latent, smem["n"], acc_up
+            common.mma_piece(acc_up, smem["w"], ku, smem["n"], c * ku, self.latent, self.batch, self.warps,
+                             self.threads, tidx)
         else:
-            kc, k0, width, src, acc = kd, (c - nu) * kd, self.inter, smem["a"], acc_sd
-        bf16 = cutlass.BFloat16
-        w = cute.make_tensor(cute.recast_ptr(smem["w"].iterator, dtype=bf16),
-                             cute.make_layout((ROWS, kc), stride=(kc + PAD_BYTES // 2, 1)))
-        x = cute.make_tensor(cute.recast_ptr(src.iterator, dtype=bf16) + k0,
-                             cute.make_layout((self.batch, kc), stride=(width, 1)))
-        warp, lane = tidx // WARP, tidx % WARP
-        g, q = lane // 4, lane % 4
-        rows = dm.x_row_slots(1, self.batch, g, lambda i: i)
-        args = (self._plan(kc), acc, [(dm.vector_view(w), 0)], dm.vector_view(x), rows, warp, g, q)
-        if cutlass.const_expr(self.warps == self.threads // WARP):
-            dm.accumulate(*args, w_shared=True)
-        else:
-            self._some_warps(args, warp)
+            common.mma_piece(acc_sd, smem["w"], kd, smem["a"], (c - nu) * kd, self.inter, self.batch, self.warps,
+                             self.threads, tidx)
         return acc_up, acc_sd
-
-    @cute.jit
-    def _some_warps(self, args, warp):
-        """accumulate on the first `warps` warps only (widths that do not split over them all)."""
-        if warp < self.warps:
-            dm.accumulate(*args, w_shared=True)
 
     @cute.jit
     def finish(self, item, state, tidx, smem, b):
@@ -164,10 +114,8 @@ class OutStage:
         (row, token): each sum in warp order rounded to bf16, plus the residual, into out."""
         acc_up, acc_sd = state
         T = self.batch
-        warp, lane = tidx // WARP, tidx % WARP
-        if warp < self.warps:
-            dm.store_partials(self._plan(self.up[0]), smem["pu"], acc_up, warp, lane // 4, lane % 4, T)
-            dm.store_partials(self._plan(self.sd[0]), smem["pd"], acc_sd, warp, lane // 4, lane % 4, T)
+        common.mma_publish(smem["pu"], acc_up, self.up[0], T, self.warps, tidx)
+        common.mma_publish(smem["pd"], acc_sd, self.sd[0], T, self.warps, tidx)
         cute.arch.sync_threads()
         if tidx < ROWS * T:
             r, t = tidx // T, tidx % T
