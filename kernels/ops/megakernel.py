@@ -224,12 +224,19 @@ class MegaStages:
         self.smem_total = self.region_offset + self.region_bytes
 
 
+def plan_stages(cfg: ModelConfig, batch: int, tunables: dict | None = None, workers: int = WORKERS) -> MegaStages:
+    """The stages as the megakernel plans them at `batch` on `workers` with `tunables` (the
+    manifest's defaults where not given): what MegakernelOp builds, and what the host-side
+    counts below read."""
+    t = op_tunables("megakernel", MegakernelOp.TUNABLES, tunables or {})
+    return MegaStages(cfg, batch, int(t["stream_cta_kib"]), int(t["ring_slots"]), int(t["w13_cols"]),
+                      int(t["w2_rows"]), workers)
+
+
 def stage_cols(cfg: ModelConfig, batch: int, tunables: dict | None = None) -> dict[str, int]:
     """Output columns per item of the column-split stages, as the megakernel plans them at
     `batch` with `tunables` (the manifest's defaults where not given)."""
-    t = op_tunables("megakernel", MegakernelOp.TUNABLES, tunables or {})
-    return MegaStages(cfg, batch, int(t["stream_cta_kib"]), int(t["ring_slots"]), int(t["w13_cols"]),
-                      int(t["w2_rows"])).cols
+    return plan_stages(cfg, batch, tunables).cols
 
 
 def stage_weight_bytes(cfg: ModelConfig, batch: int, n_groups: int, tunables: dict | None = None,
@@ -238,9 +245,7 @@ def stage_weight_bytes(cfg: ModelConfig, batch: int, n_groups: int, tunables: di
     (distinct experts): a ring stage's items times its `item_bytes`, where a routed stage's items
     of groups past n_groups carry none (as its `issue` arms them); the stages outside the ring
     stream no weights (0). What the report's per-stage bandwidth divides by."""
-    t = op_tunables("megakernel", MegakernelOp.TUNABLES, tunables or {})
-    st = MegaStages(cfg, batch, int(t["stream_cta_kib"]), int(t["ring_slots"]), int(t["w13_cols"]),
-                    int(t["w2_rows"]), workers)
+    st = plan_stages(cfg, batch, tunables, workers)
     graph = megakernel_graph(cfg, batch, workers, cols=st.cols)
     groups = st.w13.groups
     if not 0 <= n_groups <= groups:
@@ -303,9 +308,7 @@ class MegakernelOp(OpBase):
         self.watchdog = int(self.tunables["watchdog"])
         if self.watchdog not in (0, 1):
             raise ValueError("megakernel: watchdog must be 0 or 1")
-        t = self.tunables
-        self.stages = MegaStages(self.cfg, self.batch, int(t["stream_cta_kib"]), int(t["ring_slots"]),
-                                 int(t["w13_cols"]), int(t["w2_rows"]), self.workers)
+        self.stages = plan_stages(self.cfg, self.batch, self.tunables, self.workers)
         self.graph = megakernel_graph(self.cfg, self.batch, self.workers, cols=self.stages.cols)
         self.table = task_table(self.graph)
         self.smem_bytes = self.stages.smem_total + SMEM_ALIGN  # the allocator's alignment slack
